@@ -1,0 +1,15 @@
+"""Control channels: the interface, the ZeroMQ implementation and the in-memory twin."""
+
+from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel
+from ._memory import MemoryChannelFactory
+from ._zmq import ZmqChannelFactory, is_loopback_address
+
+__all__ = [
+    "ChannelFactory",
+    "MemoryChannelFactory",
+    "PeerId",
+    "ReceiverChannel",
+    "SenderChannel",
+    "ZmqChannelFactory",
+    "is_loopback_address",
+]

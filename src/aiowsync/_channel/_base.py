@@ -1,0 +1,101 @@
+"""The control-channel interface the schemes are written against.
+
+A :class:`ChannelFactory` binds one :class:`SenderChannel` (many peers, addressed by opaque peer
+ids) and connects :class:`ReceiverChannel` objects to it. Frames are encoded and decoded inside
+the channel; invalid frames are dropped, counted in ``dropped`` and logged, never raised to the
+caller. Every blocking call takes its own ``timeout`` in seconds (``None`` waits until
+cancelled, for background loops whose task group owns the deadline).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable
+
+from .._exceptions import ProtocolError, WeightSyncTimeout
+from .._protocol import Heartbeat, Message, decode
+
+__all__ = ["ChannelFactory", "PeerId", "ReceiverChannel", "SenderChannel"]
+
+log = logging.getLogger("aiowsync.channel")
+
+PeerId = bytes
+
+
+class _Counting:
+    """Decoding with the drop-and-count policy shared by every channel."""
+
+    def __init__(self) -> None:
+        self.dropped = 0
+        self.closed = False
+
+    def _decode_or_drop(self, frame: bytes, origin: str) -> Message | None:
+        try:
+            return decode(frame)
+        except ProtocolError as exc:
+            self.dropped += 1
+            log.warning("dropped a frame from %s: %s", origin, exc)
+            return None
+
+
+class SenderChannel(_Counting, abc.ABC):
+    """The sender's end: one bound socket, many receivers."""
+
+    address: str
+
+    @abc.abstractmethod
+    async def send(self, peer: PeerId, message: Message, *, timeout: float | None) -> None:
+        """Send to one peer; raises :class:`TransportError` if the peer is gone."""
+
+    @abc.abstractmethod
+    async def recv(self, *, timeout: float | None) -> tuple[PeerId, Message]:
+        """Next valid message and its peer id; raises :class:`WeightSyncTimeout` at the deadline.
+
+        A call cancelled (or timed out) while waiting loses no message.
+        """
+
+    @abc.abstractmethod
+    def recv_nowait(self) -> tuple[PeerId, Message] | None:
+        """A valid message already waiting, or ``None``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close at once, discarding anything in flight. Idempotent."""
+
+
+class ReceiverChannel(_Counting, abc.ABC):
+    """A receiver's end, connected to one sender."""
+
+    @abc.abstractmethod
+    async def send(self, message: Message, *, timeout: float | None) -> None: ...
+
+    @abc.abstractmethod
+    async def recv(self, *, timeout: float | None) -> Message:
+        """Next valid message; raises :class:`WeightSyncTimeout` at the deadline, losing nothing."""
+
+    @abc.abstractmethod
+    def start_heartbeat(self, beat: Callable[[], Heartbeat], interval: float) -> None:
+        """Send ``beat()`` every ``interval`` seconds from a thread, independent of the loop."""
+
+    @property
+    @abc.abstractmethod
+    def peer_alive(self) -> bool:
+        """False once the transport saw the sender go away (process death, missed pings)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class ChannelFactory(abc.ABC):
+    """Creates the two ends of a control channel for one transport."""
+
+    @abc.abstractmethod
+    def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel: ...
+
+    @abc.abstractmethod
+    def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel: ...
+
+
+def timeout_error(what: str, timeout: float | None) -> WeightSyncTimeout:
+    return WeightSyncTimeout(f"no {what} within {timeout:.3g} s" if timeout else f"no {what}")

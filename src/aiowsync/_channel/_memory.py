@@ -1,0 +1,157 @@
+"""In-process twin of the control channel, for fast single-process tests.
+
+It keeps the real channel's contract: frames are encoded and decoded with the real codec,
+invalid frames are dropped and counted, receives honour deadlines without losing messages, and
+heartbeats come from a thread. :meth:`MemoryChannelFactory.inject` puts raw bytes on a sender's
+queue, as a hostile peer on a socket would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import threading
+from collections.abc import Callable
+
+from .._exceptions import NotConnectedError, TransportError
+from .._protocol import Heartbeat, Message, encode
+from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
+
+__all__ = ["MemoryChannelFactory"]
+
+_Item = tuple[PeerId, bytes]
+
+
+async def _get(queue: asyncio.Queue[_Item], timeout: float | None) -> _Item:
+    try:
+        return await asyncio.wait_for(queue.get(), None if timeout is None else timeout)
+    except TimeoutError:
+        raise timeout_error("message", timeout) from None
+
+
+class MemorySenderChannel(SenderChannel):
+    def __init__(self, factory: MemoryChannelFactory, address: str) -> None:
+        super().__init__()
+        self.address = address
+        self._factory = factory
+        self._loop = asyncio.get_running_loop()
+        self.inbox: asyncio.Queue[_Item] = asyncio.Queue()
+        self.peers: dict[PeerId, MemoryReceiverChannel] = {}
+
+    def deliver(self, peer: PeerId, frame: bytes) -> None:
+        """Thread-safe: queue ``frame`` as if it came from ``peer``."""
+        if not self.closed:
+            self._loop.call_soon_threadsafe(self.inbox.put_nowait, (peer, frame))
+
+    async def send(self, peer: PeerId, message: Message, *, timeout: float | None) -> None:
+        if self.closed:
+            raise TransportError("channel is closed")
+        target = self.peers.get(peer)
+        if target is None or target.closed:
+            raise TransportError(f"peer {peer.hex()} is not connected")
+        target.inbox.put_nowait((b"", encode(message)))
+        await asyncio.sleep(0)
+
+    async def recv(self, *, timeout: float | None) -> tuple[PeerId, Message]:
+        deadline = asyncio.get_running_loop().time() + (math.inf if timeout is None else timeout)
+        while True:
+            if self.closed:
+                raise TransportError("channel is closed")
+            remaining = None if timeout is None else max(0.0, deadline - self._loop.time())
+            peer, frame = await _get(self.inbox, remaining)
+            message = self._decode_or_drop(frame, f"peer {peer.hex()}")
+            if message is not None:
+                return peer, message
+
+    def recv_nowait(self) -> tuple[PeerId, Message] | None:
+        while not self.inbox.empty():
+            peer, frame = self.inbox.get_nowait()
+            message = self._decode_or_drop(frame, f"peer {peer.hex()}")
+            if message is not None:
+                return peer, message
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+        self._factory._senders.pop(self.address, None)
+
+
+class MemoryReceiverChannel(ReceiverChannel):
+    def __init__(self, sender: MemorySenderChannel, peer: PeerId) -> None:
+        super().__init__()
+        self._sender = sender
+        self._peer = peer
+        self.inbox: asyncio.Queue[_Item] = asyncio.Queue()
+        self._beat_stop = threading.Event()
+        self._beat_thread: threading.Thread | None = None
+        sender.peers[peer] = self
+
+    async def send(self, message: Message, *, timeout: float | None) -> None:
+        if self.closed:
+            raise TransportError("channel is closed")
+        if self._sender.closed:
+            raise NotConnectedError("sender is gone")
+        self._sender.deliver(self._peer, encode(message))
+        await asyncio.sleep(0)
+
+    async def recv(self, *, timeout: float | None) -> Message:
+        deadline = asyncio.get_running_loop().time() + (math.inf if timeout is None else timeout)
+        while True:
+            remaining = None
+            if timeout is not None:
+                remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+            _, frame = await _get(self.inbox, remaining)
+            message = self._decode_or_drop(frame, "sender")
+            if message is not None:
+                return message
+
+    @property
+    def peer_alive(self) -> bool:
+        return not self.closed and not self._sender.closed
+
+    def start_heartbeat(self, beat: Callable[[], Heartbeat], interval: float) -> None:
+        beat_peer = self._peer + b"/beat"
+
+        def run() -> None:
+            while True:
+                self._sender.deliver(beat_peer, encode(beat()))
+                if self._beat_stop.wait(interval):
+                    return
+
+        self._beat_thread = threading.Thread(target=run, name="aiowsync-heartbeat", daemon=True)
+        self._beat_thread.start()
+
+    def close(self) -> None:
+        self.closed = True
+        self._beat_stop.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join(timeout=5)
+        self._sender.peers.pop(self._peer, None)
+
+
+class MemoryChannelFactory(ChannelFactory):
+    """Channels that live in this process; addresses look like ``mem://1``."""
+
+    def __init__(self) -> None:
+        self._senders: dict[str, MemorySenderChannel] = {}
+        self._ids = itertools.count(1)
+
+    def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
+        if not address.startswith("mem://") or address in ("mem://", "mem://0"):
+            address = f"mem://{next(self._ids)}"
+        if address in self._senders:
+            raise TransportError(f"{address} is already bound")
+        channel = MemorySenderChannel(self, address)
+        self._senders[address] = channel
+        return channel
+
+    def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel:
+        sender = self._senders.get(address)
+        if sender is None:
+            raise NotConnectedError(f"nothing is bound at {address}")
+        return MemoryReceiverChannel(sender, f"peer-{next(self._ids)}".encode())
+
+    def inject(self, address: str, frame: bytes, peer: PeerId = b"intruder") -> None:
+        """Put raw bytes on the sender's queue, as an unauthenticated peer would."""
+        self._senders[address].deliver(peer, frame)

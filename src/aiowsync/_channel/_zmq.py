@@ -1,0 +1,279 @@
+"""The ZeroMQ control channel: a ROUTER bound by the sender, one DEALER per receiver.
+
+Receiving never uses a pending ``recv`` future: the socket is polled for readability (which
+consumes nothing) and then read without blocking. A poll cancelled by a deadline therefore
+cannot swallow a message, which a cancelled ``recv_multipart`` future can.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from .._exceptions import TransportError
+from .._protocol import Heartbeat, Message, encode
+from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
+
+__all__ = ["ZmqChannelFactory", "is_loopback_address"]
+
+log = logging.getLogger("aiowsync.channel")
+
+
+def is_loopback_address(address: str) -> bool:
+    """True for ``ipc://``/``inproc://`` and for tcp hosts in 127.0.0.0/8, ::1 or localhost."""
+    parts = urlsplit(address)
+    if parts.scheme in ("ipc", "inproc"):
+        return True
+    host = (parts.hostname or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _base_options(sock: zmq.Socket[Any], heartbeat_timeout: float) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(heartbeat_timeout / 3))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(heartbeat_timeout))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(heartbeat_timeout))
+
+
+class _ZmqEnd:
+    """Poll-then-read helpers over one asyncio socket and its synchronous shadow."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, kind: int) -> None:
+        self._ctx = ctx
+        self._sock: zmq.asyncio.Socket = ctx.socket(kind)
+        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
+
+    async def _wait(self, event: int, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        timeout_ms = None if math.isinf(remaining) else _ms(remaining)
+        if not await self._sock.poll(timeout_ms, event):
+            raise TimeoutError
+
+    async def _send_frames(self, frames: list[bytes], timeout: float | None) -> None:
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+        while True:
+            try:
+                self._sync.send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as exc:
+                raise TransportError(f"send failed: {exc}") from None
+            try:
+                await self._wait(zmq.POLLOUT, deadline)
+            except TimeoutError:
+                raise timeout_error("room to send", timeout) from None
+
+    async def _recv_frames(self, timeout: float | None) -> list[bytes]:
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+        while True:
+            frames = self._recv_frames_nowait()
+            if frames is not None:
+                return frames
+            try:
+                await self._wait(zmq.POLLIN, deadline)
+            except TimeoutError:
+                raise timeout_error("message", timeout) from None
+
+    def _recv_frames_nowait(self) -> list[bytes] | None:
+        if self._sock.closed:
+            raise TransportError("channel is closed")
+        try:
+            return self._sync.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        except zmq.ZMQError as exc:
+            raise TransportError(f"receive failed: {exc}") from None
+
+    def _close_socket(self) -> None:
+        if not self._sock.closed:
+            self._sock.close(linger=0)
+
+
+class ZmqSenderChannel(_ZmqEnd, SenderChannel):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, heartbeat_timeout: float) -> None:
+        _ZmqEnd.__init__(self, ctx, zmq.ROUTER)
+        SenderChannel.__init__(self)
+        _base_options(self._sock, heartbeat_timeout)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
+        try:
+            if urlsplit(address).scheme == "tcp" and urlsplit(address).port in (None, 0):
+                host = address.rsplit(":", 1)[0] if address.count(":") > 1 else address
+                self._sock.bind(f"{host}:*")
+            else:
+                self._sock.bind(address)
+        except zmq.ZMQError as exc:
+            self._close_socket()
+            raise TransportError(f"cannot bind {address}: {exc}") from None
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def send(self, peer: PeerId, message: Message, *, timeout: float | None) -> None:
+        await self._send_frames([peer, encode(message)], timeout)
+
+    async def recv(self, *, timeout: float | None) -> tuple[PeerId, Message]:
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+        while True:
+            remaining = None if timeout is None else max(0.0, deadline - time.monotonic())
+            got = self._accept(await self._recv_frames(remaining))
+            if got is not None:
+                return got
+
+    def recv_nowait(self) -> tuple[PeerId, Message] | None:
+        while (frames := self._recv_frames_nowait()) is not None:
+            got = self._accept(frames)
+            if got is not None:
+                return got
+        return None
+
+    def _accept(self, frames: list[bytes]) -> tuple[PeerId, Message] | None:
+        if len(frames) != 2:
+            self.dropped += 1
+            log.warning("dropped a message of %d frames", len(frames))
+            return None
+        message = self._decode_or_drop(frames[1], f"peer {frames[0].hex()}")
+        return None if message is None else (frames[0], message)
+
+    def close(self) -> None:
+        self.closed = True
+        self._close_socket()
+        self._ctx.term()
+
+
+class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, heartbeat_timeout: float) -> None:
+        _ZmqEnd.__init__(self, ctx, zmq.DEALER)
+        ReceiverChannel.__init__(self)
+        _base_options(self._sock, heartbeat_timeout)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
+        self._address = address
+        self._heartbeat_timeout = heartbeat_timeout
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        self._monitor: zmq.Socket[bytes] = zmq.Socket.shadow(
+            self._sock.get_monitor_socket(events).underlying
+        )
+        self._alive = False
+        self._beat_stop = threading.Event()
+        self._beat_thread: threading.Thread | None = None
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise TransportError(f"cannot connect to {address}: {exc}") from None
+
+    async def send(self, message: Message, *, timeout: float | None) -> None:
+        await self._send_frames([encode(message)], timeout)
+
+    async def recv(self, *, timeout: float | None) -> Message:
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+        while True:
+            remaining = None if timeout is None else max(0.0, deadline - time.monotonic())
+            frames = await self._recv_frames(remaining)
+            message = self._accept(frames)
+            if message is not None:
+                return message
+
+    def _accept(self, frames: list[bytes]) -> Message | None:
+        if len(frames) != 1:
+            self.dropped += 1
+            return None
+        return self._decode_or_drop(frames[0], "sender")
+
+    @property
+    def peer_alive(self) -> bool:
+        if self.closed:
+            return False
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except (zmq.Again, zmq.ZMQError):
+                return self._alive
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._alive = True
+            elif event["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                self._alive = False
+
+    def start_heartbeat(self, beat: Callable[[], Heartbeat], interval: float) -> None:
+        if self._beat_thread is not None:
+            raise RuntimeError("heartbeat already running")
+        self._beat_thread = threading.Thread(
+            target=self._beat_loop, args=(beat, interval), name="aiowsync-heartbeat", daemon=True
+        )
+        self._beat_thread.start()
+
+    def _beat_loop(self, beat: Callable[[], Heartbeat], interval: float) -> None:
+        # A socket of its own: zmq sockets are not thread-safe, and the event loop may be busy.
+        ctx = zmq.Context.shadow(self._ctx.underlying)
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            _base_options(sock, self._heartbeat_timeout)
+            sock.setsockopt(zmq.SNDHWM, 8)
+            sock.connect(self._address)
+            while True:
+                try:
+                    sock.send(encode(beat()), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # sender unreachable right now; the next beat tries again
+                if self._beat_stop.wait(interval):
+                    return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.ETERM:
+                log.warning("heartbeat thread stopped: %s", exc)
+        finally:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._beat_stop.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join(timeout=5)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._close_socket()
+        self._ctx.term()
+
+
+class ZmqChannelFactory(ChannelFactory):
+    """Control channels over ZeroMQ (tcp or ipc).
+
+    Binding an address that is not loopback is refused unless ``allow_insecure_bind=True``:
+    anyone who can reach the port could otherwise join.
+    """
+
+    def __init__(self, *, allow_insecure_bind: bool = False) -> None:
+        self.allow_insecure_bind = allow_insecure_bind
+
+    def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
+        if not is_loopback_address(address) and not self.allow_insecure_bind:
+            raise ValueError(
+                f"refusing to bind {address!r}: it is not a loopback address and no "
+                "authentication is configured; pass allow_insecure_bind=True to accept the risk"
+            )
+        return ZmqSenderChannel(zmq.asyncio.Context(), address, heartbeat_timeout)
+
+    def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel:
+        return ZmqReceiverChannel(zmq.asyncio.Context(), address, heartbeat_timeout)
+

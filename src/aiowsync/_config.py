@@ -1,0 +1,55 @@
+"""Named deadlines and liveness settings (frozen, validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Heartbeats", "Timeouts"]
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Deadlines, in seconds, for each phase of the protocol.
+
+    Attributes:
+        handshake: a receiver's hello until welcome, and the sender's wait for the initial acks
+            when ``connect()`` is given no timeout.
+        ack: a ``send()`` waits this long for the targeted workers' acks when given no timeout.
+        transfer: staging a version (the bulk copy or the collective) must finish within this.
+        control: one control message must find room to be sent within this.
+    """
+
+    handshake: float = 60.0
+    ack: float = 30.0
+    transfer: float = 120.0
+    control: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("handshake", "ack", "transfer", "control"):
+            _positive(name, getattr(self, name))
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeats:
+    """Liveness: a peer is lost after ``missed`` beats of ``interval`` seconds went unheard.
+
+    The default declares a peer lost after 1.5 s of silence. Beats are sent from a thread, so a
+    receiver whose event loop is busy with the user's own work keeps beating.
+    """
+
+    interval: float = 0.5
+    missed: int = 3
+
+    def __post_init__(self) -> None:
+        _positive("interval", self.interval)
+        if not isinstance(self.missed, int) or self.missed < 1:
+            raise ValueError(f"missed must be a positive integer, got {self.missed!r}")
+
+    @property
+    def timeout(self) -> float:
+        return self.interval * self.missed

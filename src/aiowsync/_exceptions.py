@@ -1,0 +1,95 @@
+"""Every error aiowsync raises, in one shallow tree keyed by cause.
+
+Third-party errors (zmq, c10d, OS) are translated into these at the edge so that callers only
+ever need to catch :class:`WeightSyncError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+__all__ = [
+    "ConnectError",
+    "LayoutMismatchError",
+    "NotConnectedError",
+    "ProtocolError",
+    "RefusedError",
+    "RemoteApplyError",
+    "TransportError",
+    "WeightSyncError",
+    "WeightSyncTimeout",
+    "WorkerLostError",
+]
+
+
+def _ids(worker_ids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(sorted(set(worker_ids)))
+
+
+class WeightSyncError(Exception):
+    """Base class of every error raised by aiowsync."""
+
+
+class ProtocolError(WeightSyncError):
+    """A control message was malformed, oversized, unknown or arrived out of state."""
+
+
+class TransportError(WeightSyncError):
+    """The control channel or a data plane failed (socket closed, peer unreachable, I/O error)."""
+
+
+class NotConnectedError(TransportError):
+    """The operation needs a live connection that does not exist (yet, or any more)."""
+
+
+class ConnectError(WeightSyncError):
+    """The handshake could not be completed."""
+
+
+class RefusedError(ConnectError):
+    """The sender refused this receiver; ``reason`` holds the sender's explanation."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"refused by sender: {reason}")
+        self.reason = reason
+
+
+class LayoutMismatchError(WeightSyncError, ValueError):
+    """Weights do not match the layout they are checked against.
+
+    ``differences`` lists one human-readable line per differing key.
+    """
+
+    def __init__(self, differences: Iterable[str], *, context: str = "weights") -> None:
+        self.differences = tuple(differences)
+        lines = "\n  ".join(self.differences)
+        super().__init__(f"{context} do not match the layout:\n  {lines}")
+
+
+class WeightSyncTimeout(WeightSyncError, TimeoutError):
+    """A deadline passed; ``worker_ids`` names the workers that had not answered."""
+
+    def __init__(self, message: str, worker_ids: Iterable[int] = ()) -> None:
+        self.worker_ids = _ids(worker_ids)
+        if self.worker_ids:
+            message = f"{message} (workers {list(self.worker_ids)})"
+        super().__init__(message)
+
+
+class WorkerLostError(WeightSyncError):
+    """A targeted worker is known to be lost (missed heartbeats or disconnected)."""
+
+    def __init__(self, message: str, worker_ids: Iterable[int] = ()) -> None:
+        self.worker_ids = _ids(worker_ids)
+        super().__init__(f"{message} (workers {list(self.worker_ids)})")
+
+
+class RemoteApplyError(WeightSyncError):
+    """One or more receivers failed to apply an update; ``errors`` maps worker index to text."""
+
+    def __init__(self, version: int, errors: Mapping[int, str]) -> None:
+        self.version = version
+        self.errors = dict(sorted(errors.items()))
+        self.worker_ids = tuple(self.errors)
+        detail = "; ".join(f"worker {w}: {text}" for w, text in self.errors.items())
+        super().__init__(f"version {version} was not applied by {list(self.worker_ids)}: {detail}")

@@ -1,0 +1,300 @@
+"""Layouts: where each tensor of a model lives inside a few flat, aligned byte buffers.
+
+A :class:`Layout` is the ordered table ``(key, dtype, shape, buffer, offset)``. Keys are sorted so
+that a module, its ``state_dict`` and its ``TensorDict`` all give the same layout. Every tensor
+starts on an ``alignment``-byte boundary, so a typed view of a byte buffer is always legal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from ._exceptions import LayoutMismatchError
+from ._protocol import TensorDesc
+from ._weights import WeightsLike, flatten_weights
+
+__all__ = ["Layout", "TensorSpec"]
+
+DEFAULT_ALIGNMENT = 64
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise LayoutMismatchError([f"unknown dtype {name!r}"], context="layout")
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Where one tensor lives: ``nbytes`` bytes at ``offset`` in buffer number ``buffer``."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    buffer: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"{_dtype_name(self.dtype)}{list(self.shape)}"
+
+
+class Layout:
+    """The packing table of a set of named tensors.
+
+    Build one with :meth:`from_weights` (a module, a ``TensorDict`` or a state_dict) or
+    :meth:`from_descs` (the form that travels in the handshake).
+    """
+
+    __slots__ = ("__dict__", "alignment", "buffer_sizes", "specs")
+
+    def __init__(
+        self,
+        shapes: Iterable[tuple[str, torch.dtype, Sequence[int]]],
+        *,
+        alignment: int = DEFAULT_ALIGNMENT,
+        bucket_bytes: int | None = None,
+    ) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        rows = sorted((k, dt, tuple(int(d) for d in s)) for k, dt, s in shapes)
+        specs: list[TensorSpec] = []
+        sizes: list[int] = [0]
+        seen: set[str] = set()
+        for key, dtype, shape in rows:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
+            if any(d < 0 for d in shape):
+                raise ValueError(f"negative dimension in {key!r}: {shape}")
+            spec_bytes = TensorSpec(key, dtype, shape, 0, 0).nbytes
+            offset = _round_up(sizes[-1], alignment)
+            if bucket_bytes is not None and sizes[-1] > 0 and offset + spec_bytes > bucket_bytes:
+                sizes.append(0)
+                offset = 0
+            specs.append(TensorSpec(key, dtype, shape, len(sizes) - 1, offset))
+            sizes[-1] = offset + spec_bytes
+        self.specs: tuple[TensorSpec, ...] = tuple(specs)
+        self.buffer_sizes: tuple[int, ...] = tuple(_round_up(s, alignment) for s in sizes)
+        self.alignment = alignment
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_weights(
+        cls,
+        weights: WeightsLike,
+        *,
+        alignment: int = DEFAULT_ALIGNMENT,
+        bucket_bytes: int | None = None,
+    ) -> Layout:
+        """The layout of a module, a ``TensorDict`` or a state_dict (dotted keys)."""
+        flat = flatten_weights(weights)
+        return cls(
+            ((k, t.dtype, tuple(t.shape)) for k, t in flat.items()),
+            alignment=alignment,
+            bucket_bytes=bucket_bytes,
+        )
+
+    @classmethod
+    def from_descs(
+        cls,
+        descs: Iterable[TensorDesc],
+        *,
+        alignment: int = DEFAULT_ALIGNMENT,
+        bucket_bytes: int | None = None,
+    ) -> Layout:
+        return cls(
+            ((d.key, _dtype_from_name(d.dtype), d.shape) for d in descs),
+            alignment=alignment,
+            bucket_bytes=bucket_bytes,
+        )
+
+    def descs(self) -> tuple[TensorDesc, ...]:
+        return tuple(TensorDesc(s.key, _dtype_name(s.dtype), s.shape) for s in self.specs)
+
+    # -- identity -----------------------------------------------------------------------------
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 over keys, dtypes and shapes (not offsets: those follow from them)."""
+        rows = [[s.key, _dtype_name(s.dtype), list(s.shape)] for s in self.specs]
+        return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.buffer_sizes)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of tensor data, without alignment padding."""
+        return sum(s.nbytes for s in self.specs)
+
+    @cached_property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(s.key for s in self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return self.fingerprint == other.fingerprint and self.alignment == other.alignment
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.specs)} tensors, {self.total_bytes} bytes, {self.fingerprint[:12]})"
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def differences(self, other: Layout) -> list[str]:
+        """One line per key whose presence, dtype or shape differs; empty when compatible."""
+        mine = {s.key: s for s in self.specs}
+        theirs = {s.key: s for s in other.specs}
+        out: list[str] = []
+        for key in sorted(mine.keys() | theirs.keys()):
+            a, b = mine.get(key), theirs.get(key)
+            if a is None:
+                assert b is not None
+                out.append(f"{key}: unexpected key ({b.describe()})")
+            elif b is None:
+                out.append(f"{key}: missing (expected {a.describe()})")
+            elif a.shape != b.shape or a.dtype != b.dtype:
+                out.append(f"{key}: expected {a.describe()}, got {b.describe()}")
+        return out
+
+    def check_compatible(self, other: Layout, *, context: str = "model") -> None:
+        """Raise :class:`LayoutMismatchError` naming every difference between the layouts."""
+        if other.fingerprint != self.fingerprint:
+            raise LayoutMismatchError(self.differences(other), context=context)
+
+    def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Check flat named tensors against this layout before any byte is written."""
+        problems: list[str] = []
+        for spec in self.specs:
+            t = tensors.get(spec.key)
+            if t is None:
+                problems.append(f"{spec.key}: missing (expected {spec.describe()})")
+            elif t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+                problems.append(
+                    f"{spec.key}: expected {spec.describe()}, got "
+                    f"{_dtype_name(t.dtype)}{list(t.shape)}"
+                )
+        if len(tensors) != len(self.specs):
+            known = set(self.keys)
+            problems.extend(f"{k}: unexpected key" for k in sorted(tensors) if k not in known)
+        if problems:
+            raise LayoutMismatchError(problems)
+
+    # -- buffers and views --------------------------------------------------------------------
+
+    def allocate(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """Fresh zeroed byte buffers for this layout."""
+        return [torch.zeros(n, dtype=torch.uint8, device=device) for n in self.buffer_sizes]
+
+    def views(self, buffers: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Typed, shaped views of ``buffers`` (byte tensors), one per key, in layout order."""
+        if len(buffers) != len(self.buffer_sizes):
+            raise ValueError(f"expected {len(self.buffer_sizes)} buffers, got {len(buffers)}")
+        for buf, size in zip(buffers, self.buffer_sizes, strict=True):
+            if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < size:
+                raise ValueError(f"buffers must be 1-D uint8 of at least {size} bytes")
+        out: dict[str, torch.Tensor] = {}
+        for s in self.specs:
+            raw = buffers[s.buffer][s.offset : s.offset + s.nbytes]
+            out[s.key] = raw.view(s.dtype).view(s.shape)
+        return out
+
+    def pack(self, tensors: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
+        """Copy named tensors into views ``dst`` (from :meth:`views`) with fused copies."""
+        fused_copy([dst[k] for k in self.keys], [tensors[k] for k in self.keys])
+
+
+def fused_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i, in as few kernel launches as torch allows."""
+    if not dst:
+        return
+    with torch.no_grad():
+        torch._foreach_copy_(list(dst), list(src))
+
+
+def bind_views(targets: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor]) -> None:
+    """Make every target tensor (a module's parameters and buffers) use the matching view.
+
+    The tensor objects keep their identity (optimizers and hooks keep working); only their
+    storage changes. Nothing is copied.
+    """
+    with torch.no_grad():
+        for key, t in targets.items():
+            t.data = views[key]
+
+
+def module_targets(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter and buffer of ``module`` under its dotted key.
+
+    A tensor reachable under several names (tied weights) appears once, under its first name;
+    rebinding that one tensor object rebinds every alias.
+    """
+    out: dict[str, torch.Tensor] = dict(module.named_parameters())
+    out.update(module.named_buffers())
+    return out
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def rehome(module: nn.Module, layout: Layout) -> list[torch.Tensor]:
+    """Move every parameter and buffer of ``module`` into fresh flat buffers of ``layout``.
+
+    Afterwards each tensor of the module is a view of the returned buffers, so a snapshot of the
+    whole model is one ``copy_`` per buffer. Tensor objects keep their identity, so an optimizer
+    built earlier keeps working. The buffers live on the module's device.
+    """
+    targets = module_targets(module)
+    layout.check(targets)
+    devices = {t.device for t in targets.values()}
+    if len(devices) > 1:
+        raise ValueError(f"cannot re-home a module spread over several devices: {devices}")
+    device = devices.pop() if devices else torch.device("cpu")
+    buffers = layout.allocate(device)
+    views = layout.views(buffers)
+    layout.pack(targets, views)
+    bind_views(targets, views)
+    return buffers
+
+
+def is_homed(targets: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor]) -> bool:
+    """True while every target tensor still is exactly its view (same memory, shape, strides)."""
+    for key, t in targets.items():
+        v = views.get(key)
+        if v is None or t.data_ptr() != v.data_ptr() or t.stride() != v.stride():
+            return False
+    return len(targets) == len(views)

@@ -1,0 +1,135 @@
+"""Control-plane message types.
+
+Every message is a frozen, keyword-only :class:`msgspec.Struct` that checks its own fields in
+``__post_init__``; msgspec runs that check both when code builds a message and when a frame is
+decoded, so an invalid message cannot exist in memory.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Final, TypeAlias
+
+import msgspec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "SENDER_INDEX",
+    "Ack",
+    "Bye",
+    "Heartbeat",
+    "Hello",
+    "Message",
+    "Nack",
+    "ParamValue",
+    "Refuse",
+    "TensorDesc",
+    "Update",
+    "Welcome",
+]
+
+PROTOCOL_VERSION: Final = 1
+SENDER_INDEX: Final = -1
+"""The ``worker_idx`` the sender uses in messages it originates (heartbeats)."""
+
+MAX_TEXT: Final = 64 * 1024
+MAX_NAME: Final = 256
+MAX_TENSORS: Final = 1_000_000
+MAX_DIMS: Final = 32
+MAX_PARAMS: Final = 64
+
+_FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
+
+Version = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+WorkerIndex = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Dim = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+ParamValue: TypeAlias = str | int
+Params = Annotated[dict[Name, ParamValue], msgspec.Meta(max_length=MAX_PARAMS)]
+
+
+class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True):
+    pass
+
+
+class TensorDesc(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One row of a layout as it travels: key, dtype name and shape."""
+
+    key: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    dtype: Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9_]{1,32}$")]
+    shape: Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_DIMS)]
+
+
+class Hello(_Base, frozen=True, tag="hello"):
+    """Receiver -> sender: first message of the handshake."""
+
+    protocol: Annotated[int, msgspec.Meta(ge=0, le=2**16)]
+    model_id: Name
+    worker_idx: WorkerIndex
+    fingerprint: str
+    layout: Annotated[tuple[TensorDesc, ...], msgspec.Meta(max_length=MAX_TENSORS)] = ()
+    transport: Name = ""
+    pid: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    credential: Annotated[str, msgspec.Meta(max_length=MAX_NAME)] = ""
+
+    def __post_init__(self) -> None:
+        if not _FINGERPRINT.match(self.fingerprint):
+            raise ValueError("fingerprint must be 64 lowercase hex digits")
+
+
+class Welcome(_Base, frozen=True, tag="welcome"):
+    """Sender -> receiver: handshake accepted; ``params`` describe the data plane."""
+
+    model_id: Name
+    worker_idx: WorkerIndex
+    session: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
+    version: Version
+    params: Params = {}
+    heartbeat_interval: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 1.0
+    missed_beats: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+
+
+class Refuse(_Base, frozen=True, tag="refuse"):
+    """Sender -> receiver: handshake refused, with a reason meant for humans."""
+
+    reason: Text
+
+
+class Update(_Base, frozen=True, tag="update"):
+    """Sender -> receiver: ``version`` is staged; ``params`` say where."""
+
+    version: Version
+    params: Params = {}
+
+
+class Ack(_Base, frozen=True, tag="ack"):
+    """Receiver -> sender: ``version`` is now the receiver's live version."""
+
+    worker_idx: WorkerIndex
+    version: Version
+
+
+class Nack(_Base, frozen=True, tag="nack"):
+    """Receiver -> sender: ``version`` could not be applied; ``error`` says why."""
+
+    worker_idx: WorkerIndex
+    version: Version
+    error: Text
+
+
+class Heartbeat(_Base, frozen=True, tag="beat"):
+    """Either way: proof of life. ``version`` is the sender's latest or the receiver's live one."""
+
+    worker_idx: Annotated[int, msgspec.Meta(ge=SENDER_INDEX, le=2**31)]
+    session: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    version: Annotated[int, msgspec.Meta(ge=-1, le=2**62)] = -1
+
+
+class Bye(_Base, frozen=True, tag="bye"):
+    """Either way: orderly goodbye."""
+
+    reason: Text = ""
+
+
+Message: TypeAlias = Hello | Welcome | Refuse | Update | Ack | Nack | Heartbeat | Bye

@@ -1,0 +1,54 @@
+"""Turning the weight containers users hand us into flat ``{dotted key: tensor}`` mappings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+__all__ = ["WeightsLike", "flatten_weights"]
+
+WeightsLike: TypeAlias = "nn.Module | TensorDictBase | Mapping[str, Any]"
+"""A module, a ``TensorDict`` or a state_dict (dotted keys; nested mappings are flattened)."""
+
+
+def flatten_weights(weights: WeightsLike) -> dict[str, torch.Tensor]:
+    """``{dotted key: tensor}`` for a module (parameters and buffers), TensorDict or mapping."""
+    if isinstance(weights, nn.Module):
+        flat: dict[str, torch.Tensor] = dict(weights.named_parameters())
+        flat.update(weights.named_buffers())
+        return {k: t.detach() if t.requires_grad else t for k, t in flat.items()}
+    if isinstance(weights, TensorDictBase):
+        out: dict[str, torch.Tensor] = {}
+        for key, value in weights.items(include_nested=True, leaves_only=True):
+            name = ".".join(key) if isinstance(key, tuple) else str(key)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"weights entry {name!r} is a {type(value).__name__}, not a tensor")
+            out[name] = value.detach() if value.requires_grad else value
+        return out
+    if isinstance(weights, Mapping):
+        out = {}
+        _flatten_mapping(weights, "", out)
+        return out
+    raise TypeError(
+        "weights must be an nn.Module, a TensorDictBase or a state_dict mapping of str to "
+        f"tensors, got {type(weights).__name__}"
+    )
+
+
+def _flatten_mapping(m: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:
+    for key, value in m.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"state_dict keys must be non-empty strings, got {key!r}")
+        name = prefix + key
+        if isinstance(value, torch.Tensor):
+            if name in out:
+                raise ValueError(f"state_dict key {name!r} appears twice after flattening")
+            out[name] = value.detach() if value.requires_grad else value
+        elif isinstance(value, Mapping):
+            _flatten_mapping(value, name + ".", out)
+        else:
+            raise TypeError(f"state_dict entry {name!r} is a {type(value).__name__}, not a tensor")
