@@ -13,12 +13,26 @@ from ._exceptions import (
     WeightSyncTimeout,
     WorkerLostError,
 )
+from ._channel import ChannelFactory, MemoryChannelFactory, ZmqChannelFactory
+from ._guard import ReadGuard
 from ._layout import Layout, TensorSpec
+from ._scheme import WeightSyncScheme
+from ._sender import SendResult
+from ._shared_mem import SharedMemWeightSyncScheme
 from ._strategy import StrategyName, WeightStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # schemes
+    "SendResult",
+    "SharedMemWeightSyncScheme",
+    "WeightSyncScheme",
+    "ReadGuard",
+    # control channels
+    "ChannelFactory",
+    "MemoryChannelFactory",
+    "ZmqChannelFactory",
     # configuration
     "Heartbeats",
     "Timeouts",

@@ -27,7 +27,14 @@ def _ids(worker_ids: Iterable[int]) -> tuple[int, ...]:
 
 
 class WeightSyncError(Exception):
-    """Base class of every error raised by aiowsync."""
+    """Base class of every error raised by aiowsync.
+
+    Errors raised by ``send()`` after a version was announced also carry ``version`` (the
+    version that was sent) and ``acked`` (the workers that now run it).
+    """
+
+    version: int | None = None
+    acked: tuple[int, ...] = ()
 
 
 class ProtocolError(WeightSyncError):

@@ -81,7 +81,9 @@ class Layout:
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        rows = sorted((k, dt, tuple(int(d) for d in s)) for k, dt, s in shapes)
+        rows = sorted(
+            ((k, dt, tuple(int(d) for d in s)) for k, dt, s in shapes), key=lambda row: row[0]
+        )
         specs: list[TensorSpec] = []
         sizes: list[int] = [0]
         seen: set[str] = set()
@@ -207,9 +209,8 @@ class Layout:
                     f"{spec.key}: expected {spec.describe()}, got "
                     f"{_dtype_name(t.dtype)}{list(t.shape)}"
                 )
-        if len(tensors) != len(self.specs):
-            known = set(self.keys)
-            problems.extend(f"{k}: unexpected key" for k in sorted(tensors) if k not in known)
+        known = set(self.keys)
+        problems.extend(f"{k}: unexpected key" for k in sorted(tensors) if k not in known)
         if problems:
             raise LayoutMismatchError(problems)
 
@@ -230,6 +231,14 @@ class Layout:
         for s in self.specs:
             raw = buffers[s.buffer][s.offset : s.offset + s.nbytes]
             out[s.key] = raw.view(s.dtype).view(s.shape)
+        return out
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Cut one flat byte tensor of ``total_bytes`` into this layout's buffers (views)."""
+        out, start = [], 0
+        for size in self.buffer_sizes:
+            out.append(flat[start : start + size])
+            start += size
         return out
 
     def pack(self, tensors: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
@@ -295,6 +304,6 @@ def is_homed(targets: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tens
     """True while every target tensor still is exactly its view (same memory, shape, strides)."""
     for key, t in targets.items():
         v = views.get(key)
-        if v is None or t.data_ptr() != v.data_ptr() or t.stride() != v.stride():
+        if v is None or t.data_ptr() != v.data_ptr() or t.shape != v.shape:
             return False
     return len(targets) == len(views)

@@ -21,6 +21,7 @@ from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeo
 __all__ = ["MemoryChannelFactory"]
 
 _Item = tuple[PeerId, bytes]
+_CLOSED: _Item = (b"", b"")  # queued by close() to wake a pending recv; compared by identity
 
 
 async def _get(queue: asyncio.Queue[_Item], timeout: float | None) -> _Item:
@@ -59,7 +60,10 @@ class MemorySenderChannel(SenderChannel):
             if self.closed:
                 raise TransportError("channel is closed")
             remaining = None if timeout is None else max(0.0, deadline - self._loop.time())
-            peer, frame = await _get(self.inbox, remaining)
+            item = await _get(self.inbox, remaining)
+            if item is _CLOSED or self.closed:
+                raise TransportError("channel is closed")
+            peer, frame = item
             message = self._decode_or_drop(frame, f"peer {peer.hex()}")
             if message is not None:
                 return peer, message
@@ -73,7 +77,9 @@ class MemorySenderChannel(SenderChannel):
         return None
 
     def close(self) -> None:
-        self.closed = True
+        if not self.closed:
+            self.closed = True
+            self.inbox.put_nowait(_CLOSED)
         self._factory._senders.pop(self.address, None)
 
 
@@ -98,10 +104,15 @@ class MemoryReceiverChannel(ReceiverChannel):
     async def recv(self, *, timeout: float | None) -> Message:
         deadline = asyncio.get_running_loop().time() + (math.inf if timeout is None else timeout)
         while True:
+            if self.closed:
+                raise TransportError("channel is closed")
             remaining = None
             if timeout is not None:
                 remaining = max(0.0, deadline - asyncio.get_running_loop().time())
-            _, frame = await _get(self.inbox, remaining)
+            item = await _get(self.inbox, remaining)
+            if item is _CLOSED or self.closed:
+                raise TransportError("channel is closed")
+            _, frame = item
             message = self._decode_or_drop(frame, "sender")
             if message is not None:
                 return message
@@ -123,7 +134,9 @@ class MemoryReceiverChannel(ReceiverChannel):
         self._beat_thread.start()
 
     def close(self) -> None:
-        self.closed = True
+        if not self.closed:
+            self.closed = True
+            self.inbox.put_nowait(_CLOSED)
         self._beat_stop.set()
         if self._beat_thread is not None:
             self._beat_thread.join(timeout=5)

@@ -7,6 +7,7 @@ cannot swallow a message, which a cancelled ``recv_multipart`` future can.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import math
@@ -47,6 +48,12 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
+    return bool(cancelling()) if cancelling is not None else False
+
+
 def _base_options(sock: zmq.Socket[Any], heartbeat_timeout: float) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(heartbeat_timeout / 3))
@@ -67,7 +74,14 @@ class _ZmqEnd:
         if remaining <= 0:
             raise TimeoutError
         timeout_ms = None if math.isinf(remaining) else _ms(remaining)
-        if not await self._sock.poll(timeout_ms, event):
+        try:
+            ready = await self._sock.poll(timeout_ms, event)
+        except asyncio.CancelledError:
+            # close() cancels a pending poll; the caller was not cancelled, the channel closed.
+            if self._sock.closed and not _being_cancelled():
+                raise TransportError("channel is closed") from None
+            raise
+        if not ready:
             raise TimeoutError
 
     async def _send_frames(self, frames: list[bytes], timeout: float | None) -> None:
@@ -126,6 +140,7 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
                 self._sock.bind(address)
         except zmq.ZMQError as exc:
             self._close_socket()
+            self._ctx.term()
             raise TransportError(f"cannot bind {address}: {exc}") from None
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -170,9 +185,10 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         self._address = address
         self._heartbeat_timeout = heartbeat_timeout
         events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-        self._monitor: zmq.Socket[bytes] = zmq.Socket.shadow(
-            self._sock.get_monitor_socket(events).underlying
-        )
+        # Keep the owning socket: if it were only referenced by self._sock, disable_monitor()
+        # would drop it unclosed (ResourceWarning, and a second close of the same handle).
+        self._monitor_owner = self._sock.get_monitor_socket(events)
+        self._monitor: zmq.Socket[bytes] = zmq.Socket.shadow(self._monitor_owner.underlying)
         self._alive = False
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
@@ -251,7 +267,7 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         if self._beat_thread is not None:
             self._beat_thread.join(timeout=5)
         self._sock.disable_monitor()
-        self._monitor.close(linger=0)
+        self._monitor_owner.close(linger=0)
         self._close_socket()
         self._ctx.term()
 

@@ -96,7 +96,15 @@ class Connection:
     after moving the machine to ``State.ERROR``.
     """
 
-    __slots__ = ("_acked", "_error", "_sent_versions", "role", "state", "worker_idx")
+    __slots__ = (
+        "_acked",
+        "_error",
+        "_outstanding",
+        "_sent_versions",
+        "role",
+        "state",
+        "worker_idx",
+    )
 
     def __init__(self, role: Role, worker_idx: int | None = None) -> None:
         self.role = role
@@ -104,6 +112,9 @@ class Connection:
         self.worker_idx = worker_idx
         self._sent_versions: int = -1  # highest Update/Welcome version on this pair
         self._acked: int = -1  # highest version acknowledged
+        # Versions announced on this pair that an answer may still name. Versions on one pair
+        # can skip (updates sent to a subset of workers), so "<= latest" is not enough.
+        self._outstanding: set[int] = set()
         self._error: str | None = None
 
     @property
@@ -151,17 +162,21 @@ class Connection:
             self.worker_idx = message.worker_idx
         if isinstance(message, Welcome):
             self._sent_versions = message.version
+            self._outstanding.add(message.version)
         elif isinstance(message, Update):
             if message.version <= self._sent_versions:
                 self._fail(
                     f"update to version {message.version} does not follow {self._sent_versions}"
                 )
             self._sent_versions = message.version
+            self._outstanding.add(message.version)
         elif isinstance(message, Ack | Nack):
-            if message.version > self._sent_versions:
+            if message.version not in self._outstanding:
                 self._fail(f"answer for version {message.version}, which was never sent")
             if isinstance(message, Ack):
                 self._acked = max(self._acked, message.version)
+                # Answers arrive in order, so nothing older than an ack can be answered later.
+                self._outstanding = {v for v in self._outstanding if v >= self._acked}
 
     def _fail(self, reason: str) -> None:
         self.state = State.ERROR

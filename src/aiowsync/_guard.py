@@ -1,0 +1,101 @@
+"""The read guard: forwards running in threads hold it so that no switch happens under them.
+
+Switches are made on the receiver's event loop, in one synchronous step, and only while no
+reader holds the guard. Coroutines on that loop are therefore never mid-switch; they only need
+the guard to keep one version across an ``await``. Threads need it for every forward.
+
+Readers never wait for a switch that is merely pending; they wait only for the few
+milliseconds in which a switch is being made. So a coroutine that takes the guard on the loop
+can never deadlock against the switch, which runs on that same loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import TypeVar
+
+import anyio
+
+__all__ = ["ReadGuard"]
+
+T = TypeVar("T")
+
+
+class ReadGuard:
+    """A reader count that switches wait on; usable as ``with`` (threads) and ``async with``."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._switching = False
+        self._idle_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    @property
+    def readers(self) -> int:
+        return self._readers
+
+    def acquire(self) -> None:
+        with self._cond:
+            while self._switching:
+                self._cond.wait()
+            self._readers += 1
+
+    def release(self) -> None:
+        with self._cond:
+            if self._readers <= 0:
+                raise RuntimeError("read guard released more times than acquired")
+            self._readers -= 1
+            if self._readers == 0:
+                for loop, event in self._idle_waiters:
+                    loop.call_soon_threadsafe(event.set)
+                self._idle_waiters.clear()
+
+    def __enter__(self) -> ReadGuard:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    async def __aenter__(self) -> ReadGuard:
+        # Never blocks the loop: switches run on the loop, so none is in progress right now.
+        self.acquire()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    async def switch(self, fn: Callable[[], T], *, timeout: float) -> T:
+        """Run ``fn`` on the loop at an instant when no reader holds the guard.
+
+        Raises :class:`TimeoutError` if readers kept holding it for ``timeout`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        with anyio.fail_after(timeout):
+            while True:
+                with self._cond:
+                    if self._readers == 0:
+                        self._switching = True
+                        break
+                    event = asyncio.Event()
+                    self._idle_waiters.append((loop, event))
+                await event.wait()
+        try:
+            return fn()
+        finally:
+            with self._cond:
+                self._switching = False
+                self._cond.notify_all()

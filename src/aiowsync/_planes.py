@@ -1,0 +1,216 @@
+"""The data-plane interface and the shared-memory plane.
+
+A sender plane owns a set of slots. Staging a version is three steps so that the scheme can run
+the bulk copy in a worker thread and stay consistent under cancellation:
+
+1. ``reserve(pinned)`` on the loop: pick a slot holding none of the ``pinned`` versions;
+2. ``write(slot, source)`` in a thread: copy the weights into it;
+3. ``publish(slot, version)`` on the loop: record that the slot holds ``version`` and return the
+   parameters a receiver needs to find it. ``release(slot)`` undoes a reservation instead.
+
+A receiver plane turns those parameters into typed views of the staged version.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ._exceptions import ProtocolError, WeightSyncError
+from ._layout import Layout, fused_copy
+from ._protocol import ParamValue
+from ._shm_slots import SlotFile, remove_stale_slots
+
+__all__ = [
+    "ReceiverPlane",
+    "SenderPlane",
+    "SharedMemReceiverPlane",
+    "SharedMemSenderPlane",
+    "Source",
+    "Staged",
+]
+
+log = logging.getLogger("aiowsync.shm")
+
+Params = dict[str, ParamValue]
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """What to stage: flat buffers laid out like the layout (one copy each), or named tensors."""
+
+    buffers: tuple[torch.Tensor, ...] | None = None
+    tensors: Mapping[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A staged version on a receiver: the layout's flat buffers and a typed view per key."""
+
+    buffers: list[torch.Tensor]
+    views: dict[str, torch.Tensor]
+
+
+class SenderPlane(abc.ABC):
+    layout: Layout
+
+    @abc.abstractmethod
+    def setup(self, layout: Layout) -> None: ...
+
+    @abc.abstractmethod
+    def reserve(self, pinned: set[int]) -> int: ...
+
+    @abc.abstractmethod
+    def write(self, slot: int, source: Source) -> None: ...
+
+    @abc.abstractmethod
+    def publish(self, slot: int, version: int) -> Params: ...
+
+    @abc.abstractmethod
+    def release(self, slot: int) -> None: ...
+
+    @abc.abstractmethod
+    def params_for(self, version: int) -> Params: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class ReceiverPlane(abc.ABC):
+    @abc.abstractmethod
+    def setup(self, layout: Layout, welcome: Mapping[str, ParamValue]) -> None: ...
+
+    @abc.abstractmethod
+    def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
+        """The staged version named by ``params``, as flat buffers and typed views (no copy)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Slot:
+    file: SlotFile
+    version: int | None = None
+    busy: bool = False
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class SharedMemSenderPlane(SenderPlane):
+    """Slots in /dev/shm; ``num_slots`` are made up front, more (up to ``max_slots``) on demand.
+
+    More slots are needed only when versions stay in use side by side, e.g. after sends to a
+    subset of the workers, or while a worker that missed an ack may still switch.
+    """
+
+    def __init__(self, num_slots: int = 2, max_slots: int = 16) -> None:
+        if num_slots < 2:
+            raise ValueError(f"num_slots must be at least 2, got {num_slots}")
+        if max_slots < num_slots:
+            raise ValueError(f"max_slots ({max_slots}) must be >= num_slots ({num_slots})")
+        self.num_slots = num_slots
+        self.max_slots = max_slots
+        self._slots: list[_Slot] = []
+        self._token = secrets.token_hex(6)
+
+    def setup(self, layout: Layout) -> None:
+        self.layout = layout
+        remove_stale_slots()
+        try:
+            for _ in range(self.num_slots):
+                self._add_slot()
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_slot(self) -> _Slot:
+        file = SlotFile.create(len(self._slots), self.layout.total_bytes, self._token)
+        slot = _Slot(file)
+        slot.views = self.layout.views(self.layout.split(file.tensor))
+        self._slots.append(slot)
+        return slot
+
+    @property
+    def slot_count(self) -> int:
+        return len(self._slots)
+
+    def reserve(self, pinned: set[int]) -> int:
+        for index, slot in enumerate(self._slots):
+            if not slot.busy and (slot.version is None or slot.version not in pinned):
+                slot.busy = True
+                slot.version = None
+                return index
+        if len(self._slots) >= self.max_slots:
+            raise WeightSyncError(
+                f"all {len(self._slots)} shared-memory slots hold versions still in use "
+                f"({sorted(pinned)}); raise max_slots or bring lagging workers up to date"
+            )
+        slot = self._add_slot()
+        slot.busy = True
+        return len(self._slots) - 1
+
+    def write(self, slot: int, source: Source) -> None:
+        s = self._slots[slot]
+        if source.buffers is not None:
+            with torch.no_grad():
+                for dst, src in zip(self.layout.split(s.file.tensor), source.buffers, strict=True):
+                    dst.copy_(src)
+        elif source.tensors is not None:
+            keys = self.layout.keys
+            fused_copy([s.views[k] for k in keys], [source.tensors[k] for k in keys])
+        else:
+            raise ValueError("empty source")
+
+    def publish(self, slot: int, version: int) -> Params:
+        s = self._slots[slot]
+        s.version, s.busy = version, False
+        return {"slot": slot, "path": s.file.path, "nbytes": s.file.nbytes}
+
+    def release(self, slot: int) -> None:
+        s = self._slots[slot]
+        s.busy, s.version = False, None
+
+    def params_for(self, version: int) -> Params:
+        for index, s in enumerate(self._slots):
+            if s.version == version:
+                return {"slot": index, "path": s.file.path, "nbytes": s.file.nbytes}
+        raise KeyError(f"version {version} is in no slot")
+
+    def close(self) -> None:
+        for s in self._slots:
+            s.file.unlink()
+        self._slots.clear()
+
+
+class SharedMemReceiverPlane(ReceiverPlane):
+    """Maps the sender's slot files by name, once each, and hands out typed views of them."""
+
+    def __init__(self) -> None:
+        self._mapped: dict[str, Staged] = {}
+
+    def setup(self, layout: Layout, welcome: Mapping[str, ParamValue]) -> None:
+        self.layout = layout
+        self._expected = layout.total_bytes
+
+    def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
+        path, nbytes = params.get("path"), params.get("nbytes")
+        if not isinstance(path, str) or not isinstance(nbytes, int):
+            raise ProtocolError(f"update parameters lack a slot path and size: {dict(params)}")
+        if nbytes != self._expected:
+            raise ProtocolError(f"slot of {nbytes} bytes, the layout needs {self._expected}")
+        views = self._mapped.get(path)
+        if views is None:
+            file = SlotFile.open(path, nbytes)
+            views = self._mapped[path] = Staged(
+                self.layout.split(file.tensor), self.layout.views(self.layout.split(file.tensor))
+            )
+        return views
+
+    def close(self) -> None:
+        # Views bound to the model keep their mapping alive; only our cache is dropped.
+        self._mapped.clear()

@@ -1,0 +1,297 @@
+"""The receiver's engine: handshake, applying versions tear-free, acks, hooks and pull mode."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Literal, TypeAlias
+
+import anyio
+import torch
+
+from ._channel import ChannelFactory, ReceiverChannel
+from ._config import Heartbeats, Timeouts
+from ._exceptions import (
+    ConnectError,
+    NotConnectedError,
+    ProtocolError,
+    RefusedError,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
+from ._guard import ReadGuard
+from ._layout import Layout, bind_views
+from ._planes import ReceiverPlane, Staged
+from ._protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    Bye,
+    Connection,
+    Heartbeat,
+    Hello,
+    Message,
+    Nack,
+    ParamValue,
+    Refuse,
+    Role,
+    Update,
+    Welcome,
+)
+
+__all__ = ["ApplyMode", "Hook", "ReceiverCore"]
+
+log = logging.getLogger("aiowsync.receiver")
+
+ApplyMode: TypeAlias = Literal["swap", "copy"]
+Hook: TypeAlias = Callable[[int], "Awaitable[None] | None"]
+
+
+class ReceiverCore:
+    def __init__(
+        self,
+        *,
+        channels: ChannelFactory,
+        plane: ReceiverPlane,
+        layout: Layout,
+        targets: Mapping[str, torch.Tensor],
+        worker_idx: int,
+        model_id: str,
+        address: str,
+        apply_mode: ApplyMode,
+        timeouts: Timeouts,
+        heartbeats: Heartbeats,
+        guard: ReadGuard,
+        hooks: list[Hook],
+    ) -> None:
+        self._channels = channels
+        self._plane = plane
+        self.layout = layout
+        self._targets = dict(targets)
+        self.worker_idx = worker_idx
+        self.model_id = model_id
+        self.address = address
+        self.apply_mode = apply_mode
+        self._timeouts = timeouts
+        self._beats = heartbeats
+        self._channel: ReceiverChannel | None = None
+        self._conn = Connection(Role.RECEIVER, worker_idx)
+        self.guard = guard
+        self.hooks = hooks
+        self.version = -1
+        self.sender_version = -1
+        self._bye: str | None = None
+        self._changed = anyio.Event()
+        self._private: list[Staged] = []
+        self._live_private = -1
+        if apply_mode == "copy":
+            device = next(iter(self._targets.values())).device if self._targets else "cpu"
+            for _ in range(2):
+                buffers = layout.allocate(device)
+                self._private.append(Staged(buffers, layout.views(buffers)))
+
+    # -- status -------------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        channel = self._channel
+        return channel is not None and self._bye is None and channel.peer_alive
+
+    @property
+    def dropped(self) -> int:
+        return 0 if self._channel is None else self._channel.dropped
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def wait_for_version(self, version: int, timeout: float) -> int:
+        try:
+            with anyio.fail_after(timeout):
+                while self.version < version:
+                    await self._changed.wait()
+        except TimeoutError:
+            raise WeightSyncTimeout(
+                f"worker {self.worker_idx} still runs version {self.version}, "
+                f"not {version}, after {timeout:g} s"
+            ) from None
+        return self.version
+
+    # -- handshake ----------------------------------------------------------------------------
+
+    async def connect(self, timeout: float) -> None:
+        channel = self._channels.connect(self.address, heartbeat_timeout=self._beats.timeout)
+        self._channel = channel
+        try:
+            with anyio.fail_after(timeout):
+                welcome = await self._handshake(channel)
+                self._plane.setup(self.layout, welcome.params)
+                await self._apply_and_answer(welcome.version, welcome.params)
+        except TimeoutError:
+            self._close_channel()
+            raise WeightSyncTimeout(
+                f"worker {self.worker_idx}: no answer from the sender at {self.address} "
+                f"within {timeout:g} s", [self.worker_idx]
+            ) from None
+        except BaseException:
+            self._close_channel()
+            raise
+        if self.version < welcome.version:
+            self._close_channel()
+            raise ConnectError(f"worker {self.worker_idx} could not apply the initial version")
+        channel.start_heartbeat(self._heartbeat, welcome.heartbeat_interval)
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(worker_idx=self.worker_idx, session=self._session, version=max(self.version, 0))
+
+    async def _handshake(self, channel: ReceiverChannel) -> Welcome:
+        hello = Hello(
+            protocol=PROTOCOL_VERSION,
+            model_id=self.model_id,
+            worker_idx=self.worker_idx,
+            fingerprint=self.layout.fingerprint,
+            layout=self.layout.descs(),
+            pid=os.getpid(),
+        )
+        self._conn.send(hello)
+        await channel.send(hello, timeout=self._timeouts.control)
+        while True:
+            message = await channel.recv(timeout=None)
+            if isinstance(message, Heartbeat):
+                continue
+            self._conn.receive(message)
+            if isinstance(message, Refuse):
+                raise RefusedError(message.reason)
+            if isinstance(message, Welcome):
+                if message.worker_idx != self.worker_idx or message.model_id != self.model_id:
+                    raise ProtocolError("welcome names another worker or model")
+                self._session = message.session
+                return message
+            raise ProtocolError(f"unexpected {type(message).__name__} during the handshake")
+
+    # -- updates ------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Background task: apply every update as it comes."""
+        task_status.started()
+        while self._bye is None:
+            await self._step(timeout=None)
+
+    async def receive(self, timeout: float) -> int | None:
+        """Pull mode: apply the next update if one arrives within ``timeout``; its version."""
+        if self._channel is None:
+            raise NotConnectedError("connect() first")
+        before = self.version
+        with anyio.move_on_after(timeout):
+            while self._bye is None and self.version == before:
+                if await self._step(timeout=None) is not None:
+                    return self.version
+        return None
+
+    async def _step(self, timeout: float | None) -> int | None:
+        channel = self._channel
+        if channel is None:
+            raise NotConnectedError("the receiver is closed")
+        message = await channel.recv(timeout=timeout)
+        return await self._handle(message)
+
+    async def _handle(self, message: Message) -> int | None:
+        if isinstance(message, Heartbeat):
+            self.sender_version = max(self.sender_version, message.version)
+            return None
+        try:
+            self._conn.receive(message)
+        except ProtocolError as exc:
+            log.warning("worker %d dropped a message: %s", self.worker_idx, exc)
+            return None
+        if isinstance(message, Bye):
+            self._bye = message.reason or "sender said goodbye"
+            log.info("worker %d: sender closed the connection (%s)", self.worker_idx, self._bye)
+            self._notify()
+            return None
+        if isinstance(message, Update):
+            self.sender_version = max(self.sender_version, message.version)
+            # Taken off the wire, an update is always answered, even if the caller is cancelled.
+            with anyio.CancelScope(shield=True):
+                await self._apply_and_answer(message.version, message.params)
+            return message.version
+        return None
+
+    async def _apply_and_answer(self, version: int, params: Mapping[str, ParamValue]) -> None:
+        answer: Ack | Nack
+        try:
+            await self._apply(version, params)
+            await self._run_hooks(version)
+            answer = Ack(worker_idx=self.worker_idx, version=version)
+        except (WeightSyncError, OSError, RuntimeError, ValueError, TimeoutError) as exc:
+            log.warning("worker %d could not apply version %d: %s", self.worker_idx, version, exc)
+            answer = Nack(worker_idx=self.worker_idx, version=version, error=_text(exc))
+        except Exception as exc:  # a user hook may raise anything; the sender must hear of it
+            answer = Nack(worker_idx=self.worker_idx, version=version, error=_text(exc))
+        channel = self._channel
+        assert channel is not None
+        with anyio.CancelScope(shield=True):
+            self._conn.send(answer)
+            await channel.send(answer, timeout=self._timeouts.control)
+
+    async def _apply(self, version: int, params: Mapping[str, ParamValue]) -> None:
+        staged = self._plane.fetch(params)
+        if self.apply_mode == "copy":
+            index = 1 - self._live_private if self._live_private >= 0 else 0
+            target = self._private[index]
+            # The spare copy may still be read by nothing: the model points at the other one.
+            await anyio.to_thread.run_sync(_copy_buffers, target.buffers, staged.buffers)
+            staged = target
+            self._live_private = index
+        try:
+            await self.guard.switch(lambda: self._commit(version, staged), timeout=self._timeouts.ack)
+        except TimeoutError:
+            raise WeightSyncTimeout(
+                f"readers held the read guard for {self._timeouts.ack:g} s; version {version} "
+                "was not switched in"
+            ) from None
+
+    def _commit(self, version: int, staged: Staged) -> None:
+        bind_views(self._targets, staged.views)
+        self.version = version
+        self._notify()
+
+    async def _run_hooks(self, version: int) -> None:
+        for hook in list(self.hooks):
+            result = hook(version)
+            if inspect.isawaitable(result):
+                await result
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        channel = self._channel
+        if channel is None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
+            if self._bye is None and channel.peer_alive:
+                try:
+                    self._conn.send(Bye(reason="receiver closing"))
+                    await channel.send(Bye(reason="receiver closing"), timeout=0.2)
+                except (WeightSyncError, ProtocolError):
+                    pass
+        self._close_channel()
+
+    def _close_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+        self._plane.close()
+        self._notify()
+
+
+def _copy_buffers(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+
+def _text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:60000]
+

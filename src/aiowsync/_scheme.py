@@ -1,0 +1,489 @@
+"""The public scheme: one object per model, used on the sender and on each receiver."""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+from ._channel import ChannelFactory, ZmqChannelFactory
+from ._config import Heartbeats, Timeouts
+from ._guard import ReadGuard
+from ._layout import Layout, is_homed, module_targets, rehome
+from ._planes import ReceiverPlane, SenderPlane, Source
+from ._receiver import ApplyMode, Hook, ReceiverCore
+from ._sender import SendResult, SenderCore
+from ._strategy import StrategyName, WeightStrategy
+from ._weights import WeightsLike, flatten_weights
+
+__all__ = ["WeightSyncScheme"]
+
+log = logging.getLogger("aiowsync")
+
+_Role = Literal["sender", "receiver"]
+
+
+def _resolve_model(context: Any, model_id: str) -> Any:
+    getter = getattr(context, "get_model", None)
+    if callable(getter):
+        return getter(model_id)
+    obj = context
+    for part in model_id.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+class WeightSyncScheme(abc.ABC):
+    """Synchronises ONE model from a sender to ``num_workers`` receivers.
+
+    Configure it once, then call :meth:`init_on_sender` in the trainer or
+    :meth:`init_on_receiver` in a worker. The object pickles to its configuration and address
+    only, so the trainer can hand it to a spawned worker.
+
+    Args:
+        address: the sender's control address; needed on a receiver that was not handed a
+            pickled scheme.
+        strategy: ``"tensordict"`` (default) or ``"state_dict"``: the format
+            :meth:`extract_weights` returns.
+        model_id: names the model; sender and receivers must agree.
+        bind: where the sender binds its control socket (loopback by default).
+        timeouts: named deadlines, see :class:`Timeouts`.
+        heartbeats: liveness settings, see :class:`Heartbeats`.
+        channels: the control-channel factory (ZeroMQ by default; the in-memory twin in tests).
+        apply_mode: receivers only: ``"swap"`` re-points the model at the shared copy (no bytes
+            copied), ``"copy"`` keeps private tensors and copies each version into them;
+            ``"auto"`` picks swap for CPU models and copy otherwise.
+        background: receivers only: apply updates from a background task (default) or leave
+            it to :meth:`receive` (pull mode).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        strategy: StrategyName = "tensordict",
+        model_id: str = "policy",
+        bind: str = "tcp://127.0.0.1:0",
+        timeouts: Timeouts | None = None,
+        heartbeats: Heartbeats | None = None,
+        channels: ChannelFactory | None = None,
+        apply_mode: Literal["auto", "swap", "copy"] = "auto",
+        background: bool = True,
+    ) -> None:
+        if apply_mode not in ("auto", "swap", "copy"):
+            raise ValueError(f"apply_mode must be 'auto', 'swap' or 'copy', got {apply_mode!r}")
+        self._address = address
+        self._strategy = WeightStrategy(strategy)
+        self.model_id = model_id
+        self.bind = bind
+        self.timeouts = timeouts or Timeouts()
+        self.heartbeats = heartbeats or Heartbeats()
+        self.channels = channels or ZmqChannelFactory()
+        self.apply_mode: Literal["auto", "swap", "copy"] = apply_mode
+        self.background = background
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._role: _Role | None = None
+        self._model: Any = None
+        self._weights: WeightsLike | None = None
+        self._context: Any = None
+        self.num_workers = 0
+        self.worker_idx: int | None = None
+        self._rehome = False
+        self._flat: list[torch.Tensor] | None = None
+        self._flat_views: dict[str, torch.Tensor] = {}
+        self._sender: SenderCore | None = None
+        self._receiver: ReceiverCore | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._hooks: list[Hook] = []
+        self._guard = ReadGuard()
+        self._connected = False
+
+    # -- pickling: configuration and address only ---------------------------------------------
+
+    _CONFIG = ("_address", "_strategy", "model_id", "bind", "timeouts", "heartbeats", "channels",
+               "apply_mode", "background")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {name: getattr(self, name) for name in self._CONFIG}
+        state["_strategy"] = self._strategy.extract_as
+        if self._sender is not None and self._sender._channel is not None:
+            state["_address"] = self._sender.address
+        state.update(self._extra_config())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        strategy = state.pop("_strategy")
+        self.__dict__.update(state)
+        self._strategy = WeightStrategy(strategy)
+        self._reset_runtime()
+
+    def _extra_config(self) -> dict[str, Any]:
+        return {}
+
+    # -- transport hooks for subclasses -------------------------------------------------------
+
+    @abc.abstractmethod
+    def _sender_plane(self) -> SenderPlane: ...
+
+    @abc.abstractmethod
+    def _receiver_plane(self) -> ReceiverPlane: ...
+
+    _same_host = False
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def strategy(self) -> WeightStrategy:
+        return self._strategy
+
+    @property
+    def address(self) -> str:
+        """The sender's bound control address (on a receiver: the address it connects to)."""
+        if self._sender is not None and self._sender._channel is not None:
+            return self._sender.address
+        if self._address is None:
+            raise RuntimeError("no address yet: enter the sender's `async with scheme` first")
+        return self._address
+
+    @property
+    def initialized_on_sender(self) -> bool:
+        return self._role == "sender"
+
+    @property
+    def initialized_on_receiver(self) -> bool:
+        return self._role == "receiver"
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @property
+    def context(self) -> Any:
+        return self._context
+
+    @property
+    def version(self) -> int:
+        """Sender: the latest version sent. Receiver: the version its model runs (-1 before)."""
+        if self._sender is not None:
+            return self._sender.version
+        if self._receiver is not None:
+            return self._receiver.version
+        return -1
+
+    @property
+    def ready(self) -> bool:
+        """Receiver: connected and running at least the version it was welcomed with."""
+        r = self._receiver
+        return r is not None and self._connected and r.version >= 0 and r.connected
+
+    @property
+    def connected(self) -> bool:
+        """Receiver: the sender is reachable. Sender: the sender is serving."""
+        if self._receiver is not None:
+            return self._connected and self._receiver.connected
+        return self._sender is not None and self._tg is not None
+
+    @property
+    def dropped_messages(self) -> int:
+        """Control messages dropped as malformed, unknown or out of state."""
+        if self._sender is not None:
+            channel = self._sender._channel
+            return self._sender.dropped + (channel.dropped if channel is not None else 0)
+        return self._receiver.dropped if self._receiver is not None else 0
+
+    # -- initialisation -----------------------------------------------------------------------
+
+    def init_on_sender(
+        self,
+        model: nn.Module | TensorDictBase | dict[str, torch.Tensor] | None = None,
+        *,
+        weights: WeightsLike | None = None,
+        num_workers: int | None = None,
+        model_id: str | None = None,
+        context: Any = None,
+        rehome: bool = False,
+    ) -> None:
+        """Prepare this object as the sender.
+
+        Args:
+            model: the model whose weights ``send()`` takes by default.
+            weights: a ``TensorDict`` or state_dict instead of a model.
+            num_workers: how many receivers (indices ``0 .. num_workers-1``).
+            model_id: overrides the constructor's ``model_id``.
+            context: an object that can resolve ``model_id`` to a model (seed-style); its
+                ``num_workers`` is used when ``num_workers`` is not given.
+            rehome: re-home the model's tensors as views of one private flat buffer so that a
+                snapshot is a single memcpy (tensor identity is kept, so optimizers keep
+                working); falls back to per-tensor fused copies if the model cannot be re-homed.
+        """
+        self._check_fresh()
+        if model_id is not None:
+            self.model_id = model_id
+        if model is None and weights is None and context is not None:
+            model = _resolve_model(context, self.model_id)
+        if model is None and weights is None:
+            raise ValueError("init_on_sender needs model=, weights= or a context holding the model")
+        if model is not None and weights is not None:
+            raise ValueError("give model= or weights=, not both")
+        if num_workers is None and context is not None:
+            num_workers = getattr(context, "num_workers", None)
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+            raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
+        self._layout = Layout.from_weights(model if model is not None else weights)  # type: ignore[arg-type]
+        self._model, self._weights, self._context = model, weights, context
+        self.num_workers = num_workers
+        self._rehome = rehome
+        self._role = "sender"
+
+    def init_on_receiver(
+        self,
+        model: nn.Module | TensorDictBase | dict[str, torch.Tensor] | None = None,
+        *,
+        worker_idx: int,
+        model_id: str | None = None,
+        context: Any = None,
+    ) -> None:
+        """Prepare this object as receiver ``worker_idx`` for ``model``.
+
+        ``model`` is a module, a ``TensorDict`` or a state_dict whose tensors will be made to
+        hold each new version (swap mode re-points them, copy mode copies into them).
+        """
+        self._check_fresh()
+        if model_id is not None:
+            self.model_id = model_id
+        if model is None and context is not None:
+            model = _resolve_model(context, self.model_id)
+        if model is None:
+            raise ValueError("init_on_receiver needs model= (or a context holding the model)")
+        if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
+            raise ValueError(f"worker_idx must be a non-negative integer, got {worker_idx!r}")
+        if self._address is None:
+            raise ValueError("a receiver needs the sender's address: pass address= or unpickle it")
+        self._targets = module_targets(model) if isinstance(model, nn.Module) else flatten_weights(model)
+        self._layout = Layout.from_weights(self._targets)
+        self._model, self._context = model, context
+        self.worker_idx = worker_idx
+        self._role = "receiver"
+
+    def _check_fresh(self) -> None:
+        if self._role is not None:
+            raise RuntimeError(f"this scheme is already initialised as a {self._role}")
+
+    # -- async life cycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> WeightSyncScheme:
+        if self._role is None:
+            raise RuntimeError("call init_on_sender() or init_on_receiver() before `async with`")
+        if self._tg is not None:
+            raise RuntimeError("this scheme is already running")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        try:
+            if self._role == "sender":
+                await self._start_sender(tg)
+        except BaseException as exc:
+            await self._stop(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._stop(exc_type, exc, tb)
+
+    async def _stop(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        tg, self._tg = self._tg, None
+        try:
+            if self._sender is not None:
+                await self._sender.close()
+            if self._receiver is not None:
+                await self._receiver.close()
+        finally:
+            self._connected = False
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                return await tg.__aexit__(exc_type, exc, tb)
+        return None
+
+    async def _start_sender(self, tg: anyio.abc.TaskGroup) -> None:
+        sender = SenderCore(
+            channels=self.channels,
+            plane=self._sender_plane(),
+            layout=self._layout,
+            num_workers=self.num_workers,
+            model_id=self.model_id,
+            bind=self.bind,
+            timeouts=self.timeouts,
+            heartbeats=self.heartbeats,
+            same_host=self._same_host,
+        )
+        if self._rehome and isinstance(self._model, nn.Module):
+            try:
+                self._flat = rehome(self._model, self._layout)
+                self._flat_views = self._layout.views(self._flat)
+            except (ValueError, RuntimeError) as exc:
+                log.info("could not re-home the model (%s); snapshots use fused copies", exc)
+        await sender.start(self._snapshot_source(None))
+        self._sender = sender
+        await tg.start(sender.serve)
+
+    # -- sender API ---------------------------------------------------------------------------
+
+    def _snapshot_source(self, weights: WeightsLike | None) -> Source:
+        if weights is None and self._flat is not None and isinstance(self._model, nn.Module):
+            if is_homed(module_targets(self._model), self._flat_views):
+                return Source(buffers=tuple(self._flat))
+            log.info("the model was re-bound since it was re-homed; using fused copies")
+            self._flat = None
+        if weights is None:
+            weights = self._model if self._model is not None else self._weights
+        elif self._context is not None and isinstance(weights, str):
+            weights = _resolve_model(self._context, weights)
+        flat = flatten_weights(weights)  # type: ignore[arg-type]
+        self._layout.check(flat)
+        return Source(tensors=flat)
+
+    async def connect(self, timeout: float | None = None) -> None:
+        """Sender: wait until every worker holds version 0 (or the latest version).
+
+        Receiver: handshake, apply the current version and start the background task.
+        """
+        timeout = self.timeouts.handshake if timeout is None else timeout
+        if self._tg is None:
+            raise RuntimeError("use `async with scheme:` before connect()")
+        if self._sender is not None:
+            await self._sender.wait_ready(timeout)
+            self._connected = True
+            return
+        if self._receiver is not None:
+            raise RuntimeError("this receiver is already connected")
+        assert self.worker_idx is not None and self._address is not None
+        mode: ApplyMode
+        if self.apply_mode == "auto":
+            devices = {t.device.type for t in self._targets.values()}
+            mode = "swap" if devices <= {"cpu"} else "copy"
+        else:
+            mode = self.apply_mode
+        receiver = ReceiverCore(
+            channels=self.channels,
+            plane=self._receiver_plane(),
+            layout=self._layout,
+            targets=self._targets,
+            worker_idx=self.worker_idx,
+            model_id=self.model_id,
+            address=self._address,
+            apply_mode=mode,
+            timeouts=self.timeouts,
+            heartbeats=self.heartbeats,
+            guard=self._guard,
+            hooks=self._hooks,
+        )
+        await receiver.connect(timeout)
+        self._receiver = receiver
+        self._connected = True
+        if self.background:
+            await self._tg.start(receiver.run)
+
+    async def send(
+        self,
+        weights: WeightsLike | str | None = None,
+        worker_ids: int | Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> SendResult:
+        """Stage the weights as a new version and wait until every targeted worker runs it.
+
+        Args:
+            weights: what to send; by default the model (or weights) given at init.
+            worker_ids: one index or several; by default every worker.
+            timeout: deadline for the whole call; by default ``timeouts.transfer`` for staging
+                and ``timeouts.ack`` for the acknowledgements.
+
+        Raises:
+            WorkerLostError: at once, if a targeted worker is known to be lost.
+            WeightSyncTimeout: a targeted worker did not acknowledge by the deadline.
+            RemoteApplyError: a worker failed to apply the version (its error text included).
+            LayoutMismatchError: ``weights`` do not match the layout (nothing was written).
+
+        Concurrent calls are served one at a time in call order.
+        """
+        sender = self._sender
+        if sender is None or self._tg is None:
+            raise RuntimeError("send() needs an initialised sender inside `async with scheme`")
+        targets = self._targets_of(worker_ids)
+        return await sender.send(lambda: self._snapshot_source(weights), targets, timeout)  # type: ignore[arg-type]
+
+    def _targets_of(self, worker_ids: int | Sequence[int] | None) -> list[int]:
+        if worker_ids is None:
+            return list(range(self.num_workers))
+        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        for w in ids:
+            if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < self.num_workers:
+                raise ValueError(f"worker id {w!r} is not in range(0, {self.num_workers})")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker_ids has duplicates: {ids}")
+        return sorted(ids)
+
+    def extract_weights(self, source: WeightsLike | None = None) -> Any:
+        """The weights of ``source`` (default: the sender's model) in the strategy's format."""
+        src = source if source is not None else (self._model or self._weights)
+        if src is None:
+            raise RuntimeError("no model to extract weights from")
+        return self._strategy.extract_weights(src)
+
+    # -- receiver API -------------------------------------------------------------------------
+
+    def _need_receiver(self) -> ReceiverCore:
+        if self._receiver is None:
+            raise RuntimeError("this needs a connected receiver (init_on_receiver + connect)")
+        return self._receiver
+
+    async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Wait until the model runs ``version`` or newer; returns the version it runs."""
+        timeout = self.timeouts.ack if timeout is None else timeout
+        return await self._need_receiver().wait_for_version(version, timeout)
+
+    async def receive(self, timeout: float | None = None) -> int | None:
+        """Pull mode: apply the next update if one arrives within ``timeout``; its version or None."""
+        if self.background:
+            raise RuntimeError("receive() is for pull mode: build the scheme with background=False")
+        timeout = self.timeouts.ack if timeout is None else timeout
+        return await self._need_receiver().receive(timeout)
+
+    def register_hook(self, hook: Hook) -> None:
+        """Call ``hook(version)`` (sync or async) right after each switch, before the ack."""
+        if self._role == "sender":
+            raise RuntimeError("hooks run on receivers")
+        self._hooks.append(hook)
+
+    def read_guard(self) -> ReadGuard:
+        """The guard a forward holds (``with`` in threads, ``async with`` on the loop) so that
+        no switch happens under it."""
+        if self._role == "sender":
+            raise RuntimeError("the read guard belongs to receivers")
+        return self._guard
+
+    def apply_weights(self, weights: WeightsLike, inplace: bool = True) -> None:
+        """Apply weights to the receiver's model directly with the strategy (no versioning)."""
+        if self._role != "receiver":
+            raise RuntimeError("apply_weights() is for receivers")
+        self._strategy.apply_weights(self._model, weights, inplace=inplace)
+

@@ -1,0 +1,493 @@
+"""The sender's engine: handshakes, liveness, staging and acknowledged updates.
+
+One background task (:meth:`SenderCore.serve`) reads the control channel, answers handshakes,
+records acks and declares peers lost; ``send()`` stages a version through the data plane and
+waits for the targeted workers' answers, which that task delivers.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from ._channel import ChannelFactory, PeerId, SenderChannel
+from ._config import Heartbeats, Timeouts
+from ._exceptions import (
+    ProtocolError,
+    RemoteApplyError,
+    TransportError,
+    WeightSyncError,
+    WeightSyncTimeout,
+    WorkerLostError,
+)
+from ._layout import Layout
+from ._planes import SenderPlane, Source
+from ._protocol import (
+    PROTOCOL_VERSION,
+    SENDER_INDEX,
+    Ack,
+    Bye,
+    Connection,
+    Heartbeat,
+    Hello,
+    Message,
+    Nack,
+    Refuse,
+    Role,
+    State,
+    Update,
+    Welcome,
+)
+from ._shm_slots import pid_alive
+
+__all__ = ["SendResult", "SenderCore"]
+
+log = logging.getLogger("aiowsync.sender")
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    """What a successful ``send()`` did."""
+
+    version: int
+    """The version now live on every targeted worker."""
+    worker_ids: tuple[int, ...]
+    """The workers that acknowledged it."""
+    nbytes: int
+    """Bytes staged."""
+    seconds: float
+    """Wall time of the whole call."""
+    stage_seconds: float
+    """Time spent copying the weights into the data plane."""
+
+
+@dataclass(slots=True)
+class _Peer:
+    worker_idx: int
+    routing: PeerId
+    conn: Connection
+    session: str
+    pid: int
+    welcome_version: int
+    last_seen: float
+    ready: bool = False
+    lost: bool = False
+    gone: bool = False
+    inflight: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Pending:
+    version: int
+    waiting: set[int]
+    done: anyio.Event = field(default_factory=anyio.Event)
+    acked: set[int] = field(default_factory=set)
+    nacks: dict[int, str] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)
+
+    def settle(self, worker: int) -> None:
+        self.waiting.discard(worker)
+        if not self.waiting:
+            self.done.set()
+
+
+class SenderCore:
+    def __init__(
+        self,
+        *,
+        channels: ChannelFactory,
+        plane: SenderPlane,
+        layout: Layout,
+        num_workers: int,
+        model_id: str,
+        bind: str,
+        timeouts: Timeouts,
+        heartbeats: Heartbeats,
+        same_host: bool,
+    ) -> None:
+        self._channels = channels
+        self._plane = plane
+        self.layout = layout
+        self.num_workers = num_workers
+        self.model_id = model_id
+        self._bind = bind
+        self._timeouts = timeouts
+        self._beats = heartbeats
+        self._same_host = same_host
+        self._channel: SenderChannel | None = None
+        self._peers: dict[int, _Peer] = {}
+        self._by_routing: dict[PeerId, _Peer] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._send_lock = anyio.Lock()
+        self._changed = anyio.Event()
+        self.version = 0
+        self.dropped = 0
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        if self._channel is None:
+            raise RuntimeError("the sender is not started")
+        return self._channel.address
+
+    async def start(self, initial: Source) -> None:
+        """Bind, create the slots and stage version 0."""
+        self._plane.setup(self.layout)
+        try:
+            slot = self._plane.reserve(set())
+            await anyio.to_thread.run_sync(self._plane.write, slot, initial)
+            self._plane.publish(slot, 0)
+            self._channel = self._channels.bind(self._bind, heartbeat_timeout=self._beats.timeout)
+        except BaseException:
+            self._plane.close()
+            raise
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            channel, self._channel = self._channel, None
+            if channel is not None:
+                with anyio.move_on_after(1.0):
+                    for peer in self._peers.values():
+                        if not peer.gone:
+                            try:
+                                await channel.send(peer.routing, Bye(reason="sender shutting down"), timeout=0.2)
+                            except WeightSyncError:
+                                pass
+                channel.close()
+            for pending in self._pending.values():
+                pending.lost |= set(pending.waiting)
+                pending.waiting.clear()
+                pending.done.set()
+            self._plane.close()
+
+    # -- status -------------------------------------------------------------------------------
+
+    def ready_workers(self) -> set[int]:
+        return {w for w, p in self._peers.items() if p.ready and not p.lost}
+
+    def lost_workers(self) -> set[int]:
+        return {w for w, p in self._peers.items() if p.lost}
+
+    async def wait_ready(self, timeout: float) -> None:
+        everyone = set(range(self.num_workers))
+        try:
+            with anyio.fail_after(timeout):
+                while (missing := everyone - self.ready_workers()):
+                    await self._changed.wait()
+        except TimeoutError:
+            raise WeightSyncTimeout(
+                f"workers did not connect within {timeout:g} s", sorted(missing)
+            ) from None
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    # -- background task ----------------------------------------------------------------------
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        channel = self._channel
+        assert channel is not None
+        task_status.started()
+        next_beat = time.monotonic()
+        while True:
+            try:
+                peer_id, message = await channel.recv(timeout=self._beats.interval)
+            except WeightSyncTimeout:
+                pass
+            else:
+                await self._dispatch(peer_id, message)
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self._beats.interval
+                await self._check_liveness(channel)
+                await self._beat(channel)
+
+    async def _check_liveness(self, channel: SenderChannel) -> None:
+        late = [p for p in self._peers.values() if not p.lost and self._is_late(p)]
+        if not late:
+            return
+        # The loop may have been busy: read what is already queued before judging anyone.
+        while (got := channel.recv_nowait()) is not None:
+            await self._dispatch(*got)
+        for peer in late:
+            if not peer.lost and self._is_late(peer):
+                self._mark_lost(peer, f"no heartbeat for {self._beats.timeout:g} s")
+
+    def _is_late(self, peer: _Peer) -> bool:
+        return time.monotonic() - peer.last_seen > self._beats.timeout
+
+    async def _beat(self, channel: SenderChannel) -> None:
+        for peer in list(self._peers.values()):
+            if peer.lost or peer.conn.state is State.ERROR:
+                continue
+            beat = Heartbeat(worker_idx=SENDER_INDEX, session=peer.session, version=self.version)
+            try:
+                await channel.send(peer.routing, beat, timeout=self._timeouts.control)
+            except TransportError:
+                peer.gone = True
+                self._mark_lost(peer, "its connection is closed")
+
+    def _mark_lost(self, peer: _Peer, why: str) -> None:
+        if not peer.lost:
+            log.warning("worker %d lost: %s", peer.worker_idx, why)
+        peer.lost = True
+        for pending in self._pending.values():
+            if peer.worker_idx in pending.waiting:
+                pending.lost.add(peer.worker_idx)
+                pending.settle(peer.worker_idx)
+        self._notify()
+
+    def _peer_gone(self, peer: _Peer) -> bool:
+        if peer.gone:
+            return True
+        if self._same_host and peer.lost and peer.pid and not pid_alive(peer.pid):
+            peer.gone = True
+        return peer.gone
+
+    # -- incoming messages --------------------------------------------------------------------
+
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        log.warning("dropped a control message: %s", why)
+
+    async def _dispatch(self, routing: PeerId, message: Message) -> None:
+        if isinstance(message, Hello):
+            await self._on_hello(routing, message)
+            return
+        if isinstance(message, Heartbeat):
+            peer = self._peers.get(message.worker_idx)
+            if peer is None or not message.session or peer.session != message.session:
+                self._drop(f"heartbeat for an unknown session from worker {message.worker_idx}")
+                return
+            peer.last_seen = time.monotonic()
+            if peer.lost and not peer.gone:
+                log.info("worker %d is back", peer.worker_idx)
+                peer.lost = False
+                self._notify()
+            return
+        peer = self._by_routing.get(routing)
+        if peer is None:
+            self._drop(f"{type(message).__name__} from a peer that did not say hello")
+            return
+        try:
+            peer.conn.receive(message)
+        except ProtocolError as exc:
+            self._drop(f"worker {peer.worker_idx}: {exc}")
+            self._mark_lost(peer, f"protocol error: {exc}")
+            return
+        peer.last_seen = time.monotonic()
+        if isinstance(message, Ack):
+            self._on_answer(peer, message.version, None)
+        elif isinstance(message, Nack):
+            self._on_answer(peer, message.version, message.error)
+        elif isinstance(message, Bye):
+            peer.gone = True
+            self._by_routing.pop(routing, None)
+            self._mark_lost(peer, f"said goodbye ({message.reason or 'no reason'})")
+
+    def _on_answer(self, peer: _Peer, version: int, error: str | None) -> None:
+        peer.inflight.discard(version)
+        if error is None:
+            peer.inflight = {v for v in peer.inflight if v > version}
+            if version >= peer.welcome_version and not peer.ready:
+                peer.ready = True
+                self._notify()
+        pending = self._pending.get(version)
+        if pending is not None and peer.worker_idx in pending.waiting:
+            if error is None:
+                pending.acked.add(peer.worker_idx)
+            else:
+                pending.nacks[peer.worker_idx] = error
+            pending.settle(peer.worker_idx)
+        if error is not None:
+            log.warning("worker %d could not apply version %d: %s", peer.worker_idx, version, error)
+
+    async def _on_hello(self, routing: PeerId, hello: Hello) -> None:
+        reason = self._refusal(hello)
+        if reason is None:
+            old = self._peers.get(hello.worker_idx)
+            if old is not None and not old.lost and not await self._probe_gone(old):
+                reason = (
+                    f"worker index {hello.worker_idx} is already connected "
+                    f"(pid {old.pid}); a second claimant is refused"
+                )
+        channel = self._channel
+        assert channel is not None
+        if reason is not None:
+            log.warning("refused worker %d: %s", hello.worker_idx, reason)
+            try:
+                await channel.send(routing, Refuse(reason=reason[:60000]), timeout=self._timeouts.control)
+            except WeightSyncError:
+                pass
+            return
+        old = self._peers.pop(hello.worker_idx, None)
+        if old is not None:
+            old.gone = old.lost = True
+            self._by_routing.pop(old.routing, None)
+            self._mark_lost(old, "replaced by a new connection under the same index")
+        conn = Connection(Role.SENDER, hello.worker_idx)
+        conn.receive(hello)
+        welcome = Welcome(
+            model_id=self.model_id,
+            worker_idx=hello.worker_idx,
+            session=secrets.token_hex(16),
+            version=self.version,
+            params=self._plane.params_for(self.version),
+            heartbeat_interval=self._beats.interval,
+            missed_beats=self._beats.missed,
+        )
+        conn.send(welcome)
+        peer = _Peer(
+            worker_idx=hello.worker_idx,
+            routing=routing,
+            conn=conn,
+            session=welcome.session,
+            pid=hello.pid,
+            welcome_version=self.version,
+            last_seen=time.monotonic(),
+            inflight={self.version},
+        )
+        self._peers[hello.worker_idx] = peer
+        self._by_routing[routing] = peer
+        try:
+            await channel.send(routing, welcome, timeout=self._timeouts.control)
+        except TransportError:
+            peer.gone = True
+            self._mark_lost(peer, "vanished during the handshake")
+        self._notify()
+
+    def _refusal(self, hello: Hello) -> str | None:
+        if hello.protocol != PROTOCOL_VERSION:
+            return f"protocol {hello.protocol} is not supported (sender speaks {PROTOCOL_VERSION})"
+        if hello.model_id != self.model_id:
+            return f"this sender serves model {self.model_id!r}, not {hello.model_id!r}"
+        if not 0 <= hello.worker_idx < self.num_workers:
+            return f"worker index {hello.worker_idx} is out of range(0, {self.num_workers})"
+        if hello.fingerprint != self.layout.fingerprint:
+            try:
+                theirs = Layout.from_descs(hello.layout)
+            except (WeightSyncError, ValueError) as exc:
+                return f"the receiver's model layout is invalid: {exc}"
+            lines = self.layout.differences(theirs) or ["layouts differ (alignment or order)"]
+            shown = "\n  ".join(lines[:50])
+            more = f"\n  ... and {len(lines) - 50} more" if len(lines) > 50 else ""
+            return f"the receiver's model does not match the sender's:\n  {shown}{more}"
+        return None
+
+    async def _probe_gone(self, peer: _Peer) -> bool:
+        """True when the old connection of ``peer`` is demonstrably closed."""
+        if self._same_host and peer.pid and not pid_alive(peer.pid):
+            return True
+        channel = self._channel
+        assert channel is not None
+        beat = Heartbeat(worker_idx=SENDER_INDEX, session=peer.session, version=self.version)
+        try:
+            await channel.send(peer.routing, beat, timeout=self._timeouts.control)
+        except TransportError:
+            return True
+        return False
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def check_targets(self, targets: list[int]) -> None:
+        unavailable = [w for w in targets if w not in self._peers or self._peers[w].lost]
+        if unavailable:
+            raise WorkerLostError("cannot send: targeted workers are lost or not connected", unavailable)
+
+    def _pinned_versions(self) -> set[int]:
+        pinned = {self.version}
+        for peer in self._peers.values():
+            if self._peer_gone(peer):
+                continue
+            pinned.add(peer.conn.acked_version)
+            pinned |= peer.inflight
+        return pinned
+
+    async def send(
+        self, source: Callable[[], Source], targets: list[int], timeout: float | None
+    ) -> SendResult:
+        started = time.perf_counter()
+        self.check_targets(targets)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            with anyio.fail_after(timeout):
+                async with self._send_lock:
+                    self.check_targets(targets)
+                    staged = source()
+                    version, pending, stage_s = await self._stage_and_announce(staged, targets)
+        except TimeoutError:
+            raise WeightSyncTimeout(f"send did not stage within {timeout:g} s", targets) from None
+        try:
+            wait = self._timeouts.ack if deadline is None else max(0.0, deadline - time.monotonic())
+            with anyio.move_on_after(wait):
+                await pending.done.wait()
+        finally:
+            self._pending.pop(version, None)
+        elapsed = time.perf_counter() - started
+        missing = sorted(pending.waiting)
+        if missing:
+            raise _with_outcome(
+                WeightSyncTimeout(f"version {version} was not acknowledged in time", missing),
+                version, pending,
+            )
+        if pending.lost:
+            raise _with_outcome(
+                WorkerLostError(f"workers were lost during the send of version {version}", pending.lost),
+                version, pending,
+            )
+        if pending.nacks:
+            raise _with_outcome(RemoteApplyError(version, pending.nacks), version, pending)
+        return SendResult(version, tuple(sorted(pending.acked)), self.layout.total_bytes, elapsed, stage_s)
+
+    async def _stage_and_announce(
+        self, staged: Source, targets: list[int]
+    ) -> tuple[int, _Pending, float]:
+        slot = self._plane.reserve(self._pinned_versions())
+        t0 = time.perf_counter()
+        try:
+            await anyio.to_thread.run_sync(self._plane.write, slot, staged)
+        except BaseException:
+            self._plane.release(slot)
+            raise
+        stage_s = time.perf_counter() - t0
+        channel = self._channel
+        if channel is None:
+            self._plane.release(slot)
+            raise WeightSyncError("the sender is shut down")
+        # From here on the version exists: announce it to every target even if cancelled.
+        with anyio.CancelScope(shield=True):
+            version = self.version + 1
+            update = Update(version=version, params=self._plane.publish(slot, version))
+            self.version = version
+            pending = _Pending(version, set(targets))
+            self._pending[version] = pending
+            for worker in targets:
+                peer = self._peers[worker]
+                if peer.lost:
+                    pending.lost.add(worker)
+                    pending.settle(worker)
+                    continue
+                peer.conn.send(update)
+                peer.inflight.add(version)
+                try:
+                    await channel.send(peer.routing, update, timeout=self._timeouts.control)
+                except TransportError as exc:
+                    peer.gone = True
+                    self._mark_lost(peer, f"update could not be sent: {exc}")
+            if not targets:
+                pending.done.set()
+        return version, pending, stage_s
+
+
+def _with_outcome(exc: WeightSyncError, version: int, pending: _Pending) -> WeightSyncError:
+    exc.version = version
+    exc.acked = tuple(sorted(pending.acked))
+    return exc
+

@@ -1,0 +1,71 @@
+"""The shared-memory scheme: weights travel through slots in /dev/shm on one host."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from ._channel import ChannelFactory
+from ._config import Heartbeats, Timeouts
+from ._planes import ReceiverPlane, SenderPlane, SharedMemReceiverPlane, SharedMemSenderPlane
+from ._scheme import WeightSyncScheme
+from ._strategy import StrategyName
+
+__all__ = ["SharedMemWeightSyncScheme"]
+
+
+class SharedMemWeightSyncScheme(WeightSyncScheme):
+    """Versioned, tear-free weight broadcast to workers on this host through shared memory.
+
+    The sender copies each version into a free slot (one fused copy, off the event loop) and
+    tells the workers where it is; swap-mode workers re-point their model at the slot without
+    copying a byte. See :class:`WeightSyncScheme` for the common arguments.
+
+    Args:
+        num_slots: slots created up front (at least 2).
+        max_slots: the most slots the sender creates when versions stay in use side by side
+            (sends to subsets of the workers, or workers that missed an ack).
+    """
+
+    _same_host = True
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        num_slots: int = 2,
+        max_slots: int = 16,
+        strategy: StrategyName = "tensordict",
+        model_id: str = "policy",
+        bind: str = "tcp://127.0.0.1:0",
+        timeouts: Timeouts | None = None,
+        heartbeats: Heartbeats | None = None,
+        channels: ChannelFactory | None = None,
+        apply_mode: Literal["auto", "swap", "copy"] = "auto",
+        background: bool = True,
+    ) -> None:
+        if num_slots < 2:
+            raise ValueError(f"num_slots must be at least 2, got {num_slots}")
+        if max_slots < num_slots:
+            raise ValueError(f"max_slots ({max_slots}) must be >= num_slots ({num_slots})")
+        self.num_slots = num_slots
+        self.max_slots = max_slots
+        super().__init__(
+            address,
+            strategy=strategy,
+            model_id=model_id,
+            bind=bind,
+            timeouts=timeouts,
+            heartbeats=heartbeats,
+            channels=channels,
+            apply_mode=apply_mode,
+            background=background,
+        )
+
+    def _extra_config(self) -> dict[str, Any]:
+        return {"num_slots": self.num_slots, "max_slots": self.max_slots}
+
+    def _sender_plane(self) -> SenderPlane:
+        return SharedMemSenderPlane(self.num_slots, self.max_slots)
+
+    def _receiver_plane(self) -> ReceiverPlane:
+        return SharedMemReceiverPlane()

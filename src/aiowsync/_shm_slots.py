@@ -1,0 +1,105 @@
+"""Slots in named POSIX shared memory: files in /dev/shm that any local process can map.
+
+A slot file is named ``aiowsync-<sender pid>-<run token>-<slot index>``; it is created with
+mode 0600 and removed when the sender shuts down. A sender that crashed cannot remove its
+files, so every new sender first removes the files of senders whose process no longer exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+import torch
+
+from ._exceptions import TransportError
+
+__all__ = ["SHM_DIR", "SlotFile", "pid_alive", "remove_stale_slots"]
+
+log = logging.getLogger("aiowsync.shm")
+
+SHM_DIR = Path("/dev/shm")
+_NAME = re.compile(r"^aiowsync-(\d+)-([0-9a-f]+)-(\d+)$")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_slots(directory: Path = SHM_DIR) -> list[str]:
+    """Remove slot files whose creating process is gone; returns the names removed."""
+    removed: list[str] = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    me = os.getuid()
+    for path in entries:
+        m = _NAME.match(path.name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            if path.stat().st_uid == me:
+                path.unlink()
+                removed.append(path.name)
+    if removed:
+        log.info("removed %d shared-memory slot(s) left by dead senders", len(removed))
+    return removed
+
+
+def _map(path: str, nbytes: int, flags: int) -> torch.Tensor:
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        raise TransportError(f"cannot open shared-memory slot {path}: {exc}") from None
+    try:
+        if flags & os.O_CREAT:
+            os.ftruncate(fd, max(nbytes, 1))
+        elif os.fstat(fd).st_size < nbytes:
+            raise TransportError(f"shared-memory slot {path} is smaller than {nbytes} bytes")
+        mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    # The tensor holds the only reference to the mapping; it is unmapped when the last view
+    # of it (including a model's parameters) is gone.
+    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+
+
+class SlotFile:
+    """One slot: a mapped file of ``nbytes`` bytes, viewed as a flat uint8 tensor."""
+
+    def __init__(self, path: str, nbytes: int, tensor: torch.Tensor, *, owner: bool) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self.tensor = tensor
+        self.owner = owner
+
+    @classmethod
+    def create(cls, index: int, nbytes: int, token: str | None = None) -> SlotFile:
+        token = token or secrets.token_hex(6)
+        path = str(SHM_DIR / f"aiowsync-{os.getpid()}-{token}-{index}")
+        tensor = _map(path, nbytes, os.O_CREAT | os.O_EXCL | os.O_RDWR)
+        return cls(path, nbytes, tensor, owner=True)
+
+    @classmethod
+    def open(cls, path: str, nbytes: int) -> SlotFile:
+        if not _NAME.match(os.path.basename(path)) or os.path.dirname(path) != str(SHM_DIR):
+            raise TransportError(f"{path!r} is not an aiowsync shared-memory slot")
+        return cls(path, nbytes, _map(path, nbytes, os.O_RDWR), owner=False)
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid until their last view goes)."""
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
