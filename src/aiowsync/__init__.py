@@ -1,5 +1,6 @@
 """aiowsync: versioned, tear-free async broadcast of PyTorch weights."""
 
+from ._channel import ChannelFactory, MemoryChannelFactory, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
 from ._exceptions import (
     ConnectError,
@@ -13,7 +14,6 @@ from ._exceptions import (
     WeightSyncTimeout,
     WorkerLostError,
 )
-from ._channel import ChannelFactory, MemoryChannelFactory, ZmqChannelFactory
 from ._guard import ReadGuard
 from ._layout import Layout, TensorSpec
 from ._scheme import WeightSyncScheme

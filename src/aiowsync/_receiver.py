@@ -132,7 +132,8 @@ class ReceiverCore:
             self._close_channel()
             raise WeightSyncTimeout(
                 f"worker {self.worker_idx}: no answer from the sender at {self.address} "
-                f"within {timeout:g} s", [self.worker_idx]
+                f"within {timeout:g} s",
+                [self.worker_idx],
             ) from None
         except BaseException:
             self._close_channel()
@@ -143,7 +144,9 @@ class ReceiverCore:
         channel.start_heartbeat(self._heartbeat, welcome.heartbeat_interval)
 
     def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(worker_idx=self.worker_idx, session=self._session, version=max(self.version, 0))
+        return Heartbeat(
+            worker_idx=self.worker_idx, session=self._session, version=max(self.version, 0)
+        )
 
     async def _handshake(self, channel: ReceiverChannel) -> Welcome:
         hello = Hello(
@@ -172,7 +175,9 @@ class ReceiverCore:
 
     # -- updates ------------------------------------------------------------------------------
 
-    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         """Background task: apply every update as it comes."""
         task_status.started()
         while self._bye is None:
@@ -245,7 +250,9 @@ class ReceiverCore:
             staged = target
             self._live_private = index
         try:
-            await self.guard.switch(lambda: self._commit(version, staged), timeout=self._timeouts.ack)
+            await self.guard.switch(
+                lambda: self._commit(version, staged), timeout=self._timeouts.ack
+            )
         except TimeoutError:
             raise WeightSyncTimeout(
                 f"readers held the read guard for {self._timeouts.ack:g} s; version {version} "
@@ -294,4 +301,3 @@ def _copy_buffers(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:60000]
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -20,7 +20,7 @@ from ._guard import ReadGuard
 from ._layout import Layout, is_homed, module_targets, rehome
 from ._planes import ReceiverPlane, SenderPlane, Source
 from ._receiver import ApplyMode, Hook, ReceiverCore
-from ._sender import SendResult, SenderCore
+from ._sender import SenderCore, SendResult
 from ._strategy import StrategyName, WeightStrategy
 from ._weights import WeightsLike, flatten_weights
 
@@ -104,14 +104,25 @@ class WeightSyncScheme(abc.ABC):
         self._sender: SenderCore | None = None
         self._receiver: ReceiverCore | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self._bg_scope = anyio.CancelScope()
+        self._bg_running: list[anyio.Event] = []
         self._hooks: list[Hook] = []
         self._guard = ReadGuard()
         self._connected = False
 
     # -- pickling: configuration and address only ---------------------------------------------
 
-    _CONFIG = ("_address", "_strategy", "model_id", "bind", "timeouts", "heartbeats", "channels",
-               "apply_mode", "background")
+    _CONFIG = (
+        "_address",
+        "_strategy",
+        "model_id",
+        "bind",
+        "timeouts",
+        "heartbeats",
+        "channels",
+        "apply_mode",
+        "background",
+    )
 
     def __getstate__(self) -> dict[str, Any]:
         state = {name: getattr(self, name) for name in self._CONFIG}
@@ -269,7 +280,9 @@ class WeightSyncScheme(abc.ABC):
             raise ValueError(f"worker_idx must be a non-negative integer, got {worker_idx!r}")
         if self._address is None:
             raise ValueError("a receiver needs the sender's address: pass address= or unpickle it")
-        self._targets = module_targets(model) if isinstance(model, nn.Module) else flatten_weights(model)
+        self._targets = (
+            module_targets(model) if isinstance(model, nn.Module) else flatten_weights(model)
+        )
         self._layout = Layout.from_weights(self._targets)
         self._model, self._context = model, context
         self.worker_idx = worker_idx
@@ -313,16 +326,22 @@ class WeightSyncScheme(abc.ABC):
     ) -> bool | None:
         tg, self._tg = self._tg, None
         try:
+            # Background loops stop first, so that closing the channel surprises no reader.
+            self._bg_scope.cancel()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                for finished in self._bg_running:
+                    await finished.wait()
             if self._sender is not None:
                 await self._sender.close()
             if self._receiver is not None:
                 await self._receiver.close()
         finally:
             self._connected = False
+            suppress = None
             if tg is not None:
                 tg.cancel_scope.cancel()
-                return await tg.__aexit__(exc_type, exc, tb)
-        return None
+                suppress = await tg.__aexit__(exc_type, exc, tb)
+        return suppress
 
     async def _start_sender(self, tg: anyio.abc.TaskGroup) -> None:
         sender = SenderCore(
@@ -344,7 +363,22 @@ class WeightSyncScheme(abc.ABC):
                 log.info("could not re-home the model (%s); snapshots use fused copies", exc)
         await sender.start(self._snapshot_source(None))
         self._sender = sender
-        await tg.start(sender.serve)
+        await self._start_background(tg, sender.serve)
+
+    async def _start_background(
+        self, tg: anyio.abc.TaskGroup, loop: Callable[..., Awaitable[None]]
+    ) -> None:
+        finished = anyio.Event()
+        self._bg_running.append(finished)
+
+        async def run(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+            try:
+                with self._bg_scope:
+                    await loop(task_status=task_status)
+            finally:
+                finished.set()
+
+        await tg.start(run)
 
     # -- sender API ---------------------------------------------------------------------------
 
@@ -401,7 +435,7 @@ class WeightSyncScheme(abc.ABC):
         self._receiver = receiver
         self._connected = True
         if self.background:
-            await self._tg.start(receiver.run)
+            await self._start_background(self._tg, receiver.run)
 
     async def send(
         self,
@@ -462,7 +496,7 @@ class WeightSyncScheme(abc.ABC):
         return await self._need_receiver().wait_for_version(version, timeout)
 
     async def receive(self, timeout: float | None = None) -> int | None:
-        """Pull mode: apply the next update if one arrives within ``timeout``; its version or None."""
+        """Pull mode: apply the next update arriving within ``timeout``; its version, or None."""
         if self.background:
             raise RuntimeError("receive() is for pull mode: build the scheme with background=False")
         timeout = self.timeouts.ack if timeout is None else timeout
@@ -486,4 +520,3 @@ class WeightSyncScheme(abc.ABC):
         if self._role != "receiver":
             raise RuntimeError("apply_weights() is for receivers")
         self._strategy.apply_weights(self._model, weights, inplace=inplace)
-

@@ -7,6 +7,7 @@ waits for the targeted workers' answers, which that task delivers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -155,10 +156,10 @@ class SenderCore:
                 with anyio.move_on_after(1.0):
                     for peer in self._peers.values():
                         if not peer.gone:
-                            try:
-                                await channel.send(peer.routing, Bye(reason="sender shutting down"), timeout=0.2)
-                            except WeightSyncError:
-                                pass
+                            with contextlib.suppress(WeightSyncError):
+                                await channel.send(
+                                    peer.routing, Bye(reason="sender shutting down"), timeout=0.2
+                                )
                 channel.close()
             for pending in self._pending.values():
                 pending.lost |= set(pending.waiting)
@@ -178,7 +179,7 @@ class SenderCore:
         everyone = set(range(self.num_workers))
         try:
             with anyio.fail_after(timeout):
-                while (missing := everyone - self.ready_workers()):
+                while missing := everyone - self.ready_workers():
                     await self._changed.wait()
         except TimeoutError:
             raise WeightSyncTimeout(
@@ -191,7 +192,9 @@ class SenderCore:
 
     # -- background task ----------------------------------------------------------------------
 
-    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         channel = self._channel
         assert channel is not None
         task_status.started()
@@ -234,9 +237,9 @@ class SenderCore:
                 peer.gone = True
                 self._mark_lost(peer, "its connection is closed")
 
-    def _mark_lost(self, peer: _Peer, why: str) -> None:
+    def _mark_lost(self, peer: _Peer, why: str, *, level: int = logging.WARNING) -> None:
         if not peer.lost:
-            log.warning("worker %d lost: %s", peer.worker_idx, why)
+            log.log(level, "worker %d lost: %s", peer.worker_idx, why)
         peer.lost = True
         for pending in self._pending.values():
             if peer.worker_idx in pending.waiting:
@@ -290,7 +293,9 @@ class SenderCore:
         elif isinstance(message, Bye):
             peer.gone = True
             self._by_routing.pop(routing, None)
-            self._mark_lost(peer, f"said goodbye ({message.reason or 'no reason'})")
+            self._mark_lost(
+                peer, f"said goodbye ({message.reason or 'no reason'})", level=logging.INFO
+            )
 
     def _on_answer(self, peer: _Peer, version: int, error: str | None) -> None:
         peer.inflight.discard(version)
@@ -322,10 +327,10 @@ class SenderCore:
         assert channel is not None
         if reason is not None:
             log.warning("refused worker %d: %s", hello.worker_idx, reason)
-            try:
-                await channel.send(routing, Refuse(reason=reason[:60000]), timeout=self._timeouts.control)
-            except WeightSyncError:
-                pass
+            with contextlib.suppress(WeightSyncError):
+                await channel.send(
+                    routing, Refuse(reason=reason[:60000]), timeout=self._timeouts.control
+                )
             return
         old = self._peers.pop(hello.worker_idx, None)
         if old is not None:
@@ -399,7 +404,9 @@ class SenderCore:
     def check_targets(self, targets: list[int]) -> None:
         unavailable = [w for w in targets if w not in self._peers or self._peers[w].lost]
         if unavailable:
-            raise WorkerLostError("cannot send: targeted workers are lost or not connected", unavailable)
+            raise WorkerLostError(
+                "cannot send: targeted workers are lost or not connected", unavailable
+            )
 
     def _pinned_versions(self) -> set[int]:
         pinned = {self.version}
@@ -435,16 +442,22 @@ class SenderCore:
         if missing:
             raise _with_outcome(
                 WeightSyncTimeout(f"version {version} was not acknowledged in time", missing),
-                version, pending,
+                version,
+                pending,
             )
         if pending.lost:
             raise _with_outcome(
-                WorkerLostError(f"workers were lost during the send of version {version}", pending.lost),
-                version, pending,
+                WorkerLostError(
+                    f"workers were lost during the send of version {version}", pending.lost
+                ),
+                version,
+                pending,
             )
         if pending.nacks:
             raise _with_outcome(RemoteApplyError(version, pending.nacks), version, pending)
-        return SendResult(version, tuple(sorted(pending.acked)), self.layout.total_bytes, elapsed, stage_s)
+        return SendResult(
+            version, tuple(sorted(pending.acked)), self.layout.total_bytes, elapsed, stage_s
+        )
 
     async def _stage_and_announce(
         self, staged: Source, targets: list[int]
@@ -490,4 +503,3 @@ def _with_outcome(exc: WeightSyncError, version: int, pending: _Pending) -> Weig
     exc.version = version
     exc.acked = tuple(sorted(pending.acked))
     return exc
-

@@ -9,7 +9,7 @@ destination's existing tensors) or out of place (the destination's tensors repla
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -50,8 +50,9 @@ class WeightStrategy:
             if isinstance(source, TensorDictBase):
                 return source
             if isinstance(source, nn.Module):
-                return TensorDict.from_module(source)
-            return TensorDict(flatten_weights(source), batch_size=[]).unflatten_keys(".")
+                return cast(TensorDictBase, TensorDict.from_module(source))
+            flat = TensorDict(flatten_weights(source), batch_size=[])
+            return cast(TensorDictBase, flat.unflatten_keys("."))
         return flatten_weights(source)
 
     def apply_weights(self, destination: Any, weights: WeightsLike, inplace: bool = True) -> None:

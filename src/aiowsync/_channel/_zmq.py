@@ -75,7 +75,7 @@ class _ZmqEnd:
             raise TimeoutError
         timeout_ms = None if math.isinf(remaining) else _ms(remaining)
         try:
-            ready = await self._sock.poll(timeout_ms, event)
+            ready = await self._sock.poll(timeout=timeout_ms, flags=event)
         except asyncio.CancelledError:
             # close() cancels a pending poll; the caller was not cancelled, the channel closed.
             if self._sock.closed and not _being_cancelled():
@@ -240,7 +240,7 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
 
     def _beat_loop(self, beat: Callable[[], Heartbeat], interval: float) -> None:
         # A socket of its own: zmq sockets are not thread-safe, and the event loop may be busy.
-        ctx = zmq.Context.shadow(self._ctx.underlying)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
         sock = ctx.socket(zmq.DEALER)
         try:
             _base_options(sock, self._heartbeat_timeout)

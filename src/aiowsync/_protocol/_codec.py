@@ -35,7 +35,7 @@ def decode(frame: bytes | bytearray | memoryview, *, max_size: int = MAX_FRAME) 
     if size > max_size:
         raise ProtocolError(f"frame of {size} bytes exceeds the {max_size}-byte limit")
     view = memoryview(frame)
-    if size < len(_HEADER) or view[:2] != MAGIC:
+    if size < len(_HEADER) or bytes(view[:2]) != MAGIC:
         raise ProtocolError("frame does not start with the aiowsync magic")
     if view[2] != PROTOCOL_VERSION:
         raise ProtocolError(

@@ -20,7 +20,7 @@ Rules (``TRANSITIONS`` is the single source of truth):
 from __future__ import annotations
 
 import enum
-from typing import Final
+from typing import Final, NoReturn
 
 from .._exceptions import ProtocolError
 from ._messages import Ack, Bye, Heartbeat, Hello, Message, Nack, Refuse, Update, Welcome
@@ -178,7 +178,7 @@ class Connection:
                 # Answers arrive in order, so nothing older than an ack can be answered later.
                 self._outstanding = {v for v in self._outstanding if v >= self._acked}
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str) -> NoReturn:
         self.state = State.ERROR
         self._error = reason
         raise ProtocolError(reason)
