@@ -55,11 +55,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import zmq  # noqa: E402
-import zmq.asyncio  # noqa: E402
+import zmq
+import zmq.asyncio
 
-from aiowsync._channel import ZmqChannelFactory  # noqa: E402
-from aiowsync._protocol import Ack, Heartbeat, Message, decode, encode  # noqa: E402
+from aiowsync._channel import ZmqChannelFactory
+from aiowsync._protocol import Ack, Heartbeat, decode, encode
 
 LOOPBACK = "tcp://127.0.0.1:0"
 HEARTBEAT_TIMEOUT = 1.5  # aiowsync's default liveness (3 beats of 0.5 s)
@@ -340,9 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1000, help="untimed round trips per contender")
     p.add_argument("--quick", action="store_true", help="2 rounds x 300 round trips, short warmup")
     p.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's loop")
-    p.add_argument(
-        "--no-codec-baseline", action="store_true", help="skip the raw+codec contender"
-    )
+    p.add_argument("--no-codec-baseline", action="store_true", help="skip the raw+codec contender")
     p.add_argument(
         "--profile",
         type=int,

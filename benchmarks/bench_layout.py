@@ -17,6 +17,10 @@ this shared VM changes its memory bandwidth within seconds, hits all of them ali
 * ``re-homed snapshot``: the module was re-homed with ``aiowsync._layout.rehome``, so its
   tensors already live in the layout's flat buffers; a snapshot is one ``copy_`` per flat buffer
   into a second set of buffers of the same sizes (this copies the alignment padding too);
+* ``pack (fused, 1 thread)`` (informational): the same fused pack with
+  ``torch.set_num_threads(1)`` around it. Every tensor above torch's grain size (32768
+  elements) gets its own OpenMP parallel region, and with ``OMP_WAIT_POLICY=PASSIVE`` each
+  region must first wake the sleeping worker thread; this contender shows what that costs;
 * ``pack (python loop)`` (informational): ``dst.copy_(src)`` per tensor from Python, to show
   what fusing saves.
 
@@ -53,11 +57,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from aiowsync._layout import Layout, is_homed, module_targets, rehome  # noqa: E402
-from aiowsync._weights import flatten_weights  # noqa: E402
+from aiowsync._layout import Layout, is_homed, module_targets, rehome
+from aiowsync._weights import flatten_weights
 
 MIB = 1 << 20
 MODEL_BYTES = 64 * MIB
@@ -161,18 +165,27 @@ class Case:
         for dst, src in self.snap_pairs:
             dst.copy_(src)
 
+    def fused_pack_one_thread(self) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self.layout.pack(self.tensors, self.pack_views)
+        finally:
+            torch.set_num_threads(threads)
+
     def loop_pack(self) -> None:
         with torch.no_grad():
             for dst, src in self.loop_pairs:
                 dst.copy_(src)
 
-    def contenders(self, with_loop: bool) -> dict[str, Callable[[], None]]:
+    def contenders(self, with_extra: bool) -> dict[str, Callable[[], None]]:
         out = {
             "raw copy_": self.raw_copy,
             "pack (fused)": self.fused_pack,
             "re-homed snapshot": self.homed_snapshot,
         }
-        if with_loop:
+        if with_extra:
+            out["pack (fused, 1 thread)"] = self.fused_pack_one_thread
             out["pack (python loop)"] = self.loop_pack
         return out
 
@@ -222,7 +235,7 @@ def summarize(rounds: list[list[int]], nbytes: int) -> dict[str, Any]:
 
 
 def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
-    ops = case.contenders(not args.no_loop_baseline)
+    ops = case.contenders(not args.no_extra)
     for _ in range(args.warmup):
         for op in ops.values():
             op()
@@ -301,7 +314,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{res['layout_bytes'] / MIB:.2f} MiB in {res['flat_buffers']} flat buffer(s)"
         )
         header = (
-            f"{'contender':<20}{'median ms':>10}{'p10':>8}{'p90':>8}{'p99':>8}{'spread':>8}"
+            f"{'contender':<24}{'median ms':>10}{'p10':>8}{'p90':>8}{'p99':>8}{'spread':>8}"
             f"{'GB/s':>7}{'x raw':>7}{'per round':>13}  target"
         )
         print(header)
@@ -317,7 +330,7 @@ def print_table(report: dict[str, Any]) -> None:
                 if "target" in ratio:
                     tgt = f"<= {ratio['target']}: {'met' if ratio['target_met'] else 'MISSED'}"
             print(
-                f"{name:<20}{r['median_ms']:>10.2f}{r['p10_ms']:>8.2f}{r['p90_ms']:>8.2f}"
+                f"{name:<24}{r['median_ms']:>10.2f}{r['p10_ms']:>8.2f}{r['p90_ms']:>8.2f}"
                 f"{r['p99_ms']:>8.2f}{r['spread_p10_p90_pct']:>7.0f}%{r['median_GBps']:>7.1f}"
                 f"{x:>7}{rng:>13}  {tgt}"
             )
@@ -338,9 +351,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.set_num_threads(N) before measuring (default: leave torch's default)",
     )
     p.add_argument(
-        "--no-loop-baseline",
+        "--no-extra",
         action="store_true",
-        help="skip the informational per-tensor Python loop contender",
+        help="skip the informational contenders (fused pack on 1 thread, Python loop)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -104,7 +104,7 @@ class WeightSyncScheme(abc.ABC):
         self._sender: SenderCore | None = None
         self._receiver: ReceiverCore | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._bg_scope = anyio.CancelScope()
+        self._bg_scope: anyio.CancelScope | None = None
         self._bg_running: list[anyio.Event] = []
         self._hooks: list[Hook] = []
         self._guard = ReadGuard()
@@ -299,6 +299,8 @@ class WeightSyncScheme(abc.ABC):
             raise RuntimeError("call init_on_sender() or init_on_receiver() before `async with`")
         if self._tg is not None:
             raise RuntimeError("this scheme is already running")
+        self._bg_scope = anyio.CancelScope()
+        self._bg_running = []
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -327,7 +329,8 @@ class WeightSyncScheme(abc.ABC):
         tg, self._tg = self._tg, None
         try:
             # Background loops stop first, so that closing the channel surprises no reader.
-            self._bg_scope.cancel()
+            if self._bg_scope is not None:
+                self._bg_scope.cancel()
             with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                 for finished in self._bg_running:
                     await finished.wait()
@@ -340,6 +343,10 @@ class WeightSyncScheme(abc.ABC):
             suppress = None
             if tg is not None:
                 tg.cancel_scope.cancel()
+                # The body's own exception is not handed to the task group, which would wrap
+                # it in an ExceptionGroup; it propagates unchanged once the group has closed.
+                if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                    exc_type, exc, tb = None, None, None
                 suppress = await tg.__aexit__(exc_type, exc, tb)
         return suppress
 
@@ -370,10 +377,12 @@ class WeightSyncScheme(abc.ABC):
     ) -> None:
         finished = anyio.Event()
         self._bg_running.append(finished)
+        scope = self._bg_scope
+        assert scope is not None
 
         async def run(*, task_status: anyio.abc.TaskStatus[None]) -> None:
             try:
-                with self._bg_scope:
+                with scope:
                     await loop(task_status=task_status)
             finally:
                 finished.set()

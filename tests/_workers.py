@@ -1,0 +1,255 @@
+"""Worker processes for the multi-process tests (spawned, so everything here is importable)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import asyncio
+import contextlib
+import hashlib
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import aiowsync
+
+SPAWN = mp.get_context("spawn")
+
+
+class BigModel(nn.Module):
+    """A few large tensors."""
+
+    def __init__(self, n: int = 3, numel: int = 1 << 20) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(numel)) for _ in range(n))
+        self.register_buffer("steps", torch.zeros(4, dtype=torch.int64))
+
+
+class ManyModel(nn.Module):
+    """1000 tensors of varied sizes, with integer and bool buffers."""
+
+    def __init__(self, count: int = 1000) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        sizes = torch.randint(16, 2048, (count - 2,), generator=g).tolist()
+        self.params = nn.ParameterList(nn.Parameter(torch.randn(s)) for s in sizes)
+        self.register_buffer("counts", torch.arange(37, dtype=torch.int64))
+        self.register_buffer("mask", torch.zeros(13, dtype=torch.bool))
+
+
+def make_model(kind: str) -> nn.Module:
+    if kind == "big":
+        return BigModel()
+    if kind == "many":
+        return ManyModel()
+    if kind == "small":
+        return BigModel(n=2, numel=4096)
+    raise ValueError(kind)
+
+
+def digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for key, t in sorted(list(model.state_dict(keep_vars=False).items())):
+        h.update(key.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def randomize(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.dtype == torch.bool:
+                t.copy_(torch.randint(0, 2, t.shape, generator=g).bool())
+            elif t.dtype.is_floating_point:
+                t.copy_(torch.randn(t.shape, generator=g))
+            else:
+                t.copy_(torch.randint(-1000, 1000, t.shape, generator=g))
+
+
+def fill(model: nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.fill_(value)
+
+
+def _check_uniform(model: nn.Module) -> float | None:
+    """The single value every tensor holds, or None if two values are mixed."""
+    seen: float | None = None
+    for t in list(model.parameters()) + list(model.buffers()):
+        lo, hi = float(t.min()), float(t.max())
+        if lo != hi or (seen is not None and lo != seen):
+            return None
+        seen = lo
+    return seen
+
+
+def worker_main(
+    scheme: aiowsync.SharedMemWeightSyncScheme | None,
+    address: str | None,
+    worker_idx: int,
+    kind: str,
+    events: Any,
+    stop: Any,
+    options: dict[str, Any],
+) -> None:
+    """Run one receiver until ``stop`` is set, reporting to ``events``:
+    ("ready", idx, version, digest), ("version", idx, version, digest), ("done", idx, stats).
+    """
+    torch.set_num_threads(1)
+    torch.manual_seed(1000 + worker_idx)
+    asyncio.run(_worker(scheme, address, worker_idx, kind, events, stop, options))
+
+
+async def _worker(
+    scheme: aiowsync.SharedMemWeightSyncScheme | None,
+    address: str | None,
+    worker_idx: int,
+    kind: str,
+    events: Any,
+    stop: Any,
+    options: dict[str, Any],
+) -> None:
+    if scheme is None:
+        scheme = aiowsync.SharedMemWeightSyncScheme(
+            address=address, background=options.get("background", True)
+        )
+    model = make_model(kind)
+    scheme.init_on_receiver(model=model, worker_idx=worker_idx)
+    report_digests = options.get("digests", True)
+    tear = options.get("tear", False)
+    stats = {"loop_reads": 0, "thread_reads": 0, "mixed": 0, "wrong_version": 0}
+
+    def on_switch(version: int) -> None:
+        if report_digests:
+            events.put(("version", worker_idx, version, digest(model)))
+
+    scheme.register_hook(on_switch)
+    async with scheme:
+        await scheme.connect(timeout=30)
+        events.put(("ready", worker_idx, scheme.version, digest(model) if report_digests else ""))
+        stop_thread = threading.Event()
+        reader = None
+        if tear:
+            reader = threading.Thread(
+                target=_thread_reader, args=(scheme, model, stats, stop_thread), daemon=True
+            )
+            reader.start()
+        try:
+            while not stop.is_set():
+                if tear:
+                    value = _check_uniform(model)
+                    stats["loop_reads"] += 1
+                    if value is None:
+                        stats["mixed"] += 1
+                    elif value != scheme.version:
+                        stats["wrong_version"] += 1
+                    await asyncio.sleep(0)
+                elif not scheme.background:
+                    got = await scheme.receive(timeout=0.2)
+                    if got is not None and not report_digests:
+                        events.put(("version", worker_idx, got, ""))
+                else:
+                    await asyncio.sleep(0.02)
+        finally:
+            stop_thread.set()
+            if reader is not None:
+                reader.join(timeout=10)
+        stats["connected"] = int(scheme.connected)
+        stats["version"] = scheme.version
+        events.put(("done", worker_idx, stats))
+
+
+def _thread_reader(
+    scheme: aiowsync.SharedMemWeightSyncScheme,
+    model: nn.Module,
+    stats: dict[str, int],
+    stop: threading.Event,
+) -> None:
+    guard = scheme.read_guard()
+    while not stop.is_set():
+        with guard:
+            version = scheme.version
+            value = _check_uniform(model)
+        stats["thread_reads"] += 1
+        if value is None:
+            stats["mixed"] += 1
+        elif value != version:
+            stats["wrong_version"] += 1
+        time.sleep(0.0005)
+
+
+class Workers:
+    """Spawned receiver processes; always terminated and joined on exit."""
+
+    def __init__(self) -> None:
+        self.events = SPAWN.Queue()
+        self.stop = SPAWN.Event()
+        self.procs: dict[int, Any] = {}
+
+    def start(
+        self,
+        worker_idx: int,
+        kind: str,
+        *,
+        scheme: Any = None,
+        address: str | None = None,
+        **options: Any,
+    ) -> Any:
+        proc = SPAWN.Process(
+            target=worker_main,
+            args=(scheme, address, worker_idx, kind, self.events, self.stop, options),
+            daemon=True,
+        )
+        proc.start()
+        self.procs[worker_idx] = proc
+        return proc
+
+    def next_event(self, timeout: float = 60) -> tuple[Any, ...]:
+        return self.events.get(timeout=timeout)  # type: ignore[no-any-return]
+
+    def collect(self, kind: str, count: int, timeout: float = 60) -> list[tuple[Any, ...]]:
+        """The next ``count`` events of ``kind`` (other kinds are kept in ``self.other``)."""
+        out: list[tuple[Any, ...]] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < count:
+            event = self.events.get(timeout=max(0.1, deadline - time.monotonic()))
+            if event[0] == kind:
+                out.append(event)
+            else:
+                self.other.append(event)
+        return out
+
+    other: list[tuple[Any, ...]] = []
+
+    def kill(self, worker_idx: int) -> None:
+        proc = self.procs.pop(worker_idx)
+        proc.kill()
+        proc.join(10)
+
+    def close(self) -> None:
+        self.stop.set()
+        for proc in self.procs.values():
+            proc.join(10)
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self.procs.clear()
+
+
+@contextlib.contextmanager
+def workers() -> Iterator[Workers]:
+    w = Workers()
+    w.other = []
+    try:
+        yield w
+    finally:
+        w.close()

@@ -1,0 +1,214 @@
+"""SharedMemWeightSyncScheme with real spawned worker processes, real ZeroMQ and /dev/shm."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import aiowsync
+from _workers import SPAWN, digest, fill, make_model, randomize, workers
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def _connect(scheme: aiowsync.SharedMemWeightSyncScheme, w, n: int) -> dict[int, str]:
+    await asyncio.wait_for(scheme.connect(timeout=60), 90)
+    ready = await asyncio.to_thread(w.collect, "ready", n)
+    return {e[1]: e[3] for e in ready}
+
+
+@pytest.mark.parametrize("kind", ["big", "many"])
+async def test_every_worker_holds_the_senders_bytes_after_each_send(kind: str) -> None:
+    torch.manual_seed(0)
+    model = make_model(kind)
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model=model, num_workers=4)
+    with workers() as w:
+        async with scheme:
+            for i in range(4):
+                w.start(i, kind, scheme=scheme)
+            ready = await _connect(scheme, w, 4)
+            assert ready == dict.fromkeys(range(4), digest(model))
+            for step in range(1, 11):
+                randomize(model, seed=step)
+                expected = digest(model)
+                result = await scheme.send(timeout=30)
+                assert result.version == step
+                assert result.worker_ids == (0, 1, 2, 3)
+                seen = await asyncio.to_thread(w.collect, "version", 4)
+                assert {(e[1], e[2]) for e in seen} == {(i, step) for i in range(4)}
+                assert all(e[3] == expected for e in seen), f"content differs at version {step}"
+
+
+async def test_subset_sends_and_worker_joining_from_address_alone() -> None:
+    model = make_model("small")
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model=model, num_workers=4)
+    with workers() as w:
+        async with scheme:
+            for i in range(3):
+                w.start(i, "small", scheme=scheme)
+            w.start(3, "small", address=scheme.address)  # an unrelated process: address only
+            await _connect(scheme, w, 4)
+
+            randomize(model, 1)
+            result = await scheme.send(worker_ids=[0, 2], timeout=20)
+            assert (result.version, result.worker_ids) == (1, (0, 2))
+            seen = await asyncio.to_thread(w.collect, "version", 2)
+            assert sorted((e[1], e[2]) for e in seen) == [(0, 1), (2, 1)]
+            assert all(e[3] == digest(model) for e in seen)
+
+            randomize(model, 2)
+            result = await scheme.send(worker_ids=3, timeout=20)
+            assert (result.version, result.worker_ids) == (2, (3,))
+            await asyncio.to_thread(w.collect, "version", 1)
+
+            randomize(model, 3)
+            result = await scheme.send(timeout=20)
+            assert result.worker_ids == (0, 1, 2, 3)
+            seen = await asyncio.to_thread(w.collect, "version", 4)
+            assert {e[2] for e in seen} == {3} and {e[3] for e in seen} == {digest(model)}
+
+
+async def test_pull_mode_workers_apply_on_receive() -> None:
+    model = make_model("small")
+    scheme = aiowsync.SharedMemWeightSyncScheme(background=False)
+    scheme.init_on_sender(model=model, num_workers=2)
+    with workers() as w:
+        async with scheme:
+            for i in range(2):
+                w.start(i, "small", scheme=scheme)
+            await _connect(scheme, w, 2)
+            for step in range(1, 4):
+                randomize(model, step)
+                result = await scheme.send(timeout=20)
+                assert result.version == step
+                seen = await asyncio.to_thread(w.collect, "version", 2)
+                assert {e[3] for e in seen} == {digest(model)}
+
+
+async def test_no_mixed_reads_while_sending_back_to_back() -> None:
+    model = make_model("big")
+    fill(model, 0)
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model=model, num_workers=4)
+    with workers() as w:
+        async with scheme:
+            for i in range(4):
+                w.start(i, "big", scheme=scheme, tear=True, digests=False)
+            await _connect(scheme, w, 4)
+            deadline = time.monotonic() + 6.0
+            sends = 0
+            while time.monotonic() < deadline:
+                fill(model, sends + 1)
+                result = await scheme.send(timeout=30)
+                sends += 1
+                assert result.version == sends
+            w.stop.set()
+            done = await asyncio.to_thread(w.collect, "done", 4)
+    assert sends >= 20
+    for _, idx, stats in done:
+        assert stats["loop_reads"] > 0 and stats["thread_reads"] > 0, stats
+        assert stats["mixed"] == 0, f"worker {idx} saw a mix of versions: {stats}"
+        assert stats["wrong_version"] == 0, f"worker {idx}: {stats}"
+        assert stats["version"] == sends
+
+
+async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_version() -> None:
+    model = make_model("small")
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model=model, num_workers=3)
+    with workers() as w:
+        async with scheme:
+            for i in range(3):
+                w.start(i, "small", scheme=scheme)
+            await _connect(scheme, w, 3)
+            randomize(model, 1)
+            await scheme.send(timeout=20)
+            await asyncio.to_thread(w.collect, "version", 3)
+
+            w.kill(1)
+            randomize(model, 2)
+            started = time.monotonic()
+            with pytest.raises(aiowsync.WeightSyncError) as info:
+                # Either the loss is already known (raised at once) or the deadline names it.
+                await scheme.send(timeout=scheme.heartbeats.timeout + 1.0)
+            assert time.monotonic() - started < scheme.heartbeats.timeout + 3.0
+            assert 1 in info.value.worker_ids  # type: ignore[attr-defined]
+            assert info.value.acked == (0, 2)
+            seen = await asyncio.to_thread(w.collect, "version", 2)
+            assert {(e[1], e[2]) for e in seen} == {(0, 2), (2, 2)}
+
+            # Once declared lost, a send naming it fails at once.
+            for _ in range(100):
+                if 1 in scheme._sender.lost_workers():  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.05)
+            started = time.monotonic()
+            with pytest.raises(aiowsync.WorkerLostError) as lost:
+                await scheme.send(timeout=30)
+            assert lost.value.worker_ids == (1,)
+            assert time.monotonic() - started < 0.5
+
+            w.start(1, "small", scheme=scheme)
+            rejoined = await asyncio.to_thread(w.collect, "ready", 1)
+            assert rejoined[0][2] == 2 and rejoined[0][3] == digest(model)
+            randomize(model, 3)
+            result = await scheme.send(timeout=20)
+            assert result.worker_ids == (0, 1, 2) and result.version == 3
+
+
+def _sender_process(address_queue, kind: str) -> None:
+    async def main() -> None:
+        model = make_model(kind)
+        fill(model, 7)
+        scheme = aiowsync.SharedMemWeightSyncScheme()
+        scheme.init_on_sender(model=model, num_workers=1)
+        async with scheme:
+            address_queue.put(scheme.address)
+            await scheme.connect(timeout=60)
+            address_queue.put("connected")
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())
+
+
+async def test_receivers_keep_weights_and_report_disconnected_when_the_sender_dies() -> None:
+    queue = SPAWN.Queue()
+    sender = SPAWN.Process(target=_sender_process, args=(queue, "small"), daemon=True)
+    sender.start()
+    try:
+        address = await asyncio.to_thread(queue.get, True, 60)
+        model = make_model("small")
+        scheme = aiowsync.SharedMemWeightSyncScheme(
+            address=address, heartbeats=aiowsync.Heartbeats(interval=0.2, missed=3)
+        )
+        scheme.init_on_receiver(model=model, worker_idx=0)
+        async with scheme:
+            await scheme.connect(timeout=30)
+            assert await asyncio.to_thread(queue.get, True, 30) == "connected"
+            assert scheme.connected and scheme.version == 0
+            os.kill(sender.pid, signal.SIGKILL)
+            sender.join(10)
+            for _ in range(100):
+                if not scheme.connected:
+                    break
+                await asyncio.sleep(0.05)
+            assert not scheme.connected
+            assert scheme.version == 0
+            assert all(bool((t == 7).all()) for t in model.state_dict().values())
+        # The dead sender's slot files are removed by the next sender to start.
+        next_sender = aiowsync.SharedMemWeightSyncScheme()
+        next_sender.init_on_sender(model=make_model("small"), num_workers=1)
+        async with next_sender:
+            leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"aiowsync-{sender.pid}-")]
+            assert leftovers == []
+    finally:
+        if sender.is_alive():
+            sender.kill()
+        sender.join(5)
