@@ -193,6 +193,7 @@ class Workers:
         self.events = SPAWN.Queue()
         self.stop = SPAWN.Event()
         self.procs: dict[int, Any] = {}
+        self.other: list[tuple[Any, ...]] = []
 
     def start(
         self,
@@ -227,8 +228,6 @@ class Workers:
                 self.other.append(event)
         return out
 
-    other: list[tuple[Any, ...]] = []
-
     def kill(self, worker_idx: int) -> None:
         proc = self.procs.pop(worker_idx)
         proc.kill()
@@ -248,7 +247,6 @@ class Workers:
 @contextlib.contextmanager
 def workers() -> Iterator[Workers]:
     w = Workers()
-    w.other = []
     try:
         yield w
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import pathlib
 import pickle
 import random
 import re
@@ -178,7 +179,7 @@ async def test_send_to_an_unknown_peer_fails(factory: ChannelFactory) -> None:
             await sender.send(b"nobody-by-that-name", Update(version=1), timeout=WAIT)
 
 
-async def test_ipc_transport_round_trip(tmp_path: Any) -> None:
+async def test_ipc_transport_round_trip(tmp_path: pathlib.Path) -> None:
     address = f"ipc://{tmp_path}/control.sock"
     assert is_loopback_address(address)
     factory = ZmqChannelFactory()

@@ -185,7 +185,9 @@ def test_thousand_tensor_round_trip() -> None:
         shape = tuple(int(d) for d in torch.randint(0, 5, (i % 4,), generator=gen))
         dtype = dtypes[i % len(dtypes)]
         values = torch.randint(-100, 100, shape, generator=gen)
-        source[f"block{i // 10}.t{i % 10}"] = (values > 0) if dtype is torch.bool else values.to(dtype)
+        source[f"block{i // 10}.t{i % 10}"] = (
+            (values > 0) if dtype is torch.bool else values.to(dtype)
+        )
     layout = Layout.from_weights(source, bucket_bytes=4096)
     assert len(layout) == 1000
     assert len(layout.buffer_sizes) > 1

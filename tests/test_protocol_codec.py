@@ -197,7 +197,13 @@ BAD_VALUES = [
     {"type": "hello", "protocol": 1, "model_id": "m", "worker_idx": 0, "fingerprint": "g" * 64},
     {"type": "hello", "protocol": 1, "model_id": "m", "worker_idx": 0, "fingerprint": "a" * 65},
     {"type": "hello", "protocol": -1, "model_id": "m", "worker_idx": 0, "fingerprint": "a" * 64},
-    {"type": "hello", "protocol": 1, "model_id": "m" * 257, "worker_idx": 0, "fingerprint": "a" * 64},
+    {
+        "type": "hello",
+        "protocol": 1,
+        "model_id": "m" * 257,
+        "worker_idx": 0,
+        "fingerprint": "a" * 64,
+    },
     {
         "type": "hello",
         "protocol": 1,

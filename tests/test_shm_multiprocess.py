@@ -206,8 +206,8 @@ async def test_receivers_keep_weights_and_report_disconnected_when_the_sender_di
         next_sender = aiowsync.SharedMemWeightSyncScheme()
         next_sender.init_on_sender(model=make_model("small"), num_workers=1)
         async with next_sender:
-            leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"aiowsync-{sender.pid}-")]
-            assert leftovers == []
+            prefix = f"aiowsync-{sender.pid}-"
+            assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     finally:
         if sender.is_alive():
             sender.kill()

@@ -172,7 +172,8 @@ class Layout:
         return hash(self.fingerprint)
 
     def __repr__(self) -> str:
-        return f"Layout({len(self.specs)} tensors, {self.total_bytes} bytes, {self.fingerprint[:12]})"
+        n, size, fp = len(self.specs), self.total_bytes, self.fingerprint[:12]
+        return f"Layout({n} tensors, {size} bytes, {fp})"
 
     # -- checks -------------------------------------------------------------------------------
 

@@ -79,6 +79,7 @@ class ReceiverCore:
         self._conn = Connection(Role.RECEIVER, worker_idx)
         self.guard = guard
         self.hooks = hooks
+        self.shield_updates = False
         self.version = -1
         self.sender_version = -1
         self._bye: str | None = None
@@ -217,8 +218,10 @@ class ReceiverCore:
             return None
         if isinstance(message, Update):
             self.sender_version = max(self.sender_version, message.version)
-            # Taken off the wire, an update is always answered, even if the caller is cancelled.
-            with anyio.CancelScope(shield=True):
+            # In pull mode an update taken off the wire is answered even if the caller's
+            # deadline fires meanwhile; in background mode only shutdown cancels, and then the
+            # sender is told.
+            with anyio.CancelScope(shield=self.shield_updates):
                 await self._apply_and_answer(message.version, message.params)
             return message.version
         return None
@@ -227,18 +230,29 @@ class ReceiverCore:
         answer: Ack | Nack
         try:
             await self._apply(version, params)
-            await self._run_hooks(version)
+            with anyio.fail_after(self._timeouts.ack):
+                await self._run_hooks(version)
             answer = Ack(worker_idx=self.worker_idx, version=version)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
+                await self._answer(
+                    Nack(worker_idx=self.worker_idx, version=version, error="receiver shut down")
+                )
+            raise
         except (WeightSyncError, OSError, RuntimeError, ValueError, TimeoutError) as exc:
             log.warning("worker %d could not apply version %d: %s", self.worker_idx, version, exc)
             answer = Nack(worker_idx=self.worker_idx, version=version, error=_text(exc))
         except Exception as exc:  # a user hook may raise anything; the sender must hear of it
             answer = Nack(worker_idx=self.worker_idx, version=version, error=_text(exc))
-        channel = self._channel
-        assert channel is not None
         with anyio.CancelScope(shield=True):
-            self._conn.send(answer)
-            await channel.send(answer, timeout=self._timeouts.control)
+            await self._answer(answer)
+
+    async def _answer(self, answer: Ack | Nack) -> None:
+        channel = self._channel
+        if channel is None:
+            return
+        self._conn.send(answer)
+        await channel.send(answer, timeout=self._timeouts.control)
 
     async def _apply(self, version: int, params: Mapping[str, ParamValue]) -> None:
         staged = self._plane.fetch(params)

@@ -440,6 +440,7 @@ class WeightSyncScheme(abc.ABC):
             guard=self._guard,
             hooks=self._hooks,
         )
+        receiver.shield_updates = not self.background
         await receiver.connect(timeout)
         self._receiver = receiver
         self._connected = True

@@ -75,7 +75,7 @@ class _ZmqEnd:
             raise TimeoutError
         timeout_ms = None if math.isinf(remaining) else _ms(remaining)
         try:
-            ready = await self._sock.poll(timeout=timeout_ms, flags=event)
+            ready = await self._sock.poll(timeout_ms, event)  # type: ignore[call-arg]
         except asyncio.CancelledError:
             # close() cancels a pending poll; the caller was not cancelled, the channel closed.
             if self._sock.closed and not _being_cancelled():

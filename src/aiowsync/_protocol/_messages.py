@@ -1,8 +1,8 @@
 """Control-plane message types.
 
-Every message is a frozen, keyword-only :class:`msgspec.Struct` that checks its own fields in
-``__post_init__``; msgspec runs that check both when code builds a message and when a frame is
-decoded, so an invalid message cannot exist in memory.
+Every message is a frozen, keyword-only :class:`msgspec.Struct`. Decoding enforces every
+constraint (types, ranges, lengths, patterns); cross-field rules live in ``__post_init__``,
+which msgspec runs both when code builds a message and when a frame is decoded.
 """
 
 from __future__ import annotations

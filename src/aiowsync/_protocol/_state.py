@@ -155,9 +155,9 @@ class Connection:
         self.state = next_state
 
     def _check_fields(self, message: Message) -> None:
-        if isinstance(message, Hello | Ack | Nack) and self.worker_idx is not None:
-            if message.worker_idx != self.worker_idx:
-                self._fail(f"message names worker {message.worker_idx}, expected {self.worker_idx}")
+        named = isinstance(message, Hello | Ack | Nack) and self.worker_idx is not None
+        if named and message.worker_idx != self.worker_idx:  # type: ignore[union-attr]
+            self._fail(f"message names worker {message.worker_idx}, expected {self.worker_idx}")  # type: ignore[union-attr]
         if isinstance(message, Hello) and self.worker_idx is None:
             self.worker_idx = message.worker_idx
         if isinstance(message, Welcome):

@@ -1,0 +1,319 @@
+"""Failure semantics of the shared-memory scheme, with receivers in this process.
+
+Real ZeroMQ sockets and real /dev/shm slots; receivers share the test's event loop, which keeps
+these tests fast. Process deaths are covered in test_shm_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from torch import nn
+
+import aiowsync
+from aiowsync._protocol import Ack, Hello, Update, encode
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = aiowsync.Heartbeats(interval=0.1, missed=5)
+
+
+def model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def bump(m: nn.Module, by: float = 1.0) -> None:
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(by)
+
+
+@contextlib.asynccontextmanager
+async def system(
+    n: int = 2, **sender_kw: object
+) -> AsyncIterator[tuple[aiowsync.SharedMemWeightSyncScheme, nn.Module, list]]:
+    src = model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST, **sender_kw)  # type: ignore[arg-type]
+    sender.init_on_sender(model=src, num_workers=n)
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(sender)
+        receivers = []
+        for i in range(n):
+            r = pickle.loads(pickle.dumps(sender))
+            m = model(100 + i)
+            r.init_on_receiver(model=m, worker_idx=i)
+            await stack.enter_async_context(r)
+            receivers.append((r, m))
+        await asyncio.gather(
+            sender.connect(timeout=10), *(r.connect(timeout=10) for r, _ in receivers)
+        )
+        yield sender, src, receivers
+
+
+async def test_scheme_pickles_to_configuration_and_address_only() -> None:
+    async with system(1) as (sender, _, receivers):
+        state = sender.__getstate__()
+        assert state["_address"] == sender.address
+        blob = pickle.dumps(sender)
+        assert len(blob) < 4096
+        clone = pickle.loads(blob)
+        assert clone.address == sender.address and clone.version == -1
+        assert not clone.initialized_on_sender
+
+
+async def test_wrong_model_is_refused_naming_the_differences() -> None:
+    async with system(1) as (sender, _, _):
+        other = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 4))
+        bad = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        bad.init_on_receiver(model=other, worker_idx=0)
+        async with bad:
+            with pytest.raises(aiowsync.RefusedError) as info:
+                await bad.connect(timeout=5)
+        text = str(info.value)
+        assert "0.weight: expected float32[32, 16], got float32[33, 16]" in text
+        assert "2.weight" in text
+
+
+async def test_out_of_range_index_and_second_live_claimant_are_refused() -> None:
+    async with system(2) as (sender, _, receivers):
+        for idx, needle in ((5, "out of range"), (1, "already connected")):
+            intruder = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+            intruder.init_on_receiver(model=model(), worker_idx=idx)
+            async with intruder:
+                with pytest.raises(aiowsync.RefusedError, match=needle):
+                    await intruder.connect(timeout=5)
+        # The legitimate workers are undisturbed.
+        result = await sender.send(timeout=5)
+        assert result.worker_ids == (0, 1)
+
+
+async def test_bad_weights_are_rejected_before_anything_is_written() -> None:
+    async with system(2) as (sender, src, receivers):
+        bad = {k: v.clone() for k, v in src.state_dict().items()}
+        bad["0.weight"] = torch.zeros(3, 3)
+        del bad["2.bias"]
+        with pytest.raises(aiowsync.LayoutMismatchError) as info:
+            await sender.send(bad)
+        assert "0.weight" in str(info.value) and "2.bias" in str(info.value)
+        assert sender.version == 0
+        assert all(r.version == 0 and same(m, src) for r, m in receivers)
+        with pytest.raises(ValueError, match="not in range"):
+            await sender.send(worker_ids=[7])
+
+
+async def test_send_weights_given_explicitly_as_state_dict_and_tensordict() -> None:
+    from tensordict import TensorDict
+
+    async with system(2) as (sender, src, receivers):
+        new = model(42)
+        result = await sender.send(new.state_dict(), timeout=5)
+        assert result.version == 1
+        assert all(same(m, new) for _, m in receivers)
+        newer = model(43)
+        result = await sender.send(TensorDict.from_module(newer), timeout=5)
+        assert result.version == 2 and all(same(m, newer) for _, m in receivers)
+
+
+async def test_unacked_send_times_out_naming_the_worker_and_others_commit() -> None:
+    async with system(3) as (sender, src, receivers):
+        release = asyncio.Event()
+
+        async def slow(version: int) -> None:
+            await release.wait()
+
+        receivers[1][0].register_hook(slow)
+        bump(src)
+        with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+            await sender.send(timeout=0.5)
+        assert isinstance(info.value, TimeoutError)
+        assert info.value.worker_ids == (1,)
+        assert info.value.acked == (0, 2) and info.value.version == 1
+        assert receivers[0][0].version == 1 and same(receivers[0][1], src)
+        assert receivers[2][0].version == 1 and same(receivers[2][1], src)
+        release.set()
+        assert await receivers[1][0].wait_for_version(1, timeout=5) == 1
+        receivers[1][0]._hooks.clear()
+        bump(src)
+        result = await sender.send(timeout=5)
+        assert result.version == 2 and result.worker_ids == (0, 1, 2)
+
+
+async def test_apply_failure_comes_back_as_a_nack_with_its_text() -> None:
+    async with system(2) as (sender, src, receivers):
+        def broken(version: int) -> None:
+            raise RuntimeError(f"kv cache reset failed at {version}")
+
+        receivers[0][0].register_hook(broken)
+        with pytest.raises(aiowsync.RemoteApplyError) as info:
+            await sender.send(timeout=5)
+        assert info.value.errors == {0: "RuntimeError: kv cache reset failed at 1"}
+        assert info.value.acked == (1,)
+
+
+async def test_hostile_frames_are_dropped_without_disturbing_workers() -> None:
+    async with system(2) as (sender, src, receivers):
+        ctx = zmq.asyncio.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(sender.address)
+        try:
+            hostile = [
+                [os.urandom(64)],
+                [pickle.dumps({"type": "ack", "worker_idx": 0, "version": 1})],
+                [b"AW\x01" + b"\x00" * (9 * 1024 * 1024)],
+                [b"AW\x01", b"two frames"],
+                [encode(Ack(worker_idx=0, version=1))],  # out of state: never said hello
+                [encode(Update(version=99))],  # wrong direction
+                [b"AW\x01" + msgspec.msgpack.encode({"type": "hello", "worker_idx": -3})],
+            ]
+            for frames in hostile:
+                await raw.send_multipart(frames)
+            hello = Hello(protocol=1, model_id="policy", worker_idx=9, fingerprint="0" * 64)
+            await raw.send_multipart([encode(hello)])
+            refused = await asyncio.wait_for(raw.recv_multipart(), 5)
+            assert b"out of range" in refused[0]
+            for step in range(1, 4):
+                bump(src)
+                result = await sender.send(timeout=5)
+                assert result.version == step and result.worker_ids == (0, 1)
+            assert all(same(m, src) for _, m in receivers)
+            assert sender.dropped_messages >= 5
+        finally:
+            raw.close(0)
+            ctx.term()
+
+
+async def test_cancelled_send_leaves_everything_consistent() -> None:
+    async with system(2) as (sender, src, receivers):
+        gate = asyncio.Event()
+
+        async def hold(version: int) -> None:
+            await gate.wait()
+
+        receivers[0][0].register_hook(hold)
+        bump(src)
+        task = asyncio.create_task(sender.send(timeout=10))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        receivers[0][0]._hooks.clear()
+        # The announced version still lands everywhere; the next send works.
+        assert await receivers[0][0].wait_for_version(1, timeout=5) == 1
+        bump(src)
+        result = await sender.send(timeout=5)
+        assert result.version == 2 and result.worker_ids == (0, 1)
+        assert all(r.version == 2 and same(m, src) for r, m in receivers)
+
+
+async def test_cancel_during_staging_keeps_workers_on_the_previous_version() -> None:
+    big = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # 64 MiB
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=big, num_workers=1)
+    async with sender:
+        r = pickle.loads(pickle.dumps(sender))
+        mirror = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+            before = mirror.state_dict()["0.weight"].clone()
+            bump(big)
+            with contextlib.suppress(asyncio.TimeoutError, aiowsync.WeightSyncTimeout):
+                await asyncio.wait_for(sender.send(timeout=10), 0.001)
+            await asyncio.sleep(0.2)
+            assert r.version in (0, 1)
+            if r.version == 0:
+                assert torch.equal(mirror.state_dict()["0.weight"], before)
+            result = await sender.send(timeout=10)
+            assert r.version == result.version and same(mirror, big)
+
+
+async def test_shutdown_during_a_send_raises_and_leaks_nothing() -> None:
+    src = model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        mirror = model(1)
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+            gate = asyncio.Event()
+            r.register_hook(lambda v: gate.wait())  # type: ignore[arg-type,return-value]
+            task = asyncio.create_task(sender.send(timeout=10))
+            await asyncio.sleep(0.2)
+        # The receiver shut down mid-send: the sender hears its goodbye.
+        with pytest.raises(aiowsync.WeightSyncError) as info:
+            await asyncio.wait_for(task, 5)
+        assert info.value.worker_ids == (0,)  # type: ignore[attr-defined]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"aiowsync-{os.getpid()}-")]
+
+
+async def test_copy_mode_keeps_private_tensors_and_stays_consistent() -> None:
+    src = model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, apply_mode="copy")
+        mirror = model(1)
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+            for step in range(1, 4):
+                bump(src)
+                await sender.send(timeout=5)
+                assert r.version == step and same(mirror, src)
+            # Private: writing the worker's tensor does not touch the sender's slot.
+            with torch.no_grad():
+                mirror[0].weight.fill_(123.0)
+            bump(src)
+            await sender.send(timeout=5)
+            assert same(mirror, src)
+
+
+async def test_read_guard_delays_the_switch_until_released() -> None:
+    async with system(1) as (sender, src, receivers):
+        r, m = receivers[0]
+        guard = r.read_guard()
+        before = m[0].weight.clone()
+        await asyncio.to_thread(guard.acquire)
+        bump(src)
+        task = asyncio.create_task(sender.send(timeout=5))
+        await asyncio.sleep(0.3)
+        assert r.version == 0 and torch.equal(m[0].weight, before)
+        await asyncio.to_thread(guard.release)
+        result = await task
+        assert result.version == 1 and r.version == 1 and same(m, src)
+
+
+async def test_wait_for_version_times_out_with_a_clear_error() -> None:
+    async with system(1) as (sender, src, receivers):
+        with pytest.raises(aiowsync.WeightSyncTimeout, match="still runs version 0"):
+            await receivers[0][0].wait_for_version(5, timeout=0.2)
+
+
+async def test_receiver_survives_a_busy_event_loop() -> None:
+    async with system(1) as (sender, src, receivers):
+        import time
+
+        time.sleep(FAST.timeout * 3)  # the loop is blocked; beats keep flowing from a thread
+        await asyncio.sleep(0.3)
+        assert sender._sender is not None and not sender._sender.lost_workers()
+        bump(src)
+        assert (await sender.send(timeout=5)).worker_ids == (0,)
