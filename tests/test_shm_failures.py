@@ -317,3 +317,52 @@ async def test_receiver_survives_a_busy_event_loop() -> None:
         assert sender._sender is not None and not sender._sender.lost_workers()
         bump(src)
         assert (await sender.send(timeout=5)).worker_ids == (0,)
+
+
+async def test_concurrent_sends_are_served_one_at_a_time_in_call_order() -> None:
+    async with system(2) as (sender, src, receivers):
+        seen: list[int] = []
+        receivers[0][0].register_hook(seen.append)
+        payloads = [model(200 + k).state_dict() for k in range(4)]
+        results = await asyncio.gather(*(sender.send(p, timeout=10) for p in payloads))
+        assert [r.version for r in results] == [1, 2, 3, 4]
+        assert seen == [1, 2, 3, 4]
+        final = model(203)
+        assert all(same(m, final) for _, m in receivers)
+
+
+async def test_misuse_gives_clear_errors() -> None:
+    s = aiowsync.SharedMemWeightSyncScheme()
+    with pytest.raises(RuntimeError, match="init_on_sender"):
+        async with s:
+            pass
+    with pytest.raises(ValueError, match="num_workers"):
+        s.init_on_sender(model=model(), num_workers=0)
+    with pytest.raises(ValueError, match="address"):
+        aiowsync.SharedMemWeightSyncScheme().init_on_receiver(model=model(), worker_idx=0)
+    with pytest.raises(ValueError, match="num_slots"):
+        aiowsync.SharedMemWeightSyncScheme(num_slots=1)
+    s.init_on_sender(model=model(), num_workers=1)
+    with pytest.raises(RuntimeError, match="already initialised"):
+        s.init_on_sender(model=model(), num_workers=1)
+    with pytest.raises(RuntimeError, match="async with"):
+        await s.send()
+    async with s:
+        with pytest.raises(aiowsync.WorkerLostError, match="not connected"):
+            await s.send(timeout=1)
+        with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+            await s.connect(timeout=0.2)
+        assert info.value.worker_ids == (0,)
+
+
+async def test_slots_grow_when_versions_stay_in_use_side_by_side() -> None:
+    async with system(3) as (sender, src, receivers):
+        # Each worker is left on a different version, so more than two slots are in use.
+        for worker in range(3):
+            bump(src)
+            await sender.send(worker_ids=[worker], timeout=5)
+        assert [r.version for r, _ in receivers] == [1, 2, 3]
+        bump(src)
+        result = await sender.send(timeout=5)
+        assert result.worker_ids == (0, 1, 2)
+        assert all(same(m, src) for _, m in receivers)

@@ -1,0 +1,47 @@
+"""The public surface is what DESIGN.md section 6 and the docs promise."""
+
+from __future__ import annotations
+
+import inspect
+
+import aiowsync
+
+
+def test_all_names_exist_and_are_exported() -> None:
+    for name in aiowsync.__all__:
+        assert hasattr(aiowsync, name), name
+    public = {n for n in dir(aiowsync) if not n.startswith("_")}
+    assert public - set(aiowsync.__all__) <= {"annotations"}
+
+
+def test_contract_names() -> None:
+    scheme = aiowsync.SharedMemWeightSyncScheme
+    for method in (
+        "init_on_sender",
+        "init_on_receiver",
+        "connect",
+        "send",
+        "wait_for_version",
+        "receive",
+        "register_hook",
+        "read_guard",
+        "__aenter__",
+        "__aexit__",
+    ):
+        assert callable(getattr(scheme, method)), method
+    for prop in ("address", "version", "ready", "connected"):
+        assert isinstance(inspect.getattr_static(aiowsync.WeightSyncScheme, prop), property), prop
+    params = inspect.signature(scheme.send).parameters
+    assert list(params)[1:] == ["weights", "worker_ids", "timeout"]
+    assert issubclass(aiowsync.WeightSyncTimeout, aiowsync.WeightSyncError)
+    assert issubclass(aiowsync.WeightSyncTimeout, TimeoutError)
+    assert issubclass(aiowsync.WorkerLostError, aiowsync.WeightSyncError)
+    assert issubclass(aiowsync.RemoteApplyError, aiowsync.WeightSyncError)
+
+
+def test_receiver_takes_the_same_constructor_arguments_as_the_sender() -> None:
+    a = aiowsync.SharedMemWeightSyncScheme(num_slots=3, model_id="critic")
+    b = aiowsync.SharedMemWeightSyncScheme(
+        address="tcp://127.0.0.1:1", num_slots=3, model_id="critic"
+    )
+    assert (a.num_slots, a.model_id) == (b.num_slots, b.model_id)
