@@ -21,6 +21,14 @@ Contenders, measured in the same run and alternated round by round so that drift
 
 Target: aiowsync's median <= 1.5x raw's median.
 
+Reading the numbers: a round trip crosses threads four times (event loop -> ZeroMQ I/O thread
+-> the other context's I/O thread -> event loop, twice). On this VM an idle vCPU takes tens of
+microseconds to wake, so on an idle machine wake-ups dominate (a few hundred microseconds per
+round trip), while with other processes keeping the vCPUs awake a round trip takes tens of
+microseconds. Compare contenders within one run only; the load average at the start and end is
+printed and recorded. The ``cpu us`` column (the event-loop thread's CPU time per round trip)
+is the Python layer's cost independent of wake-ups; under CPU contention it becomes latency.
+
 Environment: ``OMP_WAIT_POLICY=PASSIVE`` is set (unless already set) before torch is imported
 (aiowsync imports torch), as for every benchmark on the shared 2-core machine; torch does no
 work here, so its thread count is left alone.
@@ -223,6 +231,7 @@ def summarize(rounds: list[list[int]], cpu_ns: list[int]) -> dict[str, Any]:
 
 
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    load_at_start = os.getloadavg()
     contenders: list[Contender] = [AiowsyncPair(), RawPair()]
     if not args.no_codec_baseline:
         contenders.append(RawCodecPair())
@@ -264,7 +273,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "heartbeat_timeout_s": HEARTBEAT_TIMEOUT,
             "frame_bytes": {"up": len(encode(ACK)), "down": len(encode(BEAT))},
         },
-        "environment": environment(),
+        "environment": environment(load_at_start),
         "results": results,
         "ratio_vs_raw_median": ratios,
         "aiowsync_vs_raw_per_round": per_round,
@@ -288,7 +297,7 @@ async def profile(contender: Contender, n: int) -> str:
     return out.getvalue()
 
 
-def environment() -> dict[str, Any]:
+def environment(load_at_start: tuple[float, float, float]) -> dict[str, Any]:
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -296,6 +305,9 @@ def environment() -> dict[str, Any]:
         "pyzmq": zmq.__version__,
         "libzmq": zmq.zmq_version(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        # other processes on a 2-core machine change these results a lot: keep the load with them
+        "loadavg_1_5_15_at_start": load_at_start,
+        "loadavg_1_5_15_at_end": os.getloadavg(),
     }
 
 
@@ -304,6 +316,11 @@ def print_table(report: dict[str, Any]) -> None:
     print(
         f"\nchannel round trip over tcp loopback, {cfg['event_loop']} loop, "
         f"{cfg['rounds']} rounds x {cfg['round_trips_per_round']} round trips per contender"
+    )
+    env = report["environment"]
+    print(
+        f"load average (1 min) {env['loadavg_1_5_15_at_start'][0]:.2f} at start, "
+        f"{env['loadavg_1_5_15_at_end'][0]:.2f} at end"
     )
     header = f"{'contender':<11}{'median us':>11}{'p99 us':>10}{'p10 us':>9}{'p90 us':>9}"
     header += f"{'min us':>9}{'x raw':>8}{'cpu us':>8}   round medians (us)"

@@ -27,6 +27,12 @@ this shared VM changes its memory bandwidth within seconds, hits all of them ali
 Targets, as ratios of medians against ``raw copy_``: fused pack about 1.6x (on the many-small
 model), re-homed snapshot <= 1.1x.
 
+Reading the numbers: on this shared 2-core VM the second vCPU is sometimes effectively
+unavailable for seconds at a time; a raw copy then runs at one-thread speed (~10 ms instead of
+~6 ms for 64 MiB). Large copies gain from the second thread, while a pack of many small tensors
+pays a worker wake-up per parallel region, so the fused-pack ratio moves a lot with that state
+(per-round ratios show it). The load average at the start and end is printed and recorded.
+
 Environment: ``OMP_WAIT_POLICY=PASSIVE`` is set (unless already set) before torch is imported,
 so that torch's OpenMP threads sleep instead of spinning when idle on the shared 2-core machine.
 torch's intra-op thread count is left at its default (printed; every contender uses the same
@@ -290,7 +296,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def environment() -> dict[str, Any]:
+def environment(load_at_start: tuple[float, float, float]) -> dict[str, Any]:
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -298,6 +304,9 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        # other processes on a 2-core machine change these results a lot: keep the load with them
+        "loadavg_1_5_15_at_start": load_at_start,
+        "loadavg_1_5_15_at_end": os.getloadavg(),
     }
 
 
@@ -307,6 +316,10 @@ def print_table(report: dict[str, Any]) -> None:
         f"\nlayout packing, {cfg['rounds']} rounds x {cfg['reps']} reps per contender, "
         f"torch threads {env['torch_threads']} ({cfg['threads_note']}), "
         f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}"
+    )
+    print(
+        f"load average (1 min) {env['loadavg_1_5_15_at_start'][0]:.2f} at start, "
+        f"{env['loadavg_1_5_15_at_end'][0]:.2f} at end"
     )
     for model, res in report["models"].items():
         print(
@@ -372,6 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    load_at_start = os.getloadavg()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads_note = "set by --threads" if args.threads is not None else "torch default, unchanged"
@@ -383,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         Case("few-large", few_large_shapes(), args.seed),
     ]
+    models = {case.name: run_case(case, args) for case in cases}
     report = {
         "benchmark": "Layout.pack / re-homed snapshot vs one raw copy_ of the same bytes",
         "config": {
@@ -393,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             "threads_note": threads_note,
             "seed": args.seed,
         },
-        "environment": environment(),
-        "models": {case.name: run_case(case, args) for case in cases},
+        "environment": environment(load_at_start),
+        "models": models,
     }
     print_table(report)
     args.json.parent.mkdir(parents=True, exist_ok=True)

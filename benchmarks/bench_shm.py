@@ -311,7 +311,17 @@ async def run_session(
     scheme = aiowsync.SharedMemWeightSyncScheme()
     scheme.init_on_sender(model=model.module, num_workers=n_workers, rehome=rehome)
     out: dict[str, Any] = {"model": model.name, "workers": n_workers, "rehome": rehome}
+    phases: dict[str, float] = {}
+    out["phase_s"] = phases
     joined = False
+    t_phase = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal t_phase
+        now = time.perf_counter()
+        phases[name] = now - t_phase
+        t_phase = now
+
     async with scheme:
         try:
             blob = pickle.dumps(scheme)  # after `async with`: the address is bound
@@ -323,6 +333,7 @@ async def run_session(
             out["connect_s"] = time.perf_counter() - t0
             ready = [await pool.expect(i, "ready", timeout=300) for i in ids]
             out["worker_connect_s"] = [r[2] for r in ready]
+            phase("connect")
 
             if rehome:
                 variants: dict[str, Callable[[], Awaitable[Any]]] = {
@@ -336,6 +347,7 @@ async def run_session(
                 }
             iters = args.iters or (QUICK_ITERS if args.quick else DEFAULT_ITERS)[model.name]
             out.update(await measure(model, variants, iters, args.warmup))
+            phase("measure")
 
             # correctness: every worker must run exactly the stamped values at the new version
             model.stamp_base += 1000
@@ -348,19 +360,24 @@ async def run_session(
             if bad:
                 raise AssertionError(f"workers {bad} do not hold version {result.version}")
             out["verified_version"] = result.version
+            phase("verify")
 
             # memory, after several versions were applied
             mems = await pool.ask(ids, ("mem",), "mem")
             out["memory"] = [memory_entry(m, model.nbytes) for m in mems]
+            phase("memory")
 
             if gap:
                 out["gap"] = await gap_phase(pool, ids, first, args.idle_s, args.gap_sends)
+                phase("gap")
         finally:
             if joined:
                 for i in ids:
                     pool.conns[i].send(("leave",))
                 for i in ids:
                     await pool.drain_until(i, "left", timeout=60)
+                phase("leave")
+    phase("close")
     return out
 
 
@@ -614,6 +631,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         report["environment"]["worker_pids"] = pool.pids
         report["environment"]["worker_torch_threads"] = pool.threads
         print(f"{len(pool.pids)} workers up in {time.perf_counter() - t_start:.1f} s", flush=True)
+        # torch's own objects are never garbage: freeze them, so that the gc.collect() before
+        # each round costs microseconds, not ~200 ms.
+        gc.collect()
+        gc.freeze()
         for name in args.sizes:
             model = Model(name)
             for n in args.workers:

@@ -366,3 +366,17 @@ async def test_slots_grow_when_versions_stay_in_use_side_by_side() -> None:
         result = await sender.send(timeout=5)
         assert result.worker_ids == (0, 1, 2)
         assert all(same(m, src) for _, m in receivers)
+
+
+def test_scheme_runs_under_uvloop() -> None:
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        async with system(2) as (sender, src, receivers):
+            for step in range(1, 4):
+                bump(src)
+                result = await sender.send(timeout=5)
+                assert result.version == step
+            assert all(r.version == 3 and same(m, src) for r, m in receivers)
+
+    uvloop.run(main())
