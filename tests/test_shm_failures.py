@@ -155,6 +155,7 @@ async def test_unacked_send_times_out_naming_the_worker_and_others_commit() -> N
 
 async def test_apply_failure_comes_back_as_a_nack_with_its_text() -> None:
     async with system(2) as (sender, src, receivers):
+
         def broken(version: int) -> None:
             raise RuntimeError(f"kv cache reset failed at {version}")
 
@@ -380,3 +381,61 @@ def test_scheme_runs_under_uvloop() -> None:
             assert all(r.version == 3 and same(m, src) for r, m in receivers)
 
     uvloop.run(main())
+
+
+async def test_a_failed_hook_keeps_the_workers_slot_protected() -> None:
+    async with system(2) as (sender, src, receivers):
+        r0, m0 = receivers[0]
+
+        def fail_once(version: int) -> None:
+            if version == 1:
+                raise RuntimeError("hook failed")
+
+        r0.register_hook(fail_once)
+        bump(src)
+        with pytest.raises(aiowsync.RemoteApplyError):
+            await sender.send(worker_ids=[0], timeout=5)
+        held = {k: v.clone() for k, v in m0.state_dict().items()}
+        assert r0.version == 1  # switched before the hook failed
+        for _ in range(3):  # other versions must not be written into worker 0's slot
+            bump(src)
+            await sender.send(worker_ids=[1], timeout=5)
+        assert all(torch.equal(m0.state_dict()[k], v) for k, v in held.items())
+
+
+async def test_a_failing_hook_at_connect_fails_connect() -> None:
+    src = model(0)
+    s = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    s.init_on_sender(model=src, num_workers=1)
+    async with s:
+        r = aiowsync.SharedMemWeightSyncScheme(address=s.address)
+        r.init_on_receiver(model=model(1), worker_idx=0)
+        r.register_hook(lambda v: 1 / 0)  # type: ignore[arg-type,func-returns-value]
+        async with r:
+            with pytest.raises(aiowsync.ConnectError, match="ZeroDivisionError"):
+                await r.connect(timeout=5)
+
+
+async def test_sender_shutdown_while_a_send_is_staging() -> None:
+    big = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=big, num_workers=1)
+    results: list[BaseException] = []
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        r.init_on_receiver(
+            model=nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]), worker_idx=0
+        )
+        async with r:
+            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+
+            async def one() -> None:
+                try:
+                    await sender.send(timeout=10)
+                except aiowsync.WeightSyncError as exc:
+                    results.append(exc)
+
+            tasks = [asyncio.create_task(one()) for _ in range(3)]
+            await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert all(isinstance(e, aiowsync.WeightSyncError) for e in results)

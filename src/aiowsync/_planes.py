@@ -117,6 +117,7 @@ class SharedMemSenderPlane(SenderPlane):
         self.max_slots = max_slots
         self._slots: list[_Slot] = []
         self._token = secrets.token_hex(6)
+        self._closed = False
 
     def setup(self, layout: Layout) -> None:
         self.layout = layout
@@ -140,6 +141,8 @@ class SharedMemSenderPlane(SenderPlane):
         return len(self._slots)
 
     def reserve(self, pinned: set[int]) -> int:
+        if self._closed:
+            raise WeightSyncError("the shared-memory plane is closed")
         for index, slot in enumerate(self._slots):
             if not slot.busy and (slot.version is None or slot.version not in pinned):
                 slot.busy = True
@@ -167,11 +170,15 @@ class SharedMemSenderPlane(SenderPlane):
             raise ValueError("empty source")
 
     def publish(self, slot: int, version: int) -> Params:
+        if self._closed:
+            raise WeightSyncError("the shared-memory plane is closed")
         s = self._slots[slot]
         s.version, s.busy = version, False
         return {"slot": slot, "path": s.file.path, "nbytes": s.file.nbytes}
 
     def release(self, slot: int) -> None:
+        if self._closed:
+            return
         s = self._slots[slot]
         s.busy, s.version = False, None
 
@@ -182,9 +189,9 @@ class SharedMemSenderPlane(SenderPlane):
         raise KeyError(f"version {version} is in no slot")
 
     def close(self) -> None:
+        self._closed = True
         for s in self._slots:
             s.file.unlink()
-        self._slots.clear()
 
 
 class SharedMemReceiverPlane(ReceiverPlane):

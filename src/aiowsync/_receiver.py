@@ -80,6 +80,7 @@ class ReceiverCore:
         self.guard = guard
         self.hooks = hooks
         self.shield_updates = False
+        self.protocol_errors = 0
         self.version = -1
         self.sender_version = -1
         self._bye: str | None = None
@@ -101,7 +102,8 @@ class ReceiverCore:
 
     @property
     def dropped(self) -> int:
-        return 0 if self._channel is None else self._channel.dropped
+        channel = self._channel
+        return self.protocol_errors + (0 if channel is None else channel.dropped)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -128,7 +130,7 @@ class ReceiverCore:
             with anyio.fail_after(timeout):
                 welcome = await self._handshake(channel)
                 self._plane.setup(self.layout, welcome.params)
-                await self._apply_and_answer(welcome.version, welcome.params)
+                answer = await self._apply_and_answer(welcome.version, welcome.params)
         except TimeoutError:
             self._close_channel()
             raise WeightSyncTimeout(
@@ -139,9 +141,12 @@ class ReceiverCore:
         except BaseException:
             self._close_channel()
             raise
-        if self.version < welcome.version:
+        if isinstance(answer, Nack):
             self._close_channel()
-            raise ConnectError(f"worker {self.worker_idx} could not apply the initial version")
+            raise ConnectError(
+                f"worker {self.worker_idx} could not apply version {welcome.version}: "
+                f"{answer.error}"
+            )
         channel.start_heartbeat(self._heartbeat, welcome.heartbeat_interval)
 
     def _heartbeat(self) -> Heartbeat:
@@ -209,7 +214,11 @@ class ReceiverCore:
         try:
             self._conn.receive(message)
         except ProtocolError as exc:
-            log.warning("worker %d dropped a message: %s", self.worker_idx, exc)
+            self.protocol_errors += 1
+            # The sender broke the protocol: stop trusting this connection, keep the weights.
+            self._bye = f"protocol error: {exc}"
+            log.warning("worker %d: %s; disconnecting", self.worker_idx, exc)
+            self._notify()
             return None
         if isinstance(message, Bye):
             self._bye = message.reason or "sender said goodbye"
@@ -226,7 +235,9 @@ class ReceiverCore:
             return message.version
         return None
 
-    async def _apply_and_answer(self, version: int, params: Mapping[str, ParamValue]) -> None:
+    async def _apply_and_answer(
+        self, version: int, params: Mapping[str, ParamValue]
+    ) -> Ack | Nack:
         answer: Ack | Nack
         try:
             await self._apply(version, params)
@@ -246,6 +257,7 @@ class ReceiverCore:
             answer = Nack(worker_idx=self.worker_idx, version=version, error=_text(exc))
         with anyio.CancelScope(shield=True):
             await self._answer(answer)
+        return answer
 
     async def _answer(self, answer: Ack | Nack) -> None:
         channel = self._channel

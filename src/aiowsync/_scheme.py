@@ -479,6 +479,8 @@ class WeightSyncScheme(abc.ABC):
         if worker_ids is None:
             return list(range(self.num_workers))
         ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        if not ids:
+            raise ValueError("worker_ids is empty: name at least one worker, or pass None for all")
         for w in ids:
             if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < self.num_workers:
                 raise ValueError(f"worker id {w!r} is not in range(0, {self.num_workers})")

@@ -51,6 +51,9 @@ __all__ = ["SendResult", "SenderCore"]
 log = logging.getLogger("aiowsync.sender")
 
 
+_DEAD_STATES = frozenset({State.ERROR, State.CLOSED})
+
+
 @dataclass(frozen=True, slots=True)
 class SendResult:
     """What a successful ``send()`` did."""
@@ -270,7 +273,7 @@ class SenderCore:
                 self._drop(f"heartbeat for an unknown session from worker {message.worker_idx}")
                 return
             peer.last_seen = time.monotonic()
-            if peer.lost and not peer.gone:
+            if peer.lost and not peer.gone and peer.conn.state not in _DEAD_STATES:
                 log.info("worker %d is back", peer.worker_idx)
                 peer.lost = False
                 self._notify()
@@ -298,7 +301,8 @@ class SenderCore:
             )
 
     def _on_answer(self, peer: _Peer, version: int, error: str | None) -> None:
-        peer.inflight.discard(version)
+        # A nack keeps its version pinned: the worker may have switched to it before a hook
+        # failed. Only a later ack proves the worker left it.
         if error is None:
             peer.inflight = {v for v in peer.inflight if v > version}
             if version >= peer.welcome_version and not peer.ready:
@@ -402,7 +406,15 @@ class SenderCore:
     # -- sending ------------------------------------------------------------------------------
 
     def check_targets(self, targets: list[int]) -> None:
-        unavailable = [w for w in targets if w not in self._peers or self._peers[w].lost]
+        if self._channel is None:
+            raise WeightSyncError("the sender is shut down")
+        unavailable = [
+            w
+            for w in targets
+            if w not in self._peers
+            or self._peers[w].lost
+            or self._peers[w].conn.state in _DEAD_STATES
+        ]
         if unavailable:
             raise WorkerLostError(
                 "cannot send: targeted workers are lost or not connected", unavailable
@@ -423,14 +435,17 @@ class SenderCore:
         started = time.perf_counter()
         self.check_targets(targets)
         deadline = None if timeout is None else time.monotonic() + timeout
+        stage_limit = self._timeouts.transfer if timeout is None else timeout
         try:
-            with anyio.fail_after(timeout):
+            with anyio.fail_after(stage_limit):
                 async with self._send_lock:
                     self.check_targets(targets)
                     staged = source()
                     version, pending, stage_s = await self._stage_and_announce(staged, targets)
         except TimeoutError:
-            raise WeightSyncTimeout(f"send did not stage within {timeout:g} s", targets) from None
+            raise WeightSyncTimeout(
+                f"send did not stage within {stage_limit:g} s", targets
+            ) from None
         try:
             wait = self._timeouts.ack if deadline is None else max(0.0, deadline - time.monotonic())
             with anyio.move_on_after(wait):
@@ -472,8 +487,7 @@ class SenderCore:
         stage_s = time.perf_counter() - t0
         channel = self._channel
         if channel is None:
-            self._plane.release(slot)
-            raise WeightSyncError("the sender is shut down")
+            raise WeightSyncError("the sender shut down while this version was being staged")
         # From here on the version exists: announce it to every target even if cancelled.
         with anyio.CancelScope(shield=True):
             version = self.version + 1
@@ -487,12 +501,12 @@ class SenderCore:
                     pending.lost.add(worker)
                     pending.settle(worker)
                     continue
-                peer.conn.send(update)
-                peer.inflight.add(version)
                 try:
+                    peer.conn.send(update)
+                    peer.inflight.add(version)
                     await channel.send(peer.routing, update, timeout=self._timeouts.control)
-                except TransportError as exc:
-                    peer.gone = True
+                except WeightSyncError as exc:
+                    peer.gone = isinstance(exc, TransportError)
                     self._mark_lost(peer, f"update could not be sent: {exc}")
             if not targets:
                 pending.done.set()
