@@ -119,7 +119,7 @@ def spec_bytes(spec: Spec) -> int:
     return total
 
 
-def build_model(spec: Spec, init: Callable[[torch.Tensor], None]) -> nn.Module:
+def build_model(spec: Spec, init: Callable[[torch.Tensor], None], device: str = "cpu") -> nn.Module:
     """A module holding the spec's tensors under their dotted names; ``init`` fills each one."""
     root = nn.Module()
     with torch.no_grad():
@@ -132,7 +132,7 @@ def build_model(spec: Spec, init: Callable[[torch.Tensor], None]) -> nn.Module:
                     child = nn.Module()
                     mod.add_module(part, child)
                 mod = child
-            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             init(t)
             if is_buffer:
                 mod.register_buffer(leaf, t)
@@ -323,7 +323,13 @@ async def _session(conn: Connection, worker_idx: int, blob: bytes, spec: Spec) -
                     before = private_memory()
                     trimmed = malloc_trim()
                     after = private_memory()
-                    conn.send(("mem", baseline, before, after, trimmed, scheme.version))
+                    # What the module's objects alone cost (no data): a twin on the meta device.
+                    twin = build_model(spec, poison_init, device="meta")
+                    with_twin = private_memory()
+                    del twin
+                    gc.collect()
+                    meta_kb = with_twin["own_kb"] - after["own_kb"]
+                    conn.send(("mem", baseline, before, after, trimmed, scheme.version, meta_kb))
                 elif kind == "check":
                     version = await scheme.wait_for_version(msg[1], timeout=60)
                     conn.send(("check", version, fingerprint(model)))
