@@ -181,6 +181,7 @@ class Ticker:
     def __init__(self, period: float = 0.001) -> None:
         self.period = period
         self.max_gap = 0.0
+        self.max_at = 0.0
         self.ticks = 0
 
     async def run(self) -> None:
@@ -193,12 +194,13 @@ class Ticker:
             last = now
             self.ticks += 1
             if gap > self.max_gap:
-                self.max_gap = gap
+                self.max_gap, self.max_at = gap, now
 
-    def mark(self) -> tuple[float, int]:
-        """The longest gap and the tick count since the last mark (both reset)."""
-        out = (self.max_gap, self.ticks)
-        self.max_gap, self.ticks = 0.0, 0
+    def mark(self) -> tuple[float, int, float]:
+        """The longest gap, the tick count and when that gap ended (``time.perf_counter()``,
+        the system-wide monotonic clock on Linux) since the last mark (all reset)."""
+        out = (self.max_gap, self.ticks, self.max_at)
+        self.max_gap, self.ticks, self.max_at = 0.0, 0, 0.0
         return out
 
 

@@ -252,10 +252,16 @@ async def gap_phase(
     pool: WorkerPool,
     ids: list[int],
     send: Callable[[], Awaitable[Any]],
+    raw_copy: Callable[[], None],
     idle_s: float,
     sends: int,
 ) -> dict[str, Any]:
-    """Max loop gap on the sender and each worker: idle window, then back-to-back sends."""
+    """Max loop gap on the sender and each worker: idle window, then back-to-back sends.
+
+    A third window, as a control, runs the same number of raw copies of the model's bytes in a
+    worker thread of the sender (``asyncio.to_thread``): what the machine does to every loop
+    while a copy that size runs, with no aiowsync code involved.
+    """
     ticker = w.Ticker()
     task = asyncio.create_task(ticker.run())
     try:
@@ -269,24 +275,44 @@ async def gap_phase(
         idle_sender = ticker.mark()
         idle_workers = await pool.ask(ids, ("tick_mark",), "gap")
         t0 = time.perf_counter()
+        spans = []
         for _ in range(sends):
-            await send()
+            start = time.perf_counter()
+            result = await send()
+            spans.append((start, time.perf_counter(), result.stage_seconds))
         busy_window = time.perf_counter() - t0
         busy_sender = ticker.mark()
         busy_workers = await pool.ask(ids, ("tick_mark",), "gap")
+        for _ in range(sends):
+            await asyncio.to_thread(raw_copy)
+        raw_sender = ticker.mark()
+        raw_workers = await pool.ask(ids, ("tick_mark",), "gap")
         await pool.ask(ids, ("tick_stop",), "ok")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    def entry(idle: tuple[float, int], busy: tuple[float, int]) -> dict[str, Any]:
+    def where(gap: float, end: float) -> str:
+        """Where the longest gap fell, relative to the send it overlapped most."""
+        start = end - gap
+        for k, (s0, s1, stage) in enumerate(spans):
+            if start < s1 and end > s0:
+                return (
+                    f"send {k}: {(start - s0) * 1e3:+.1f}..{(end - s0) * 1e3:+.1f} ms from its "
+                    f"start (send took {(s1 - s0) * 1e3:.1f} ms, its copy {stage * 1e3:.1f} ms)"
+                )
+        return "between sends"
+
+    def entry(idle: Sequence[float], busy: Sequence[float], raw: Sequence[float]) -> dict[str, Any]:
         idle_ms, busy_ms = idle[0] * 1e3, busy[0] * 1e3
         return {
+            "raw_copy_thread_max_gap_ms": raw[0] * 1e3,
             "idle_max_gap_ms": idle_ms,
             "busy_max_gap_ms": busy_ms,
             "excess_ms": busy_ms - idle_ms,
             "idle_ticks": idle[1],
             "busy_ticks": busy[1],
+            "busy_max_gap_at": where(busy[0], busy[2]),
             "target_met": busy_ms <= idle_ms + GAP_SLACK_MS,
         }
 
@@ -294,8 +320,11 @@ async def gap_phase(
         "idle_window_s": idle_window,
         "busy_window_s": busy_window,
         "sends": sends,
-        "sender": entry(idle_sender, busy_sender),
-        "workers": [entry(i[1:], b[1:]) for i, b in zip(idle_workers, busy_workers, strict=True)],
+        "sender": entry(idle_sender, busy_sender, raw_sender),
+        "workers": [
+            entry(i[1:], b[1:], r[1:])
+            for i, b, r in zip(idle_workers, busy_workers, raw_workers, strict=True)
+        ],
     }
 
 
@@ -374,7 +403,9 @@ async def run_session(
             phase("memory")
 
             if gap:
-                out["gap"] = await gap_phase(pool, ids, first, args.idle_s, args.gap_sends)
+                out["gap"] = await gap_phase(
+                    pool, ids, first, model.raw_copy, args.idle_s, args.gap_sends
+                )
                 phase("gap")
         finally:
             if joined:
@@ -443,6 +474,11 @@ async def measure(
     for name in names:
         s = summarize(samples[name])
         s["stage_median_ms"] = statistics.median(stage[name])
+        s["stage_ratio_vs_raw"] = s["stage_median_ms"] / raw["median_ms"]
+        # everything but the copy: Python on both sides, thread hops, control messages, acks
+        s["rest_median_ms"] = statistics.median(
+            t - c for t, c in zip(samples[name], stage[name], strict=True)
+        )
         s["ratio_vs_raw"] = s["median_ms"] / raw["median_ms"]
         s["p99_ratio_vs_raw_median"] = s["p99_ms"] / raw["median_ms"]
         results[name] = s
@@ -512,7 +548,7 @@ def print_report(report: dict[str, Any]) -> None:
     )
     header = (
         f"{'model':<12}{'wk':>3}  {'variant':<16}{'n':>4}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'stage':>8}{'raw p50':>9}{'raw p99':>9}{'x raw':>7}  target"
+        f"{'stage':>8}{'rest':>8}{'raw p50':>9}{'raw p99':>9}{'x raw':>7}  target"
     )
     print(header)
     print("-" * len(header))
@@ -531,26 +567,45 @@ def print_report(report: dict[str, Any]) -> None:
             print(
                 f"{s['model']:<12}{s['workers']:>3}  {name:<16}{r['samples']:>4}"
                 f"{r['median_ms']:>9.3f}{r['p99_ms']:>9.3f}{r['stage_median_ms']:>8.3f}"
+                f"{r['rest_median_ms']:>8.3f}"
                 f"{raw['median_ms']:>9.3f}{raw['p99_ms']:>9.3f}{r['ratio_vs_raw']:>7.2f}  {note}"
             )
-    print("(stage: median time of the copy into the slot, as SendResult.stage_seconds reports)")
+    print(
+        "(stage: median time of the copy into the slot, as SendResult.stage_seconds reports; "
+        "rest: median of\n send time minus stage time: Python on both sides, thread hops, "
+        "control messages, acks)"
+    )
 
     gaps = [s for s in report["sessions"] if "gap" in s]
     if gaps:
-        print("\nevent-loop max gap (ticker: asyncio.sleep(0.001)), idle -> during sends, ms")
+        print(
+            "\nevent-loop max gap (ticker: asyncio.sleep(0.001)), ms: idle -> during sends "
+            "(control: during as many raw\ncopies of the same bytes in a sender thread, "
+            "no aiowsync code running)"
+        )
         for s in gaps:
             g = s["gap"]
             variant = REHOMED if s["rehome"] else PLAIN
             worker_txt = ", ".join(
-                f"{x['idle_max_gap_ms']:.1f}->{x['busy_max_gap_ms']:.1f}" for x in g["workers"]
+                f"{x['idle_max_gap_ms']:.1f}->{x['busy_max_gap_ms']:.1f}"
+                f" ({x['raw_copy_thread_max_gap_ms']:.1f})"
+                for x in g["workers"]
             )
             ok = g["sender"]["target_met"] and all(x["target_met"] for x in g["workers"])
             print(
                 f"{s['model']:<12}{s['workers']:>3}  {variant:<16} {g['sends']} sends in "
                 f"{g['busy_window_s']:.2f} s; sender {g['sender']['idle_max_gap_ms']:.1f}->"
-                f"{g['sender']['busy_max_gap_ms']:.1f}; workers {worker_txt}  "
+                f"{g['sender']['busy_max_gap_ms']:.1f}"
+                f" ({g['sender']['raw_copy_thread_max_gap_ms']:.1f}); workers {worker_txt}  "
                 f"{'met' if ok else 'MISSED'}"
             )
+            if not ok:
+                sides = [("sender", g["sender"])] + [
+                    (f"worker {i}", x) for i, x in enumerate(g["workers"])
+                ]
+                for side, x in sides:
+                    if not x["target_met"]:
+                        print(f"    {side}: longest gap at {x['busy_max_gap_at']}")
 
     print(
         "\nprivate memory per worker (swap mode): own private memory (minus /dev/shm/aiowsync "

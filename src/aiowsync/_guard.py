@@ -83,6 +83,21 @@ class ReadGuard:
 
         Raises :class:`TimeoutError` if readers kept holding it for ``timeout`` seconds.
         """
+        with self._cond:
+            idle = self._readers == 0
+            if idle:
+                self._switching = True
+        if not idle:
+            await self._wait_idle(timeout)
+        try:
+            return fn()
+        finally:
+            with self._cond:
+                self._switching = False
+                self._cond.notify_all()
+
+    async def _wait_idle(self, timeout: float) -> None:
+        """Wait until no reader holds the guard, then mark a switch as in progress."""
         loop = asyncio.get_running_loop()
         with anyio.fail_after(timeout):
             while True:
@@ -93,9 +108,3 @@ class ReadGuard:
                     event = asyncio.Event()
                     self._idle_waiters.append((loop, event))
                 await event.wait()
-        try:
-            return fn()
-        finally:
-            with self._cond:
-                self._switching = False
-                self._cond.notify_all()

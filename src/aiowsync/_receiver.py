@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import inspect
 import logging
 import os
@@ -148,6 +150,8 @@ class ReceiverCore:
                 f"{answer.error}"
             )
         channel.start_heartbeat(self._heartbeat, welcome.heartbeat_interval)
+        if self.apply_mode == "swap":
+            _return_freed_memory()
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(
@@ -230,7 +234,10 @@ class ReceiverCore:
             # In pull mode an update taken off the wire is answered even if the caller's
             # deadline fires meanwhile; in background mode only shutdown cancels, and then the
             # sender is told.
-            with anyio.CancelScope(shield=self.shield_updates):
+            if self.shield_updates:
+                with anyio.CancelScope(shield=True):
+                    await self._apply_and_answer(message.version, message.params)
+            else:
                 await self._apply_and_answer(message.version, message.params)
             return message.version
         return None
@@ -241,8 +248,9 @@ class ReceiverCore:
         answer: Ack | Nack
         try:
             await self._apply(version, params)
-            with anyio.fail_after(self._timeouts.ack):
-                await self._run_hooks(version)
+            if self.hooks:
+                with anyio.fail_after(self._timeouts.ack):
+                    await self._run_hooks(version)
             answer = Ack(worker_idx=self.worker_idx, version=version)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
@@ -317,6 +325,19 @@ class ReceiverCore:
             channel.close()
         self._plane.close()
         self._notify()
+
+
+def _return_freed_memory() -> None:
+    """Give the model's original storage back to the OS after the first swap.
+
+    glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold on the heap, so
+    without a trim a swap-mode worker would keep a private copy's worth of freed memory.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim, or no way to ask
 
 
 def _copy_buffers(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -52,6 +52,8 @@ log = logging.getLogger("aiowsync.sender")
 
 
 _DEAD_STATES = frozenset({State.ERROR, State.CLOSED})
+INLINE_COPY_BYTES = 2 * 1024 * 1024
+"""Models up to this size are staged on the event loop (a copy of ~0.1 ms)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,7 +482,11 @@ class SenderCore:
         slot = self._plane.reserve(self._pinned_versions())
         t0 = time.perf_counter()
         try:
-            await anyio.to_thread.run_sync(self._plane.write, slot, staged)
+            if self.layout.total_bytes <= INLINE_COPY_BYTES:
+                # Cheaper than the hop to a worker thread, and too short to stall the loop.
+                self._plane.write(slot, staged)
+            else:
+                await anyio.to_thread.run_sync(self._plane.write, slot, staged)
         except BaseException:
             self._plane.release(slot)
             raise

@@ -18,7 +18,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from .._exceptions import TransportError
@@ -28,6 +27,12 @@ from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeo
 __all__ = ["ZmqChannelFactory", "is_loopback_address"]
 
 log = logging.getLogger("aiowsync.channel")
+
+# Plain ints: zmq's enum flags cost more than the system calls on this hot path.
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def is_loopback_address(address: str) -> bool:
@@ -48,12 +53,6 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
-def _being_cancelled() -> bool:
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
-    return bool(cancelling()) if cancelling is not None else False
-
-
 def _base_options(sock: zmq.Socket[Any], heartbeat_timeout: float) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(heartbeat_timeout / 3))
@@ -62,40 +61,66 @@ def _base_options(sock: zmq.Socket[Any], heartbeat_timeout: float) -> None:
 
 
 class _ZmqEnd:
-    """Poll-then-read helpers over one asyncio socket and its synchronous shadow."""
+    """Wait-then-read helpers over one plain zmq socket driven by the running event loop.
 
-    def __init__(self, ctx: zmq.asyncio.Context, kind: int) -> None:
+    The socket's file descriptor is registered with the loop once. It only signals that the
+    socket's state *may* have changed, so every wake-up, send and receive is followed by a look
+    at ``zmq.EVENTS``, and waiters re-check after each operation. Nothing is read while waiting,
+    so a wait cancelled by a deadline loses no message.
+    """
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], kind: int) -> None:
         self._ctx = ctx
-        self._sock: zmq.asyncio.Socket = ctx.socket(kind)
-        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
+        self._sock: zmq.Socket[bytes] = ctx.socket(kind)
+        self._fd = int(self._sock.getsockopt(zmq.FD))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _ready(self, event: int) -> bool:
+        if self._sock.closed:
+            raise TransportError("channel is closed")
+        return bool(self._sock.getsockopt(_EVENTS) & event)  # type: ignore[operator]
 
     async def _wait(self, event: int, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError
-        timeout_ms = None if math.isinf(remaining) else _ms(remaining)
-        try:
-            ready = await self._sock.poll(timeout_ms, event)  # type: ignore[call-arg]
-        except asyncio.CancelledError:
-            # close() cancels a pending poll; the caller was not cancelled, the channel closed.
-            if self._sock.closed and not _being_cancelled():
-                raise TransportError("channel is closed") from None
-            raise
-        if not ready:
-            raise TimeoutError
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            loop.add_reader(self._fd, self._wake)
+            self._loop = loop
+        while not self._ready(event):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(fut)
+            timer = None if math.isinf(remaining) else loop.call_later(remaining, self._wake)
+            try:
+                await fut
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
 
     async def _send_frames(self, frames: list[bytes], timeout: float | None) -> None:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
         while True:
             try:
-                self._sync.send_multipart(frames, zmq.NOBLOCK)
+                self._sock.send_multipart(frames, _NOBLOCK)
                 return
             except zmq.Again:
                 pass
             except zmq.ZMQError as exc:
                 raise TransportError(f"send failed: {exc}") from None
+            finally:
+                self._after_io()
             try:
-                await self._wait(zmq.POLLOUT, deadline)
+                await self._wait(_POLLOUT, deadline)
             except TimeoutError:
                 raise timeout_error("room to send", timeout) from None
 
@@ -106,27 +131,43 @@ class _ZmqEnd:
             if frames is not None:
                 return frames
             try:
-                await self._wait(zmq.POLLIN, deadline)
+                await self._wait(_POLLIN, deadline)
             except TimeoutError:
                 raise timeout_error("message", timeout) from None
 
     def _recv_frames_nowait(self) -> list[bytes] | None:
-        if self._sock.closed:
-            raise TransportError("channel is closed")
+        if not self._ready(_POLLIN):
+            return None
         try:
-            return self._sync.recv_multipart(zmq.NOBLOCK)
+            return self._sock.recv_multipart(_NOBLOCK)
         except zmq.Again:
             return None
         except zmq.ZMQError as exc:
             raise TransportError(f"receive failed: {exc}") from None
+        finally:
+            self._after_io()
+
+    def _after_io(self) -> None:
+        # An operation may consume the fd's edge that another waiter needed: let them re-check.
+        if self._waiters and self._loop is not None:
+            self._loop.call_soon(self._wake)
 
     def _close_socket(self) -> None:
-        if not self._sock.closed:
-            self._sock.close(linger=0)
+        if self._sock.closed:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        waiters, self._waiters = self._waiters, []
+        self._sock.close(linger=0)
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(TransportError("channel is closed"))
 
 
 class ZmqSenderChannel(_ZmqEnd, SenderChannel):
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, heartbeat_timeout: float) -> None:
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, heartbeat_timeout: float
+    ) -> None:
         _ZmqEnd.__init__(self, ctx, zmq.ROUTER)
         SenderChannel.__init__(self)
         _base_options(self._sock, heartbeat_timeout)
@@ -177,7 +218,9 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
 
 
 class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, heartbeat_timeout: float) -> None:
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, heartbeat_timeout: float
+    ) -> None:
         _ZmqEnd.__init__(self, ctx, zmq.DEALER)
         ReceiverChannel.__init__(self)
         _base_options(self._sock, heartbeat_timeout)
@@ -188,7 +231,7 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         # Keep the owning socket: if it were only referenced by self._sock, disable_monitor()
         # would drop it unclosed (ResourceWarning, and a second close of the same handle).
         self._monitor_owner = self._sock.get_monitor_socket(events)
-        self._monitor: zmq.Socket[bytes] = zmq.Socket.shadow(self._monitor_owner.underlying)
+        self._monitor: zmq.Socket[bytes] = self._monitor_owner
         self._alive = False
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
@@ -240,8 +283,7 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
 
     def _beat_loop(self, beat: Callable[[], Heartbeat], interval: float) -> None:
         # A socket of its own: zmq sockets are not thread-safe, and the event loop may be busy.
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
-        sock = ctx.socket(zmq.DEALER)
+        sock = self._ctx.socket(zmq.DEALER)
         try:
             _base_options(sock, self._heartbeat_timeout)
             sock.setsockopt(zmq.SNDHWM, 8)
@@ -288,8 +330,8 @@ class ZmqChannelFactory(ChannelFactory):
                 f"refusing to bind {address!r}: it is not a loopback address and no "
                 "authentication is configured; pass allow_insecure_bind=True to accept the risk"
             )
-        return ZmqSenderChannel(zmq.asyncio.Context(), address, heartbeat_timeout)
+        return ZmqSenderChannel(zmq.Context(), address, heartbeat_timeout)
 
     def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel:
-        return ZmqReceiverChannel(zmq.asyncio.Context(), address, heartbeat_timeout)
+        return ZmqReceiverChannel(zmq.Context(), address, heartbeat_timeout)
 
