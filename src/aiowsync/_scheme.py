@@ -17,7 +17,7 @@ from torch import nn
 from ._channel import ChannelFactory, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
 from ._guard import ReadGuard
-from ._layout import Layout, is_homed, module_targets, rehome
+from ._layout import Layout, module_targets, rehome, storage_pointers
 from ._planes import ReceiverPlane, SenderPlane, Source
 from ._receiver import ApplyMode, Hook, ReceiverCore
 from ._sender import SenderCore, SendResult
@@ -100,7 +100,7 @@ class WeightSyncScheme(abc.ABC):
         self.worker_idx: int | None = None
         self._rehome = False
         self._flat: list[torch.Tensor] | None = None
-        self._flat_views: dict[str, torch.Tensor] = {}
+        self._homed_pointers: list[int] = []
         self._sender: SenderCore | None = None
         self._receiver: ReceiverCore | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -365,7 +365,7 @@ class WeightSyncScheme(abc.ABC):
         if self._rehome and isinstance(self._model, nn.Module):
             try:
                 self._flat = rehome(self._model, self._layout)
-                self._flat_views = self._layout.views(self._flat)
+                self._homed_pointers = storage_pointers(self._model)
             except (ValueError, RuntimeError) as exc:
                 log.info("could not re-home the model (%s); snapshots use fused copies", exc)
         await sender.start(self._snapshot_source(None))
@@ -393,7 +393,7 @@ class WeightSyncScheme(abc.ABC):
 
     def _snapshot_source(self, weights: WeightsLike | None) -> Source:
         if weights is None and self._flat is not None and isinstance(self._model, nn.Module):
-            if is_homed(module_targets(self._model), self._flat_views):
+            if storage_pointers(self._model) == self._homed_pointers:
                 return Source(buffers=tuple(self._flat))
             log.info("the model was re-bound since it was re-homed; using fused copies")
             self._flat = None

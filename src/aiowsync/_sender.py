@@ -442,8 +442,7 @@ class SenderCore:
             with anyio.fail_after(stage_limit):
                 async with self._send_lock:
                     self.check_targets(targets)
-                    staged = source()
-                    version, pending, stage_s = await self._stage_and_announce(staged, targets)
+                    version, pending, stage_s = await self._stage_and_announce(source, targets)
         except TimeoutError:
             raise WeightSyncTimeout(
                 f"send did not stage within {stage_limit:g} s", targets
@@ -477,16 +476,21 @@ class SenderCore:
         )
 
     async def _stage_and_announce(
-        self, staged: Source, targets: list[int]
+        self, source: Callable[[], Source], targets: list[int]
     ) -> tuple[int, _Pending, float]:
         slot = self._plane.reserve(self._pinned_versions())
         t0 = time.perf_counter()
+
+        def stage() -> None:
+            # ``source()`` checks the weights against the layout before any byte is written.
+            self._plane.write(slot, source())
+
         try:
             if self.layout.total_bytes <= INLINE_COPY_BYTES:
                 # Cheaper than the hop to a worker thread, and too short to stall the loop.
-                self._plane.write(slot, staged)
+                stage()
             else:
-                await anyio.to_thread.run_sync(self._plane.write, slot, staged)
+                await anyio.to_thread.run_sync(stage)
         except BaseException:
             self._plane.release(slot)
             raise
