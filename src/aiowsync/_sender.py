@@ -237,10 +237,13 @@ class SenderCore:
                 continue
             beat = Heartbeat(worker_idx=SENDER_INDEX, session=peer.session, version=self.version)
             try:
-                await channel.send(peer.routing, beat, timeout=self._timeouts.control)
+                # A beat that cannot be queued at once is skipped, never waited for.
+                await channel.send(peer.routing, beat, timeout=0)
             except TransportError:
                 peer.gone = True
                 self._mark_lost(peer, "its connection is closed")
+            except WeightSyncError:
+                pass
 
     def _mark_lost(self, peer: _Peer, why: str, *, level: int = logging.WARNING) -> None:
         if not peer.lost:
@@ -369,9 +372,9 @@ class SenderCore:
         self._by_routing[routing] = peer
         try:
             await channel.send(routing, welcome, timeout=self._timeouts.control)
-        except TransportError:
-            peer.gone = True
-            self._mark_lost(peer, "vanished during the handshake")
+        except WeightSyncError as exc:
+            peer.gone = isinstance(exc, TransportError)
+            self._mark_lost(peer, f"could not be welcomed: {exc}")
         self._notify()
 
     def _refusal(self, hello: Hello) -> str | None:
@@ -400,9 +403,11 @@ class SenderCore:
         assert channel is not None
         beat = Heartbeat(worker_idx=SENDER_INDEX, session=peer.session, version=self.version)
         try:
-            await channel.send(peer.routing, beat, timeout=self._timeouts.control)
+            await channel.send(peer.routing, beat, timeout=0)
         except TransportError:
             return True
+        except WeightSyncError:
+            return False
         return False
 
     # -- sending ------------------------------------------------------------------------------

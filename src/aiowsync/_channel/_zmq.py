@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .._exceptions import TransportError
+from .._exceptions import TransportError, WeightSyncTimeout
 from .._protocol import Heartbeat, Message, encode
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
 
@@ -119,6 +119,10 @@ class _ZmqEnd:
                 raise TransportError(f"send failed: {exc}") from None
             finally:
                 self._after_io()
+            if self._ready(_POLLOUT):
+                # The socket has room but this peer's queue is full (a ROUTER queues per peer):
+                # that peer has stopped reading, and no event will say when it resumes.
+                raise WeightSyncTimeout("the peer is not reading its messages")
             try:
                 await self._wait(_POLLOUT, deadline)
             except TimeoutError:
