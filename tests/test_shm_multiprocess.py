@@ -212,3 +212,50 @@ async def test_receivers_keep_weights_and_report_disconnected_when_the_sender_di
         if sender.is_alive():
             sender.kill()
         sender.join(5)
+
+
+async def test_frozen_worker_is_not_waited_for_and_its_slot_is_never_rewritten() -> None:
+    model = make_model("small")
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model=model, num_workers=3)
+    with workers() as w:
+        async with scheme:
+            for i in range(3):
+                w.start(i, "small", scheme=scheme)
+            await _connect(scheme, w, 3)
+            randomize(model, 1)
+            await scheme.send(timeout=20)
+            await asyncio.to_thread(w.collect, "version", 3)
+
+            frozen = w.procs[2]
+            os.kill(frozen.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(scheme.heartbeats.timeout + 1.0)
+                randomize(model, 2)
+                with pytest.raises(aiowsync.WorkerLostError) as info:
+                    await scheme.send(timeout=10)
+                assert info.value.worker_ids == (2,)
+                # Sends to the others go on; worker 2's slot (version 1) stays pinned because its
+                # process is alive, so new slots are made instead of overwriting it.
+                for step in (3, 4, 5):
+                    randomize(model, step)
+                    result = await scheme.send(worker_ids=[0, 1], timeout=10)
+                    assert result.version == step - 1  # the refused send used no version
+                assert scheme._sender is not None
+                assert scheme._sender._plane.slot_count >= 3  # type: ignore[attr-defined]
+            finally:
+                os.kill(frozen.pid, signal.SIGCONT)
+            # Back in time: its beats revive it and it takes the latest version.
+            for _ in range(200):
+                if 2 not in scheme._sender.lost_workers():
+                    break
+                await asyncio.sleep(0.05)
+            assert 2 not in scheme._sender.lost_workers()
+            randomize(model, 6)
+            result = await scheme.send(timeout=20)
+            assert result.worker_ids == (0, 1, 2) and result.version == 5
+            events = await asyncio.to_thread(w.collect, "version", 2 * 4 + 1)
+            last = {e[1]: e for e in events}
+            assert {idx: (e[2], e[3]) for idx, e in last.items()} == dict.fromkeys(
+                range(3), (5, digest(model))
+            )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import inspect
@@ -88,6 +89,7 @@ class ReceiverCore:
         self._bye: str | None = None
         self._changed = anyio.Event()
         self._private: list[Staged] = []
+        self._live: Staged | None = None
         self._live_private = -1
         if apply_mode == "copy":
             device = next(iter(self._targets.values())).device if self._targets else "cpu"
@@ -190,8 +192,19 @@ class ReceiverCore:
     ) -> None:
         """Background task: apply every update as it comes."""
         task_status.started()
+        was_alive = True
         while self._bye is None:
-            await self._step(timeout=None)
+            try:
+                await self._step(timeout=self._beats.interval)
+            except WeightSyncTimeout:
+                pass
+            channel = self._channel
+            alive = channel is not None and channel.peer_alive
+            if alive and not was_alive:
+                # Reconnected after an outage: tell the sender on this very connection.
+                with contextlib.suppress(WeightSyncError):
+                    await channel.send(self._heartbeat(), timeout=0)  # type: ignore[union-attr]
+            was_alive = alive
 
     async def receive(self, timeout: float) -> int | None:
         """Pull mode: apply the next update if one arrives within ``timeout``; its version."""
@@ -295,6 +308,7 @@ class ReceiverCore:
 
     def _commit(self, version: int, staged: Staged) -> None:
         bind_views(self._targets, staged.views)
+        self._live = staged
         self.version = version
         self._notify()
 
@@ -310,6 +324,8 @@ class ReceiverCore:
         channel = self._channel
         if channel is None:
             return
+        with anyio.CancelScope(shield=True):
+            await self._detach()
         with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
             if self._bye is None and channel.peer_alive:
                 try:
@@ -318,6 +334,21 @@ class ReceiverCore:
                 except (WeightSyncError, ProtocolError):
                     pass
         self._close_channel()
+
+    async def _detach(self) -> None:
+        """Swap mode: give the model a private copy of its weights before saying goodbye.
+
+        After the goodbye the sender may reuse the slot this model reads, and the model
+        outlives the scheme; so it keeps the same values in memory of its own.
+        """
+        live = self._live
+        if self.apply_mode != "swap" or live is None:
+            return
+        device = live.buffers[0].device if live.buffers else torch.device("cpu")
+        private = self.layout.allocate(device)
+        await anyio.to_thread.run_sync(_copy_buffers, private, live.buffers)
+        own = Staged(private, self.layout.views(private))
+        await self.guard.switch(lambda: self._commit(self.version, own), timeout=self._timeouts.ack)
 
     def _close_channel(self) -> None:
         channel, self._channel = self._channel, None

@@ -127,6 +127,7 @@ class SenderCore:
         self._same_host = same_host
         self._channel: SenderChannel | None = None
         self._peers: dict[int, _Peer] = {}
+        self._retired: list[_Peer] = []
         self._by_routing: dict[PeerId, _Peer] = {}
         self._pending: dict[int, _Pending] = {}
         self._send_lock = anyio.Lock()
@@ -240,7 +241,7 @@ class SenderCore:
                 # A beat that cannot be queued at once is skipped, never waited for.
                 await channel.send(peer.routing, beat, timeout=0)
             except TransportError:
-                peer.gone = True
+                self._connection_closed(peer)
                 self._mark_lost(peer, "its connection is closed")
             except WeightSyncError:
                 pass
@@ -255,10 +256,15 @@ class SenderCore:
                 pending.settle(peer.worker_idx)
         self._notify()
 
+    def _connection_closed(self, peer: _Peer) -> None:
+        # On one host a closed connection proves nothing (a stopped process loses its
+        # connection but still maps its slot); only the process's exit or its goodbye does.
+        if not self._same_host:
+            peer.gone = True
+
     def _peer_gone(self, peer: _Peer) -> bool:
-        if peer.gone:
-            return True
-        if self._same_host and peer.lost and peer.pid and not pid_alive(peer.pid):
+        """True once ``peer`` can no longer read any slot, so its versions need no pin."""
+        if not peer.gone and self._same_host and peer.pid and not pid_alive(peer.pid):
             peer.gone = True
         return peer.gone
 
@@ -278,7 +284,10 @@ class SenderCore:
                 self._drop(f"heartbeat for an unknown session from worker {message.worker_idx}")
                 return
             peer.last_seen = time.monotonic()
-            if peer.lost and not peer.gone and peer.conn.state not in _DEAD_STATES:
+            # Beats from the receiver's beat thread keep it fresh; only a beat on its main
+            # connection proves that updates reach it again.
+            revivable = not peer.gone and peer.conn.state not in _DEAD_STATES
+            if peer.lost and revivable and routing == peer.routing:
                 log.info("worker %d is back", peer.worker_idx)
                 peer.lost = False
                 self._notify()
@@ -343,9 +352,11 @@ class SenderCore:
             return
         old = self._peers.pop(hello.worker_idx, None)
         if old is not None:
-            old.gone = old.lost = True
             self._by_routing.pop(old.routing, None)
             self._mark_lost(old, "replaced by a new connection under the same index")
+            # Its process may still map the slot it ran; keep that pinned until it exits.
+            if not self._peer_gone(old) and old.pid != hello.pid:
+                self._retired.append(old)
         conn = Connection(Role.SENDER, hello.worker_idx)
         conn.receive(hello)
         welcome = Welcome(
@@ -373,7 +384,8 @@ class SenderCore:
         try:
             await channel.send(routing, welcome, timeout=self._timeouts.control)
         except WeightSyncError as exc:
-            peer.gone = isinstance(exc, TransportError)
+            if isinstance(exc, TransportError):
+                self._connection_closed(peer)
             self._mark_lost(peer, f"could not be welcomed: {exc}")
         self._notify()
 
@@ -396,9 +408,9 @@ class SenderCore:
         return None
 
     async def _probe_gone(self, peer: _Peer) -> bool:
-        """True when the old connection of ``peer`` is demonstrably closed."""
-        if self._same_host and peer.pid and not pid_alive(peer.pid):
-            return True
+        """True when the old holder of an index is demonstrably gone."""
+        if self._same_host:
+            return self._peer_gone(peer)
         channel = self._channel
         assert channel is not None
         beat = Heartbeat(worker_idx=SENDER_INDEX, session=peer.session, version=self.version)
@@ -429,7 +441,8 @@ class SenderCore:
 
     def _pinned_versions(self) -> set[int]:
         pinned = {self.version}
-        for peer in self._peers.values():
+        self._retired = [p for p in self._retired if not self._peer_gone(p)]
+        for peer in [*self._peers.values(), *self._retired]:
             if self._peer_gone(peer):
                 continue
             pinned.add(peer.conn.acked_version)
@@ -521,7 +534,8 @@ class SenderCore:
                     peer.inflight.add(version)
                     await channel.send(peer.routing, update, timeout=self._timeouts.control)
                 except WeightSyncError as exc:
-                    peer.gone = isinstance(exc, TransportError)
+                    if isinstance(exc, TransportError):
+                        self._connection_closed(peer)
                     self._mark_lost(peer, f"update could not be sent: {exc}")
             if not targets:
                 pending.done.set()

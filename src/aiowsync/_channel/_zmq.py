@@ -11,6 +11,7 @@ import asyncio
 import ipaddress
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -176,6 +177,9 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
         SenderChannel.__init__(self)
         _base_options(self._sock, heartbeat_timeout)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Receivers keep their routing id across reconnections (see the receiver channel);
+        # the newest connection under an id takes it over.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
         try:
             if urlsplit(address).scheme == "tcp" and urlsplit(address).port in (None, 0):
@@ -227,6 +231,9 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
     ) -> None:
         _ZmqEnd.__init__(self, ctx, zmq.DEALER)
         ReceiverChannel.__init__(self)
+        # A fixed, unguessable routing id: after a reconnection (say the process was stopped
+        # long enough for the connection to time out) the sender still reaches this receiver.
+        self._sock.setsockopt(zmq.ROUTING_ID, b"\x01" + secrets.token_bytes(15))
         _base_options(self._sock, heartbeat_timeout)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
         self._address = address
