@@ -51,6 +51,8 @@ def make_model(kind: str) -> nn.Module:
         return ManyModel()
     if kind == "small":
         return BigModel(n=2, numel=4096)
+    if kind == "mib":
+        return BigModel(n=1, numel=1 << 18)
     raise ValueError(kind)
 
 
