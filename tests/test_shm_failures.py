@@ -439,3 +439,47 @@ async def test_sender_shutdown_while_a_send_is_staging() -> None:
             await asyncio.sleep(0)
     await asyncio.gather(*tasks)
     assert all(isinstance(e, aiowsync.WeightSyncError) for e in results)
+
+
+async def test_swap_mode_switches_by_remapping_one_window() -> None:
+    from aiowsync._shm_window import windows_supported
+
+    if not windows_supported():
+        pytest.skip("slot windows need Linux")
+    async with system(1) as (sender, src, receivers):
+        r, m = receivers[0]
+        pointers = [p.data_ptr() for p in m.parameters()]
+        for step in range(1, 5):
+            bump(src)
+            await sender.send(timeout=5)
+            # No tensor was re-bound: the same addresses now show the new version.
+            assert [p.data_ptr() for p in m.parameters()] == pointers
+            assert r.version == step and same(m, src)
+
+
+async def test_a_closed_receiver_keeps_its_weights_in_private_memory() -> None:
+    src = model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=2)
+    async with sender:
+        r0 = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        m0 = model(1)
+        r0.init_on_receiver(model=m0, worker_idx=0)
+        r1 = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        m1 = model(2)
+        r1.init_on_receiver(model=m1, worker_idx=1)
+        async with r1:
+            async with r0:
+                await asyncio.gather(
+                    sender.connect(timeout=10), r0.connect(timeout=10), r1.connect(timeout=10)
+                )
+                bump(src)
+                await sender.send(timeout=5)
+            kept = {k: v.clone() for k, v in m0.state_dict().items()}
+            assert same(m0, src)
+            # Slots are reused for worker 1 alone; worker 0's model must not change.
+            for _ in range(4):
+                bump(src)
+                await sender.send(worker_ids=[1], timeout=5)
+            assert all(torch.equal(m0.state_dict()[k], v) for k, v in kept.items())
+            assert same(m1, src)

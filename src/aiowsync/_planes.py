@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._exceptions import ProtocolError, WeightSyncError
+from ._exceptions import ProtocolError, TransportError, WeightSyncError
 from ._layout import Layout, fused_copy
 from ._protocol import ParamValue
 from ._shm_slots import SlotFile, remove_stale_slots
+from ._shm_window import SlotWindow, windows_supported
 
 __all__ = [
     "ReceiverPlane",
@@ -54,6 +55,8 @@ class Staged:
 
     buffers: list[torch.Tensor]
     views: dict[str, torch.Tensor]
+    source: str = ""
+    """Where it lives (the slot path for shared memory)."""
 
 
 class SenderPlane(abc.ABC):
@@ -88,6 +91,14 @@ class ReceiverPlane(abc.ABC):
     @abc.abstractmethod
     def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
         """The staged version named by ``params``, as flat buffers and typed views (no copy)."""
+
+    def show(self, staged: Staged) -> Staged:
+        """For swap mode: what the model should be bound to so that it runs ``staged``.
+
+        Called inside the switch. The default is ``staged`` itself (re-bind every tensor);
+        a plane may instead re-point a fixed window and return that window every time.
+        """
+        return staged
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -197,12 +208,29 @@ class SharedMemSenderPlane(SenderPlane):
 class SharedMemReceiverPlane(ReceiverPlane):
     """Maps the sender's slot files by name, once each, and hands out typed views of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, use_window: bool = True) -> None:
         self._mapped: dict[str, Staged] = {}
+        self._use_window = use_window and windows_supported()
+        self._window: SlotWindow | None = None
+        self._window_staged: Staged | None = None
 
     def setup(self, layout: Layout, welcome: Mapping[str, ParamValue]) -> None:
         self.layout = layout
         self._expected = layout.total_bytes
+        if self._use_window:
+            try:
+                self._window = SlotWindow(layout.total_bytes)
+            except (OSError, TransportError) as exc:
+                log.info("no slot window (%s); switches re-bind each tensor", exc)
+            else:
+                parts = layout.split(self._window.tensor)
+                self._window_staged = Staged(parts, layout.views(parts), "window")
+
+    def show(self, staged: Staged) -> Staged:
+        if self._window is None or self._window_staged is None:
+            return staged
+        self._window.show(staged.source)
+        return self._window_staged
 
     def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
         path, nbytes = params.get("path"), params.get("nbytes")
@@ -213,11 +241,12 @@ class SharedMemReceiverPlane(ReceiverPlane):
         views = self._mapped.get(path)
         if views is None:
             file = SlotFile.open(path, nbytes)
-            views = self._mapped[path] = Staged(
-                self.layout.split(file.tensor), self.layout.views(self.layout.split(file.tensor))
-            )
+            parts = self.layout.split(file.tensor)
+            views = self._mapped[path] = Staged(parts, self.layout.views(parts), path)
         return views
 
     def close(self) -> None:
         # Views bound to the model keep their mapping alive; only our cache is dropped.
         self._mapped.clear()
+        if self._window is not None:
+            self._window.release()

@@ -306,8 +306,11 @@ class ReceiverCore:
                 "was not switched in"
             ) from None
 
-    def _commit(self, version: int, staged: Staged) -> None:
-        bind_views(self._targets, staged.views)
+    def _commit(self, version: int, staged: Staged, *, private: bool = False) -> None:
+        if self.apply_mode == "swap" and not private:
+            staged = self._plane.show(staged)
+        if staged is not self._live:
+            bind_views(self._targets, staged.views)
         self._live = staged
         self.version = version
         self._notify()
@@ -348,7 +351,9 @@ class ReceiverCore:
         private = self.layout.allocate(device)
         await anyio.to_thread.run_sync(_copy_buffers, private, live.buffers)
         own = Staged(private, self.layout.views(private))
-        await self.guard.switch(lambda: self._commit(self.version, own), timeout=self._timeouts.ack)
+        await self.guard.switch(
+            lambda: self._commit(self.version, own, private=True), timeout=self._timeouts.ack
+        )
 
     def _close_channel(self) -> None:
         channel, self._channel = self._channel, None

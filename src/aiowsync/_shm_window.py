@@ -1,0 +1,110 @@
+"""A window: one fixed range of virtual memory that shows one slot file at a time.
+
+A swap-mode receiver binds its model's tensors to views of the window once. Switching to the
+next version is then one ``mmap(MAP_FIXED)`` call that replaces the file shown in the window,
+whatever the number of tensors; no tensor is re-bound and no byte is copied. The kernel swaps
+the mapping atomically, so even an unguarded reader sees old or new pages, never a hole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import sys
+
+import torch
+
+from ._exceptions import TransportError
+
+__all__ = ["SlotWindow", "windows_supported"]
+
+log = logging.getLogger("aiowsync.shm")
+
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    return libc
+
+
+_LIBC = _libc()
+
+
+def windows_supported() -> bool:
+    return _LIBC is not None
+
+
+class SlotWindow:
+    """``nbytes`` of address space that maps whichever slot file :meth:`show` last named."""
+
+    def __init__(self, nbytes: int) -> None:
+        if _LIBC is None:
+            raise OSError("slot windows need Linux")
+        self.nbytes = nbytes
+        self._size = max(nbytes, 1)
+        self._fds: dict[str, int] = {}
+        anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        self.addr = self._mmap(None, mmap.PROT_READ, anon, -1)
+        array = (ctypes.c_uint8 * self._size).from_address(self.addr)
+        self.tensor = torch.frombuffer(array, dtype=torch.uint8)[:nbytes]
+        self.showing: str | None = None
+
+    def _mmap(self, addr: int | None, prot: int, flags: int, fd: int) -> int:
+        assert _LIBC is not None
+        got = _LIBC.mmap(addr, self._size, prot, flags, fd, 0)
+        if got is None or got == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise TransportError(f"mmap failed: {os.strerror(err)}")
+        return int(got)
+
+    def show(self, path: str) -> None:
+        """Map slot file ``path`` over the window, replacing what it showed."""
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as exc:
+                raise TransportError(f"cannot open shared-memory slot {path}: {exc}") from None
+            if os.fstat(fd).st_size < self.nbytes:
+                os.close(fd)
+                raise TransportError(f"shared-memory slot {path} is smaller than expected")
+            self._fds[path] = fd
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        self._mmap(self.addr, prot, mmap.MAP_SHARED | _MAP_FIXED, fd)
+        self.showing = path
+
+    def release(self) -> None:
+        """Stop showing any slot (zeros from now on) so no slot memory stays pinned by us.
+
+        The address range itself is kept: a tensor that still views it reads zeros, not a
+        segfault.
+        """
+        if self.showing is not None:
+            anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
+            with contextlib.suppress(TransportError):
+                self._mmap(self.addr, mmap.PROT_READ, anon, -1)
+            self.showing = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
