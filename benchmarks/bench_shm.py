@@ -26,12 +26,18 @@ Also measured:
   default): a ticker coroutine (``await asyncio.sleep(0.001)`` in a loop, recording the longest
   interval) runs on the sender's loop and on every worker's loop; its max gap over an idle
   window is compared with its max gap over a window of back-to-back sends, for every worker
-  count and both sessions (plain and re-homed);
+  count and both sessions (plain and re-homed). When the bound is missed, where the longest
+  gap fell (which send, how far into it) is printed. A control window runs as many raw copies
+  of the same bytes in a thread of the sender (no aiowsync code involved), to tell the stalls
+  the machine itself causes under such a copy from those aiowsync causes;
 * private memory per worker (swap mode), after several versions were applied: Private_Clean +
   Private_Dirty from ``/proc/<pid>/smaps_rollup`` minus the Private_* of the ``/dev/shm/aiowsync*``
   mappings (from ``/proc/<pid>/smaps``), less the same number taken in that worker just before
   it built the session's model. The worker builds its model (writing every page), then
-  connects, then runs ``gc.collect()``. The figure after glibc's ``malloc_trim(0)`` is shown too.
+  connects, then runs ``gc.collect()``; each session starts from a ``malloc_trim(0)``-ed heap.
+  Also shown: the same after glibc's ``malloc_trim(0)`` (memory freed but kept by the
+  allocator vanishes there) and the cost of a meta-device twin of the module (its Python and
+  TensorImpl objects alone, no data).
 
 Correctness is checked once per session: the sender stamps the first and last element of every
 tensor, sends, and every worker must report exactly those values at that version.
