@@ -483,3 +483,30 @@ async def test_a_closed_receiver_keeps_its_weights_in_private_memory() -> None:
                 await sender.send(worker_ids=[1], timeout=5)
             assert all(torch.equal(m0.state_dict()[k], v) for k, v in kept.items())
             assert same(m1, src)
+
+
+@pytest.mark.parametrize("rehome", [False, True])
+async def test_replaced_or_rebound_parameters_are_still_sent_right(rehome: bool) -> None:
+    src = model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1, rehome=rehome)
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        mirror = model(1)
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+            bump(src)
+            await sender.send(timeout=5)
+            assert same(mirror, src)
+            src[0].weight = nn.Parameter(torch.full((32, 16), 3.0))  # a new tensor object
+            await sender.send(timeout=5)
+            assert same(mirror, src)
+            with torch.no_grad():
+                src[2].bias.data = torch.full((4,), -2.0)  # same object, new storage
+            await sender.send(timeout=5)
+            assert same(mirror, src)
+            src[2].bias = nn.Parameter(torch.zeros(5))  # wrong shape: refused, nothing sent
+            with pytest.raises(aiowsync.LayoutMismatchError, match="2.bias"):
+                await sender.send(timeout=5)
+            assert r.version == 3

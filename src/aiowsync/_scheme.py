@@ -17,11 +17,12 @@ from torch import nn
 from ._channel import ChannelFactory, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
 from ._guard import ReadGuard
-from ._layout import Layout, module_targets, rehome, storage_pointers
+from ._layout import Layout, module_targets, rehome
 from ._planes import ReceiverPlane, SenderPlane, Source
 from ._receiver import ApplyMode, Hook, ReceiverCore
 from ._sender import SenderCore, SendResult
 from ._strategy import StrategyName, WeightStrategy
+from ._watch import ModelWatch
 from ._weights import WeightsLike, flatten_weights
 
 __all__ = ["WeightSyncScheme"]
@@ -101,6 +102,7 @@ class WeightSyncScheme(abc.ABC):
         self._rehome = False
         self._flat: list[torch.Tensor] | None = None
         self._homed_pointers: list[int] = []
+        self._watch: ModelWatch | None = None
         self._sender: SenderCore | None = None
         self._receiver: ReceiverCore | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -340,6 +342,9 @@ class WeightSyncScheme(abc.ABC):
                 await self._receiver.close()
         finally:
             self._connected = False
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
             suppress = None
             if tg is not None:
                 tg.cancel_scope.cancel()
@@ -365,9 +370,11 @@ class WeightSyncScheme(abc.ABC):
         if self._rehome and isinstance(self._model, nn.Module):
             try:
                 self._flat = rehome(self._model, self._layout)
-                self._homed_pointers = storage_pointers(self._model)
             except (ValueError, RuntimeError) as exc:
                 log.info("could not re-home the model (%s); snapshots use fused copies", exc)
+        if isinstance(self._model, nn.Module):
+            self._watch = ModelWatch(self._model)
+            self._homed_pointers = self._watch.pointers
         await sender.start(self._snapshot_source(None))
         self._sender = sender
         await self._start_background(tg, sender.serve)
@@ -392,11 +399,20 @@ class WeightSyncScheme(abc.ABC):
     # -- sender API ---------------------------------------------------------------------------
 
     def _snapshot_source(self, weights: WeightsLike | None) -> Source:
-        if weights is None and self._flat is not None and isinstance(self._model, nn.Module):
-            if storage_pointers(self._model) == self._homed_pointers:
-                return Source(buffers=tuple(self._flat))
-            log.info("the model was re-bound since it was re-homed; using fused copies")
-            self._flat = None
+        watch = self._watch
+        if weights is None and watch is not None:
+            if watch.dirty:
+                watch.refresh()
+                self._layout.check(watch.tensors)
+            if self._flat is not None:
+                if watch.current_pointers() == self._homed_pointers:
+                    return Source(buffers=tuple(self._flat))
+                log.info("the model was re-bound since it was re-homed; using fused copies")
+                self._flat = None
+            if not watch.same_specs():
+                watch.refresh()
+                self._layout.check(watch.tensors)
+            return Source(tensors=watch.tensors)
         if weights is None:
             weights = self._model if self._model is not None else self._weights
         elif self._context is not None and isinstance(weights, str):
