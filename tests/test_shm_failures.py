@@ -507,6 +507,6 @@ async def test_replaced_or_rebound_parameters_are_still_sent_right(rehome: bool)
             await sender.send(timeout=5)
             assert same(mirror, src)
             src[2].bias = nn.Parameter(torch.zeros(5))  # wrong shape: refused, nothing sent
-            with pytest.raises(aiowsync.LayoutMismatchError, match="2.bias"):
+            with pytest.raises(aiowsync.LayoutMismatchError, match=r"2\.bias"):
                 await sender.send(timeout=5)
             assert r.version == 3
