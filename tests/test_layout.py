@@ -438,3 +438,20 @@ def test_tied_weights_stay_tied() -> None:
     assert model.out.weight.data_ptr() == views["embed.weight"].data_ptr()
     views["embed.weight"].fill_(3.0)
     assert torch.equal(model.out(torch.ones(1, 4)), torch.full((1, 6), 12.0))
+
+
+def test_fused_copy_of_a_large_mixed_list_copies_every_byte() -> None:
+    from aiowsync._layout import fused_copy
+
+    g = torch.Generator().manual_seed(3)
+    dtypes = [torch.float32, torch.int64, torch.bool, torch.bfloat16, torch.float16]
+    src: list[torch.Tensor] = []
+    for i in range(300):
+        n = int(torch.randint(1, 20000, (1,), generator=g))
+        t = (torch.randn(n, generator=g) * 100).to(dtypes[i % len(dtypes)])
+        src.append(t)
+    src.append(torch.randn(64, 32, generator=g).t())  # non-contiguous goes through torch
+    dst = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in src]
+    assert sum(t.nbytes for t in dst) > 4 * 1024 * 1024  # large enough for the threaded path
+    fused_copy(dst, src)
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))

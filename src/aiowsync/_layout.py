@@ -7,9 +7,12 @@ starts on an ``alignment``-byte boundary, so a typed view of a byte buffer is al
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -248,11 +251,73 @@ class Layout:
 
 
 def fused_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for every i, in as few kernel launches as torch allows."""
+    """``dst[i].copy_(src[i])`` for every i, as fast as the device allows.
+
+    On CPU, torch copies a list tensor by tensor and starts an OpenMP parallel region for each
+    mid-sized one; with idle OpenMP threads sleeping (``OMP_WAIT_POLICY=PASSIVE``) every region
+    pays to wake them, which made a 1000-tensor 64 MiB copy about 3x slower than one flat copy
+    here. Large lists of contiguous CPU tensors are therefore split into byte-balanced shares
+    that a few threads copy with plain memmoves. Anything else takes ``torch._foreach_copy_``.
+    """
     if not dst:
         return
+    dst, src = list(dst), list(src)
     with torch.no_grad():
-        torch._foreach_copy_(list(dst), list(src))
+        plain = [i for i, (d, s) in enumerate(zip(dst, src, strict=True)) if _plain_cpu(d, s)]
+        nbytes = sum(dst[i].nbytes for i in plain)
+        if nbytes < _PARALLEL_COPY_BYTES or len(plain) < 2:
+            torch._foreach_copy_(dst, src)
+            return
+        others = sorted(set(range(len(dst))) - set(plain))
+        if others:
+            torch._foreach_copy_([dst[i] for i in others], [src[i] for i in others])
+        _parallel_copy([dst[i] for i in plain], [src[i] for i in plain])
+
+
+_PARALLEL_COPY_BYTES = 4 * 1024 * 1024
+_copy_pool: ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+
+
+def _plain_cpu(d: torch.Tensor, s: torch.Tensor) -> bool:
+    return (
+        d.device.type == "cpu"
+        and s.device.type == "cpu"
+        and d.dtype == s.dtype
+        and d.shape == s.shape
+        and d.is_contiguous()
+        and s.is_contiguous()
+        and not (s.is_conj() or s.is_neg() or d.is_conj() or d.is_neg())
+    )
+
+
+def _copy_share(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    # ctypes releases the GIL around memmove, so shares in several threads copy in parallel.
+    move = ctypes.memmove
+    for d, s in pairs:
+        move(d.data_ptr(), s.data_ptr(), d.nbytes)
+
+
+def _parallel_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    global _copy_pool
+    shares_n = max(1, min(4, torch.get_num_threads()))
+    shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(shares_n)]
+    load = [0] * shares_n
+    for i in sorted(range(len(dst)), key=lambda i: -dst[i].nbytes):
+        k = load.index(min(load))
+        shares[k].append((dst[i], src[i]))
+        load[k] += dst[i].nbytes
+    if shares_n == 1:
+        _copy_share(shares[0])
+        return
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="aiowsync-copy")
+        pool = _copy_pool
+    futures = [pool.submit(_copy_share, share) for share in shares[1:]]
+    _copy_share(shares[0])
+    for future in futures:
+        future.result()
 
 
 def bind_views(targets: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor]) -> None:
