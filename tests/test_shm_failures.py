@@ -441,20 +441,34 @@ async def test_sender_shutdown_while_a_send_is_staging() -> None:
     assert all(isinstance(e, aiowsync.WeightSyncError) for e in results)
 
 
-async def test_swap_mode_switches_by_remapping_one_window() -> None:
+@pytest.mark.parametrize("layers", [2, 40])
+async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(layers: int) -> None:
     from aiowsync._shm_window import windows_supported
 
-    if not windows_supported():
-        pytest.skip("slot windows need Linux")
-    async with system(1) as (sender, src, receivers):
-        r, m = receivers[0]
-        pointers = [p.data_ptr() for p in m.parameters()]
-        for step in range(1, 5):
-            bump(src)
-            await sender.send(timeout=5)
-            # No tensor was re-bound: the same addresses now show the new version.
-            assert [p.data_ptr() for p in m.parameters()] == pointers
-            assert r.version == step and same(m, src)
+    def many(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+
+    src = many(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        m = many(1)
+        r.init_on_receiver(model=m, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+            window = layers * 2 >= 64 and windows_supported()
+            pointers = [p.data_ptr() for p in m.parameters()]
+            for step in range(1, 5):
+                bump(src)
+                await sender.send(timeout=5)
+                assert r.version == step and same(m, src)
+                # Many small tensors: the same addresses now show the new version (one remap).
+                # A few tensors: each is re-bound to the new slot.
+                now = [p.data_ptr() for p in m.parameters()]
+                assert (now != pointers) != window
+                pointers = now
 
 
 async def test_a_closed_receiver_keeps_its_weights_in_private_memory() -> None:
