@@ -79,13 +79,16 @@ def randomize(model: nn.Module, seed: int) -> None:
 def fill(model: nn.Module, value: float) -> None:
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            t.fill_(value)
+            if t.dtype != torch.bool:
+                t.fill_(value)
 
 
 def _check_uniform(model: nn.Module) -> float | None:
     """The single value every tensor holds, or None if two values are mixed."""
     seen: float | None = None
     for t in list(model.parameters()) + list(model.buffers()):
+        if t.dtype == torch.bool:
+            continue
         lo, hi = float(t.min()), float(t.max())
         if lo != hi or (seen is not None and lo != seen):
             return None
