@@ -104,6 +104,9 @@ class ReceiverPlane(abc.ABC):
     def close(self) -> None: ...
 
 
+_PIECES = 8
+
+
 @dataclass(slots=True)
 class _Slot:
     file: SlotFile
@@ -171,9 +174,13 @@ class SharedMemSenderPlane(SenderPlane):
     def write(self, slot: int, source: Source) -> None:
         s = self._slots[slot]
         if source.buffers is not None:
-            with torch.no_grad():
-                for dst, src in zip(self.layout.split(s.file.tensor), source.buffers, strict=True):
-                    dst.copy_(src)
+            # Cut into pieces so that fused_copy can spread one big memcpy over its threads.
+            dsts: list[torch.Tensor] = []
+            srcs: list[torch.Tensor] = []
+            for dst, src in zip(self.layout.split(s.file.tensor), source.buffers, strict=True):
+                dsts.extend(dst.chunk(_PIECES))
+                srcs.extend(src.chunk(_PIECES))
+            fused_copy(dsts, srcs)
         elif source.tensors is not None:
             keys = self.layout.keys
             fused_copy([s.views[k] for k in keys], [source.tensors[k] for k in keys])
