@@ -366,19 +366,6 @@ def rehome(module: nn.Module, layout: Layout) -> list[torch.Tensor]:
     return buffers
 
 
-def storage_pointers(module: nn.Module) -> list[int]:
-    """Data pointers of every parameter and buffer, in a fixed order; cheap enough per send.
-
-    Equal lists before and after mean no tensor was re-bound or replaced since (a replaced
-    parameter has memory of its own, so its pointer differs).
-    """
-    out: list[int] = []
-    for m in module.modules():
-        out.extend(p.data_ptr() for p in m._parameters.values() if p is not None)
-        out.extend(b.data_ptr() for b in m._buffers.values() if b is not None)
-    return out
-
-
 def is_homed(targets: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor]) -> bool:
     """True while every target tensor still is exactly its view (same memory, shape, strides)."""
     for key, t in targets.items():
