@@ -303,6 +303,7 @@ class WeightSyncScheme(abc.ABC):
             raise RuntimeError("this scheme is already running")
         self._bg_scope = anyio.CancelScope()
         self._bg_running = []
+        self._sender = self._receiver = None  # a new session of this scheme
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
