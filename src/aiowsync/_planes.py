@@ -86,7 +86,10 @@ class SenderPlane(abc.ABC):
 
 class ReceiverPlane(abc.ABC):
     @abc.abstractmethod
-    def setup(self, layout: Layout, welcome: Mapping[str, ParamValue]) -> None: ...
+    def setup(
+        self, layout: Layout, welcome: Mapping[str, ParamValue], *, swap: bool = True
+    ) -> None:
+        """Prepare for ``layout``; ``swap`` says the model will point into what is fetched."""
 
     @abc.abstractmethod
     def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
@@ -233,10 +236,12 @@ class SharedMemReceiverPlane(ReceiverPlane):
         self._window: SlotWindow | None = None
         self._window_staged: Staged | None = None
 
-    def setup(self, layout: Layout, welcome: Mapping[str, ParamValue]) -> None:
+    def setup(
+        self, layout: Layout, welcome: Mapping[str, ParamValue], *, swap: bool = True
+    ) -> None:
         self.layout = layout
         self._expected = layout.total_bytes
-        if self._use_window and _window_pays(layout):
+        if swap and self._use_window and _window_pays(layout):
             try:
                 self._window = SlotWindow(layout.total_bytes)
             except (OSError, TransportError) as exc:
@@ -257,6 +262,9 @@ class SharedMemReceiverPlane(ReceiverPlane):
             raise ProtocolError(f"update parameters lack a slot path and size: {dict(params)}")
         if nbytes != self._expected:
             raise ProtocolError(f"slot of {nbytes} bytes, the layout needs {self._expected}")
+        if self._window is not None:
+            # The window maps the slot itself; views of each slot would only cost memory.
+            return Staged([], {}, path)
         views = self._mapped.get(path)
         if views is None:
             file = SlotFile.open(path, nbytes)

@@ -133,7 +133,7 @@ class ReceiverCore:
         try:
             with anyio.fail_after(timeout):
                 welcome = await self._handshake(channel)
-                self._plane.setup(self.layout, welcome.params)
+                self._plane.setup(self.layout, welcome.params, swap=self.apply_mode == "swap")
                 answer = await self._apply_and_answer(welcome.version, welcome.params)
         except TimeoutError:
             self._close_channel()
