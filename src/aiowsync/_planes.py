@@ -108,6 +108,7 @@ class ReceiverPlane(abc.ABC):
 
 
 _PIECES = 8
+_PIECES_FROM = 8 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -177,12 +178,13 @@ class SharedMemSenderPlane(SenderPlane):
     def write(self, slot: int, source: Source) -> None:
         s = self._slots[slot]
         if source.buffers is not None:
-            # Cut into pieces so that fused_copy can spread one big memcpy over its threads.
+            # Large buffers are cut into pieces so that fused_copy spreads them over threads.
+            pieces = _PIECES if self.layout.total_bytes >= _PIECES_FROM else 1
             dsts: list[torch.Tensor] = []
             srcs: list[torch.Tensor] = []
             for dst, src in zip(self.layout.split(s.file.tensor), source.buffers, strict=True):
-                dsts.extend(dst.chunk(_PIECES))
-                srcs.extend(src.chunk(_PIECES))
+                dsts.extend(dst.chunk(pieces))
+                srcs.extend(src.chunk(pieces))
             fused_copy(dsts, srcs)
         elif source.tensors is not None:
             keys = self.layout.keys
