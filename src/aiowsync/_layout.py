@@ -256,19 +256,22 @@ def fused_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None
     On CPU, torch copies a list tensor by tensor and starts an OpenMP parallel region for each
     mid-sized one; with idle OpenMP threads sleeping (``OMP_WAIT_POLICY=PASSIVE``) every region
     pays to wake them, which made a 1000-tensor 64 MiB copy about 3x slower than one flat copy
-    here. Large lists are therefore split into byte-balanced shares that a few threads copy
-    with plain memmoves where both sides are contiguous CPU tensors of the same dtype and shape;
-    anything else takes ``torch._foreach_copy_``.
+    here. Large lists of contiguous CPU tensors are therefore split into byte-balanced shares
+    that a few threads copy with plain memmoves; anything else takes ``torch._foreach_copy_``.
     """
     if not dst:
         return
     dst, src = list(dst), list(src)
     with torch.no_grad():
-        sizes = [d.nbytes for d in dst]
-        if len(dst) < 2 or sum(sizes) < _PARALLEL_COPY_BYTES:
+        plain = [i for i, (d, s) in enumerate(zip(dst, src, strict=True)) if _plain_cpu(d, s)]
+        sizes = [dst[i].nbytes for i in plain]
+        if len(plain) < 2 or sum(sizes) < _PARALLEL_COPY_BYTES:
             torch._foreach_copy_(dst, src)
-        else:
-            _parallel_copy(dst, src, sizes)
+            return
+        if len(plain) < len(dst):
+            others = sorted(set(range(len(dst))) - set(plain))
+            torch._foreach_copy_([dst[i] for i in others], [src[i] for i in others])
+        _parallel_copy([(dst[i].data_ptr(), src[i].data_ptr()) for i in plain], sizes)
 
 
 _PARALLEL_COPY_BYTES = 4 * 1024 * 1024
@@ -276,48 +279,45 @@ _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 
 
-def _copy_share(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
-    """Memmove what can be memmoved (ctypes releases the GIL); the indices of the rest."""
+def _plain_cpu(d: torch.Tensor, s: torch.Tensor) -> bool:
+    return (
+        d.device.type == "cpu"
+        and s.device.type == "cpu"
+        and d.dtype == s.dtype
+        and d.shape == s.shape
+        and d.is_contiguous()
+        and s.is_contiguous()
+        and not (s.is_conj() or s.is_neg() or d.is_conj() or d.is_neg())
+    )
+
+
+def _copy_share(moves: list[tuple[int, int, int]]) -> None:
+    # ctypes releases the GIL around memmove, so shares in several threads copy in parallel.
     move = ctypes.memmove
-    rest: list[int] = []
-    for i, (d, s) in enumerate(pairs):
-        if (
-            s.is_contiguous()
-            and d.is_contiguous()
-            and s.dtype == d.dtype
-            and s.shape == d.shape
-            and s.device.type == "cpu"
-            and d.device.type == "cpu"
-            and not (s.is_conj() or s.is_neg())
-        ):
-            move(d.data_ptr(), s.data_ptr(), d.nbytes)
-        else:
-            rest.append(i)
-    return rest
+    for dst, src, n in moves:
+        move(dst, src, n)
 
 
-def _parallel_copy(dst: list[torch.Tensor], src: list[torch.Tensor], sizes: list[int]) -> None:
+def _parallel_copy(pointers: list[tuple[int, int]], sizes: list[int]) -> None:
     global _copy_pool
     count = max(1, min(4, torch.get_num_threads()))
-    shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(count)]
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     load = [0] * count
-    for i in sorted(range(len(dst)), key=sizes.__getitem__, reverse=True):
+    for i in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
         k = load.index(min(load))
-        shares[k].append((dst[i], src[i]))
+        shares[k].append((*pointers[i], sizes[i]))
         load[k] += sizes[i]
-    futures = []
-    if count > 1:
-        with _copy_pool_lock:
-            if _copy_pool is None:
-                _copy_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="aiowsync-copy")
-            pool = _copy_pool
-        futures = [pool.submit(_copy_share, share) for share in shares[1:]]
-    rests = [_copy_share(shares[0])] + [f.result() for f in futures]
-    left = [
-        pair for share, rest in zip(shares, rests, strict=True) for pair in (share[i] for i in rest)
-    ]
-    if left:
-        torch._foreach_copy_([d for d, _ in left], [s for _, s in left])
+    if count == 1:
+        _copy_share(shares[0])
+        return
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="aiowsync-copy")
+        pool = _copy_pool
+    futures = [pool.submit(_copy_share, share) for share in shares[1:]]
+    _copy_share(shares[0])
+    for future in futures:
+        future.result()
 
 
 def bind_views(targets: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor]) -> None:
