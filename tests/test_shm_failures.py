@@ -65,6 +65,21 @@ async def system(
         yield sender, src, receivers
 
 
+@contextlib.asynccontextmanager
+async def pair(
+    src: nn.Module, mirror: nn.Module, *, rehome: bool = False, **receiver_kw: object
+) -> AsyncIterator[tuple[aiowsync.SharedMemWeightSyncScheme, aiowsync.SharedMemWeightSyncScheme]]:
+    """A sender of ``src`` and one connected receiver into ``mirror``: (sender, receiver)."""
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1, rehome=rehome)
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, **receiver_kw)  # type: ignore[arg-type]
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+            yield sender, r
+
+
 async def test_scheme_pickles_to_configuration_and_address_only() -> None:
     async with system(1) as (sender, _, receivers):
         state = sender.__getstate__()
@@ -225,24 +240,18 @@ async def test_cancelled_send_leaves_everything_consistent() -> None:
 
 async def test_cancel_during_staging_keeps_workers_on_the_previous_version() -> None:
     big = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # 64 MiB
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
-    sender.init_on_sender(model=big, num_workers=1)
-    async with sender:
-        r = pickle.loads(pickle.dumps(sender))
-        mirror = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
-        r.init_on_receiver(model=mirror, worker_idx=0)
-        async with r:
-            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
-            before = mirror.state_dict()["0.weight"].clone()
-            bump(big)
-            with contextlib.suppress(asyncio.TimeoutError, aiowsync.WeightSyncTimeout):
-                await asyncio.wait_for(sender.send(timeout=10), 0.001)
-            await asyncio.sleep(0.2)
-            assert r.version in (0, 1)
-            if r.version == 0:
-                assert torch.equal(mirror.state_dict()["0.weight"], before)
-            result = await sender.send(timeout=10)
-            assert r.version == result.version and same(mirror, big)
+    mirror = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
+    async with pair(big, mirror) as (sender, r):
+        before = mirror.state_dict()["0.weight"].clone()
+        bump(big)
+        with contextlib.suppress(asyncio.TimeoutError, aiowsync.WeightSyncTimeout):
+            await asyncio.wait_for(sender.send(timeout=10), 0.001)
+        await asyncio.sleep(0.2)
+        assert r.version in (0, 1)
+        if r.version == 0:
+            assert torch.equal(mirror.state_dict()["0.weight"], before)
+        result = await sender.send(timeout=10)
+        assert r.version == result.version and same(mirror, big)
 
 
 async def test_shutdown_during_a_send_raises_and_leaks_nothing() -> None:
@@ -267,25 +276,18 @@ async def test_shutdown_during_a_send_raises_and_leaks_nothing() -> None:
 
 
 async def test_copy_mode_keeps_private_tensors_and_stays_consistent() -> None:
-    src = model(0)
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
-    sender.init_on_sender(model=src, num_workers=1)
-    async with sender:
-        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, apply_mode="copy")
-        mirror = model(1)
-        r.init_on_receiver(model=mirror, worker_idx=0)
-        async with r:
-            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
-            for step in range(1, 4):
-                bump(src)
-                await sender.send(timeout=5)
-                assert r.version == step and same(mirror, src)
-            # Private: writing the worker's tensor does not touch the sender's slot.
-            with torch.no_grad():
-                mirror[0].weight.fill_(123.0)
+    src, mirror = model(0), model(1)
+    async with pair(src, mirror, apply_mode="copy") as (sender, r):
+        for step in range(1, 4):
             bump(src)
             await sender.send(timeout=5)
-            assert same(mirror, src)
+            assert r.version == step and same(mirror, src)
+        # Private: writing the worker's tensor does not touch the sender's slot.
+        with torch.no_grad():
+            mirror[0].weight.fill_(123.0)
+        bump(src)
+        await sender.send(timeout=5)
+        assert same(mirror, src)
 
 
 async def test_read_guard_delays_the_switch_until_released() -> None:
@@ -501,26 +503,19 @@ async def test_a_closed_receiver_keeps_its_weights_in_private_memory() -> None:
 
 @pytest.mark.parametrize("rehome", [False, True])
 async def test_replaced_or_rebound_parameters_are_still_sent_right(rehome: bool) -> None:
-    src = model(0)
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
-    sender.init_on_sender(model=src, num_workers=1, rehome=rehome)
-    async with sender:
-        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
-        mirror = model(1)
-        r.init_on_receiver(model=mirror, worker_idx=0)
-        async with r:
-            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
-            bump(src)
+    src, mirror = model(0), model(1)
+    async with pair(src, mirror, rehome=rehome) as (sender, r):
+        bump(src)
+        await sender.send(timeout=5)
+        assert same(mirror, src)
+        src[0].weight = nn.Parameter(torch.full((32, 16), 3.0))  # a new tensor object
+        await sender.send(timeout=5)
+        assert same(mirror, src)
+        with torch.no_grad():
+            src[2].bias.data = torch.full((4,), -2.0)  # same object, new storage
+        await sender.send(timeout=5)
+        assert same(mirror, src)
+        src[2].bias = nn.Parameter(torch.zeros(5))  # wrong shape: refused, nothing sent
+        with pytest.raises(aiowsync.LayoutMismatchError, match=r"2\.bias"):
             await sender.send(timeout=5)
-            assert same(mirror, src)
-            src[0].weight = nn.Parameter(torch.full((32, 16), 3.0))  # a new tensor object
-            await sender.send(timeout=5)
-            assert same(mirror, src)
-            with torch.no_grad():
-                src[2].bias.data = torch.full((4,), -2.0)  # same object, new storage
-            await sender.send(timeout=5)
-            assert same(mirror, src)
-            src[2].bias = nn.Parameter(torch.zeros(5))  # wrong shape: refused, nothing sent
-            with pytest.raises(aiowsync.LayoutMismatchError, match=r"2\.bias"):
-                await sender.send(timeout=5)
-            assert r.version == 3
+        assert r.version == 3
