@@ -85,7 +85,6 @@ class ReceiverCore:
         self.shield_updates = False
         self.protocol_errors = 0
         self.version = -1
-        self.sender_version = -1
         self._bye: str | None = None
         self._changed = anyio.Event()
         self._private: list[Staged] = []
@@ -226,7 +225,6 @@ class ReceiverCore:
 
     async def _handle(self, message: Message) -> int | None:
         if isinstance(message, Heartbeat):
-            self.sender_version = max(self.sender_version, message.version)
             return None
         try:
             self._conn.receive(message)
@@ -243,7 +241,6 @@ class ReceiverCore:
             self._notify()
             return None
         if isinstance(message, Update):
-            self.sender_version = max(self.sender_version, message.version)
             # In pull mode an update taken off the wire is answered even if the caller's
             # deadline fires meanwhile; in background mode only shutdown cancels, and then the
             # sender is told.
