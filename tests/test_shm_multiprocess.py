@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
 
 import aiowsync
-from _workers import SPAWN, digest, fill, make_model, randomize, workers
+from _workers import SPAWN, Workers, digest, fill, make_model, randomize, workers
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -120,7 +122,10 @@ async def test_no_mixed_reads_while_sending_back_to_back(kind: str) -> None:
         assert stats["version"] == sends
 
 
-async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_version() -> None:
+@contextlib.asynccontextmanager
+async def _three_workers_on_version_1() -> AsyncIterator[
+    tuple[aiowsync.SharedMemWeightSyncScheme, torch.nn.Module, Workers]
+]:
     model = make_model("small")
     scheme = aiowsync.SharedMemWeightSyncScheme()
     scheme.init_on_sender(model=model, num_workers=3)
@@ -132,36 +137,40 @@ async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_vers
             randomize(model, 1)
             await scheme.send(timeout=20)
             await asyncio.to_thread(w.collect, "version", 3)
+            yield scheme, model, w
 
-            w.kill(1)
-            randomize(model, 2)
-            started = time.monotonic()
-            with pytest.raises(aiowsync.WeightSyncError) as info:
-                # Either the loss is already known (raised at once) or the deadline names it.
-                await scheme.send(timeout=scheme.heartbeats.timeout + 1.0)
-            assert time.monotonic() - started < scheme.heartbeats.timeout + 3.0
-            assert 1 in info.value.worker_ids  # type: ignore[attr-defined]
-            assert info.value.acked == (0, 2)
-            seen = await asyncio.to_thread(w.collect, "version", 2)
-            assert {(e[1], e[2]) for e in seen} == {(0, 2), (2, 2)}
 
-            # Once declared lost, a send naming it fails at once.
-            for _ in range(100):
-                if 1 in scheme._sender.lost_workers():  # type: ignore[union-attr]
-                    break
-                await asyncio.sleep(0.05)
-            started = time.monotonic()
-            with pytest.raises(aiowsync.WorkerLostError) as lost:
-                await scheme.send(timeout=30)
-            assert lost.value.worker_ids == (1,)
-            assert time.monotonic() - started < 0.5
+async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_version() -> None:
+    async with _three_workers_on_version_1() as (scheme, model, w):
+        w.kill(1)
+        randomize(model, 2)
+        started = time.monotonic()
+        with pytest.raises(aiowsync.WeightSyncError) as info:
+            # Either the loss is already known (raised at once) or the deadline names it.
+            await scheme.send(timeout=scheme.heartbeats.timeout + 1.0)
+        assert time.monotonic() - started < scheme.heartbeats.timeout + 3.0
+        assert 1 in info.value.worker_ids  # type: ignore[attr-defined]
+        assert info.value.acked == (0, 2)
+        seen = await asyncio.to_thread(w.collect, "version", 2)
+        assert {(e[1], e[2]) for e in seen} == {(0, 2), (2, 2)}
 
-            w.start(1, "small", scheme=scheme)
-            rejoined = await asyncio.to_thread(w.collect, "ready", 1)
-            assert rejoined[0][2] == 2 and rejoined[0][3] == digest(model)
-            randomize(model, 3)
-            result = await scheme.send(timeout=20)
-            assert result.worker_ids == (0, 1, 2) and result.version == 3
+        # Once declared lost, a send naming it fails at once.
+        for _ in range(100):
+            if 1 in scheme._sender.lost_workers():  # type: ignore[union-attr]
+                break
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(aiowsync.WorkerLostError) as lost:
+            await scheme.send(timeout=30)
+        assert lost.value.worker_ids == (1,)
+        assert time.monotonic() - started < 0.5
+
+        w.start(1, "small", scheme=scheme)
+        rejoined = await asyncio.to_thread(w.collect, "ready", 1)
+        assert rejoined[0][2] == 2 and rejoined[0][3] == digest(model)
+        randomize(model, 3)
+        result = await scheme.send(timeout=20)
+        assert result.worker_ids == (0, 1, 2) and result.version == 3
 
 
 def _sender_process(address_queue, kind: str) -> None:
@@ -216,47 +225,36 @@ async def test_receivers_keep_weights_and_report_disconnected_when_the_sender_di
 
 
 async def test_frozen_worker_is_not_waited_for_and_its_slot_is_never_rewritten() -> None:
-    model = make_model("small")
-    scheme = aiowsync.SharedMemWeightSyncScheme()
-    scheme.init_on_sender(model=model, num_workers=3)
-    with workers() as w:
-        async with scheme:
-            for i in range(3):
-                w.start(i, "small", scheme=scheme)
-            await _connect(scheme, w, 3)
-            randomize(model, 1)
-            await scheme.send(timeout=20)
-            await asyncio.to_thread(w.collect, "version", 3)
-
-            frozen = w.procs[2]
-            os.kill(frozen.pid, signal.SIGSTOP)
-            try:
-                await asyncio.sleep(scheme.heartbeats.timeout + 1.0)
-                randomize(model, 2)
-                with pytest.raises(aiowsync.WorkerLostError) as info:
-                    await scheme.send(timeout=10)
-                assert info.value.worker_ids == (2,)
-                # Sends to the others go on; worker 2's slot (version 1) stays pinned because its
-                # process is alive, so new slots are made instead of overwriting it.
-                for step in (3, 4, 5):
-                    randomize(model, step)
-                    result = await scheme.send(worker_ids=[0, 1], timeout=10)
-                    assert result.version == step - 1  # the refused send used no version
-                assert scheme._sender is not None
-                assert scheme._sender._plane.slot_count >= 3  # type: ignore[attr-defined]
-            finally:
-                os.kill(frozen.pid, signal.SIGCONT)
-            # Back in time: its beats revive it and it takes the latest version.
-            for _ in range(200):
-                if 2 not in scheme._sender.lost_workers():
-                    break
-                await asyncio.sleep(0.05)
-            assert 2 not in scheme._sender.lost_workers()
-            randomize(model, 6)
-            result = await scheme.send(timeout=20)
-            assert result.worker_ids == (0, 1, 2) and result.version == 5
-            events = await asyncio.to_thread(w.collect, "version", 2 * 4 + 1)
-            last = {e[1]: e for e in events}
-            assert {idx: (e[2], e[3]) for idx, e in last.items()} == dict.fromkeys(
-                range(3), (5, digest(model))
-            )
+    async with _three_workers_on_version_1() as (scheme, model, w):
+        frozen = w.procs[2]
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(scheme.heartbeats.timeout + 1.0)
+            randomize(model, 2)
+            with pytest.raises(aiowsync.WorkerLostError) as info:
+                await scheme.send(timeout=10)
+            assert info.value.worker_ids == (2,)
+            # Sends to the others go on; worker 2's slot (version 1) stays pinned because its
+            # process is alive, so new slots are made instead of overwriting it.
+            for step in (3, 4, 5):
+                randomize(model, step)
+                result = await scheme.send(worker_ids=[0, 1], timeout=10)
+                assert result.version == step - 1  # the refused send used no version
+            assert scheme._sender is not None
+            assert scheme._sender._plane.slot_count >= 3  # type: ignore[attr-defined]
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        # Back in time: its beats revive it and it takes the latest version.
+        for _ in range(200):
+            if 2 not in scheme._sender.lost_workers():
+                break
+            await asyncio.sleep(0.05)
+        assert 2 not in scheme._sender.lost_workers()
+        randomize(model, 6)
+        result = await scheme.send(timeout=20)
+        assert result.worker_ids == (0, 1, 2) and result.version == 5
+        events = await asyncio.to_thread(w.collect, "version", 2 * 4 + 1)
+        last = {e[1]: e for e in events}
+        assert {idx: (e[2], e[3]) for idx, e in last.items()} == dict.fromkeys(
+            range(3), (5, digest(model))
+        )
