@@ -16,8 +16,9 @@ from __future__ import annotations
 import abc
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,6 +63,11 @@ class Staged:
 class SenderPlane(abc.ABC):
     layout: Layout
 
+    transfers = False
+    """True for planes that move the bytes after the announcement (see :meth:`transfer`)."""
+    pins_receivers = True
+    """True when receivers read the sender's slots, so versions they run must stay intact."""
+
     @abc.abstractmethod
     def setup(self, layout: Layout) -> None: ...
 
@@ -83,8 +89,37 @@ class SenderPlane(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def welcome_params(self) -> Params:
+        """Parameters every receiver needs once, sent in the welcome."""
+        return {}
+
+    def forget(self, worker: int) -> None:
+        """``worker`` is lost or replaced: drop whatever state involves it."""
+        del worker  # the shared-memory plane keeps nothing per worker
+
+    # Planes with ``transfers`` move a published version to a set of receivers (a *route*),
+    # in a worker thread, after the receivers were told the route's parameters.
+
+    def route(self, members: Sequence[tuple[int, str]], purpose: str = "") -> Any:
+        """The route to ``members`` ((worker index, session) pairs); cached by the plane."""
+        raise NotImplementedError
+
+    def route_params(self, route: Any, timeout: float) -> Params:
+        """What the members of ``route`` need to take part in a transfer on it."""
+        raise NotImplementedError
+
+    def transfer(self, version: int, route: Any, deadline: float) -> None:
+        """Move ``version`` along ``route`` by ``deadline`` (monotonic); blocking."""
+        raise NotImplementedError
+
 
 class ReceiverPlane(abc.ABC):
+    blocking_fetch = False
+    """True when :meth:`fetch` blocks (a collective) and must run in a worker thread."""
+    shares_sender_memory = True
+    """True when fetched versions live in the sender's memory (then a closing receiver gives
+    its model a private copy)."""
+
     @abc.abstractmethod
     def setup(
         self, layout: Layout, welcome: Mapping[str, ParamValue], *, swap: bool = True

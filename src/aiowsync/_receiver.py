@@ -21,6 +21,7 @@ from ._exceptions import (
     NotConnectedError,
     ProtocolError,
     RefusedError,
+    TransportError,
     WeightSyncError,
     WeightSyncTimeout,
 )
@@ -252,9 +253,7 @@ class ReceiverCore:
             return message.version
         return None
 
-    async def _apply_and_answer(
-        self, version: int, params: Mapping[str, ParamValue]
-    ) -> Ack | Nack:
+    async def _apply_and_answer(self, version: int, params: Mapping[str, ParamValue]) -> Ack | Nack:
         answer: Ack | Nack
         try:
             await self._apply(version, params)
@@ -270,7 +269,12 @@ class ReceiverCore:
             raise
         except (WeightSyncError, OSError, RuntimeError, ValueError, TimeoutError) as exc:
             log.warning("worker %d could not apply version %d: %s", self.worker_idx, version, exc)
-            answer = Nack(worker_idx=self.worker_idx, version=version, error=_text(exc))
+            answer = Nack(
+                worker_idx=self.worker_idx,
+                version=version,
+                error=_text(exc),
+                retryable=isinstance(exc, TransportError),
+            )
         except Exception as exc:  # a user hook may raise anything; the sender must hear of it
             answer = Nack(worker_idx=self.worker_idx, version=version, error=_text(exc))
         with anyio.CancelScope(shield=True):
@@ -285,7 +289,13 @@ class ReceiverCore:
         await channel.send(answer, timeout=self._timeouts.control)
 
     async def _apply(self, version: int, params: Mapping[str, ParamValue]) -> None:
-        staged = self._plane.fetch(params)
+        if self._plane.blocking_fetch:
+            # On shutdown the wait is abandoned; the receive ends by its own deadline.
+            staged = await anyio.to_thread.run_sync(
+                self._plane.fetch, params, abandon_on_cancel=True
+            )
+        else:
+            staged = self._plane.fetch(params)
         if self.apply_mode == "copy":
             index = 1 - self._live_private if self._live_private >= 0 else 0
             target = self._private[index]
@@ -342,7 +352,7 @@ class ReceiverCore:
         outlives the scheme; so it keeps the same values in memory of its own.
         """
         live = self._live
-        if self.apply_mode != "swap" or live is None:
+        if self.apply_mode != "swap" or live is None or not self._plane.shares_sender_memory:
             return
         device = live.buffers[0].device if live.buffers else torch.device("cpu")
         private = self.layout.allocate(device)

@@ -7,12 +7,15 @@ waits for the targeted workers' answers, which that task delivers.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -94,12 +97,25 @@ class _Pending:
     done: anyio.Event = field(default_factory=anyio.Event)
     acked: set[int] = field(default_factory=set)
     nacks: dict[int, str] = field(default_factory=dict)
+    retryable: set[int] = field(default_factory=set)
     lost: set[int] = field(default_factory=set)
+    changed: anyio.Event = field(default_factory=anyio.Event)
 
     def settle(self, worker: int) -> None:
         self.waiting.discard(worker)
         if not self.waiting:
             self.done.set()
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    def reopen(self, workers: list[int]) -> None:
+        """``workers`` get another attempt: their failed answers no longer count."""
+        for worker in workers:
+            self.nacks.pop(worker, None)
+            self.retryable.discard(worker)
+            self.waiting.add(worker)
+        if self.done.is_set():
+            self.done = anyio.Event()
 
 
 class SenderCore:
@@ -131,6 +147,10 @@ class SenderCore:
         self._by_routing: dict[PeerId, _Peer] = {}
         self._pending: dict[int, _Pending] = {}
         self._send_lock = anyio.Lock()
+        self._tasks: anyio.abc.TaskGroup | None = None
+        # Transfers of successive versions run one after another, even past a cancelled send.
+        self._last_transfer = threading.Event()
+        self._last_transfer.set()
         self._changed = anyio.Event()
         self.version = 0
         self.dropped = 0
@@ -203,20 +223,22 @@ class SenderCore:
     ) -> None:
         channel = self._channel
         assert channel is not None
-        task_status.started()
-        next_beat = time.monotonic()
-        while True:
-            try:
-                peer_id, message = await channel.recv(timeout=self._beats.interval)
-            except WeightSyncTimeout:
-                pass
-            else:
-                await self._dispatch(peer_id, message)
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + self._beats.interval
-                await self._check_liveness(channel)
-                await self._beat(channel)
+        async with anyio.create_task_group() as tasks:
+            self._tasks = tasks
+            task_status.started()
+            next_beat = time.monotonic()
+            while True:
+                try:
+                    peer_id, message = await channel.recv(timeout=self._beats.interval)
+                except WeightSyncTimeout:
+                    pass
+                else:
+                    await self._dispatch(peer_id, message)
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self._beats.interval
+                    await self._check_liveness(channel)
+                    await self._beat(channel)
 
     async def _check_liveness(self, channel: SenderChannel) -> None:
         late = [p for p in self._peers.values() if not p.lost and self._is_late(p)]
@@ -250,6 +272,7 @@ class SenderCore:
         if not peer.lost:
             log.log(level, "worker %d lost: %s", peer.worker_idx, why)
         peer.lost = True
+        self._plane.forget(peer.worker_idx)
         for pending in self._pending.values():
             if peer.worker_idx in pending.waiting:
                 pending.lost.add(peer.worker_idx)
@@ -306,7 +329,7 @@ class SenderCore:
         if isinstance(message, Ack):
             self._on_answer(peer, message.version, None)
         elif isinstance(message, Nack):
-            self._on_answer(peer, message.version, message.error)
+            self._on_answer(peer, message.version, message.error, retryable=message.retryable)
         elif isinstance(message, Bye):
             peer.gone = True
             self._by_routing.pop(routing, None)
@@ -314,7 +337,9 @@ class SenderCore:
                 peer, f"said goodbye ({message.reason or 'no reason'})", level=logging.INFO
             )
 
-    def _on_answer(self, peer: _Peer, version: int, error: str | None) -> None:
+    def _on_answer(
+        self, peer: _Peer, version: int, error: str | None, *, retryable: bool = False
+    ) -> None:
         # A nack keeps its version pinned: the worker may have switched to it before a hook
         # failed. Only a later ack proves the worker left it.
         if error is None:
@@ -328,6 +353,8 @@ class SenderCore:
                 pending.acked.add(peer.worker_idx)
             else:
                 pending.nacks[peer.worker_idx] = error
+                if retryable:
+                    pending.retryable.add(peer.worker_idx)
             pending.settle(peer.worker_idx)
         if error is not None:
             log.warning("worker %d could not apply version %d: %s", peer.worker_idx, version, error)
@@ -359,12 +386,18 @@ class SenderCore:
                 self._retired.append(old)
         conn = Connection(Role.SENDER, hello.worker_idx)
         conn.receive(hello)
+        session = secrets.token_hex(16)
+        params = {**self._plane.welcome_params(), **self._plane.params_for(self.version)}
+        join_route = None
+        if self._plane.transfers:
+            join_route = self._plane.route([(hello.worker_idx, session)], purpose="join")
+            params.update(self._plane.route_params(join_route, self._timeouts.handshake))
         welcome = Welcome(
             model_id=self.model_id,
             worker_idx=hello.worker_idx,
-            session=secrets.token_hex(16),
+            session=session,
             version=self.version,
-            params=self._plane.params_for(self.version),
+            params=params,
             heartbeat_interval=self._beats.interval,
             missed_beats=self._beats.missed,
         )
@@ -387,7 +420,21 @@ class SenderCore:
             if isinstance(exc, TransportError):
                 self._connection_closed(peer)
             self._mark_lost(peer, f"could not be welcomed: {exc}")
+        else:
+            if join_route is not None and self._tasks is not None:
+                deadline = time.monotonic() + self._timeouts.handshake
+                self._tasks.start_soon(self._bring_up, peer, welcome.version, join_route, deadline)
         self._notify()
+
+    async def _bring_up(self, peer: _Peer, version: int, route: Any, deadline: float) -> None:
+        """Move the welcome version to a joining worker (planes with transfers)."""
+        try:
+            await _in_thread(self._plane.transfer, version, route, deadline)
+        except WeightSyncError as exc:
+            # The worker hears of it too (its receive fails) and its connect() raises.
+            log.warning(
+                "worker %d could not be brought up to version %d: %s", peer.worker_idx, version, exc
+            )
 
     def _refusal(self, hello: Hello) -> str | None:
         if hello.protocol != PROTOCOL_VERSION:
@@ -441,6 +488,8 @@ class SenderCore:
 
     def _pinned_versions(self) -> set[int]:
         pinned = {self.version}
+        if not self._plane.pins_receivers:
+            return pinned
         self._retired = [p for p in self._retired if not self._peer_gone(p)]
         for peer in [*self._peers.values(), *self._retired]:
             if self._peer_gone(peer):
@@ -456,16 +505,29 @@ class SenderCore:
         self.check_targets(targets)
         deadline = None if timeout is None else time.monotonic() + timeout
         stage_limit = self._timeouts.transfer if timeout is None else timeout
+        move_by = time.monotonic() + stage_limit
         try:
             with anyio.fail_after(stage_limit):
-                async with self._send_lock:
+                await self._send_lock.acquire()
+                try:
                     self.check_targets(targets)
-                    version, pending, stage_s = await self._stage_and_announce(source, targets)
+                    version, pending, stage_s, route = await self._stage_and_announce(
+                        source, targets, move_by
+                    )
+                except BaseException:
+                    self._send_lock.release()
+                    raise
         except TimeoutError:
             raise WeightSyncTimeout(
                 f"send did not stage within {stage_limit:g} s", targets
             ) from None
         try:
+            try:
+                if route is not None:
+                    # Still under the lock: a retry must be announced before the next version.
+                    await self._deliver(version, pending, route, move_by)
+            finally:
+                self._send_lock.release()
             wait = self._timeouts.ack if deadline is None else max(0.0, deadline - time.monotonic())
             with anyio.move_on_after(wait):
                 await pending.done.wait()
@@ -494,8 +556,8 @@ class SenderCore:
         )
 
     async def _stage_and_announce(
-        self, source: Callable[[], Source], targets: list[int]
-    ) -> tuple[int, _Pending, float]:
+        self, source: Callable[[], Source], targets: list[int], move_by: float
+    ) -> tuple[int, _Pending, float, Any]:
         slot = self._plane.reserve(self._pinned_versions())
         t0 = time.perf_counter()
 
@@ -504,8 +566,9 @@ class SenderCore:
             self._plane.write(slot, source())
 
         try:
-            if self.layout.total_bytes <= INLINE_COPY_BYTES:
-                # Cheaper than the hop to a worker thread, and too short to stall the loop.
+            if self.layout.total_bytes <= INLINE_COPY_BYTES or self._plane.transfers:
+                # Cheaper than the hop to a worker thread, and too short to stall the loop
+                # (planes with transfers only take note of the source here).
                 stage()
             else:
                 await anyio.to_thread.run_sync(stage)
@@ -519,27 +582,130 @@ class SenderCore:
         # From here on the version exists: announce it to every target even if cancelled.
         with anyio.CancelScope(shield=True):
             version = self.version + 1
-            update = Update(version=version, params=self._plane.publish(slot, version))
+            params = self._plane.publish(slot, version)
             self.version = version
             pending = _Pending(version, set(targets))
             self._pending[version] = pending
+            members = [self._peers[w] for w in targets if not self._peers[w].lost]
+            route = None
+            if self._plane.transfers and members:
+                route = self._plane.route([(p.worker_idx, p.session) for p in members])
+                left = max(0.001, move_by - time.monotonic())
+                params = {**params, **self._plane.route_params(route, left)}
+            update = Update(version=version, params=params)
             for worker in targets:
                 peer = self._peers[worker]
                 if peer.lost:
                     pending.lost.add(worker)
                     pending.settle(worker)
                     continue
-                try:
-                    peer.conn.send(update)
-                    peer.inflight.add(version)
-                    await channel.send(peer.routing, update, timeout=self._timeouts.control)
-                except WeightSyncError as exc:
-                    if isinstance(exc, TransportError):
-                        self._connection_closed(peer)
-                    self._mark_lost(peer, f"update could not be sent: {exc}")
+                await self._announce(channel, peer, update)
             if not targets:
                 pending.done.set()
-        return version, pending, stage_s
+        return version, pending, stage_s, route
+
+    async def _announce(self, channel: SenderChannel, peer: _Peer, update: Update) -> None:
+        try:
+            peer.conn.send(update)
+            peer.inflight.add(update.version)
+            await channel.send(peer.routing, update, timeout=self._timeouts.control)
+        except WeightSyncError as exc:
+            if isinstance(exc, TransportError):
+                self._connection_closed(peer)
+            self._mark_lost(peer, f"update could not be sent: {exc}")
+
+    async def _deliver(self, version: int, pending: _Pending, route: Any, move_by: float) -> None:
+        """Move ``version`` to its targets; retry those whose transfer failed.
+
+        When a collective fails its group is torn down, so every member still alive fails fast
+        and nacks as retryable; those are sent the same version again, with a higher attempt
+        number, on a fresh group. A member that stays silent is dead or stalled: the deadline
+        (or its heartbeats) names it.
+        """
+        members = [self._peers[w] for w in sorted(pending.waiting) if w in self._peers]
+        attempt = 0
+        while True:
+            try:
+                await self._chained(self._plane.transfer, version, route, move_by)
+                return
+            except WeightSyncError as exc:
+                log.warning("version %d, attempt %d: %s", version, attempt, exc)
+            grace = min(RETRY_GRACE, max(0.0, move_by - time.monotonic()))
+            with anyio.move_on_after(grace):
+                while any(p.worker_idx in pending.waiting for p in members):
+                    await pending.changed.wait()
+            channel = self._channel
+            retry = [
+                p
+                for p in members
+                if p.worker_idx in pending.retryable
+                and not p.lost
+                and self._peers.get(p.worker_idx) is p
+            ]
+            left = move_by - time.monotonic()
+            if not retry or left <= 0 or channel is None:
+                return
+            attempt += 1
+            route = self._plane.route([(p.worker_idx, p.session) for p in retry])
+            update = Update(
+                version=version, attempt=attempt, params=self._plane.route_params(route, left)
+            )
+            pending.reopen([p.worker_idx for p in retry])
+            with anyio.CancelScope(shield=True):
+                for peer in retry:
+                    await self._announce(channel, peer, update)
+            members = retry
+
+    async def _chained(self, transfer: Callable[..., None], *args: Any) -> None:
+        """Run ``transfer`` in a thread once the previous chained transfer has finished."""
+        previous, mine = self._last_transfer, threading.Event()
+        self._last_transfer = mine
+        move_by = args[-1]
+
+        def run() -> None:
+            try:
+                if not previous.wait(max(0.0, move_by - time.monotonic())):
+                    raise TransportError("an earlier transfer did not finish in time")
+                transfer(*args)
+            finally:
+                mine.set()
+
+        await _in_thread(run)
+
+
+RETRY_GRACE = 0.5
+"""After a failed transfer, how long the sender waits for the members' answers before it
+retries those that reported a failed receive."""
+
+
+async def _in_thread(fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn`` in a new thread, started before this returns to the loop.
+
+    Cancelling the caller abandons the wait, not the work: a transfer that started always
+    runs to its end (each of its waits has a deadline), so collectives never go half-done.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            fn(*args)
+        except BaseException as exc:  # handed to the waiting task
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name="aiowsync-transfer", daemon=True).start()
+    await future
 
 
 def _with_outcome(exc: WeightSyncError, version: int, pending: _Pending) -> WeightSyncError:

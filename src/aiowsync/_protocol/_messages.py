@@ -97,10 +97,16 @@ class Refuse(_Base, frozen=True, tag="refuse"):
 
 
 class Update(_Base, frozen=True, tag="update"):
-    """Sender -> receiver: ``version`` is staged; ``params`` say where."""
+    """Sender -> receiver: ``version`` is staged; ``params`` say where.
+
+    ``attempt`` counts retries of one version: a transport that moves the bytes after the
+    announcement (a collective) may announce the same version again, with a higher attempt,
+    to the receivers whose transfer failed.
+    """
 
     version: Version
     params: Params = {}
+    attempt: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
 
 
 class Ack(_Base, frozen=True, tag="ack"):
@@ -116,6 +122,8 @@ class Nack(_Base, frozen=True, tag="nack"):
     worker_idx: WorkerIndex
     version: Version
     error: Text
+    retryable: bool = False
+    """The bytes did not arrive (a failed transfer); the live model is untouched."""
 
 
 class Heartbeat(_Base, frozen=True, tag="beat"):

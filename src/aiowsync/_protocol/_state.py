@@ -9,9 +9,10 @@ Rules (``TRANSITIONS`` is the single source of truth):
 * After ``Welcome`` the receiver applies the initial version and answers ``Ack`` (or ``Nack``);
   the first ``Ack`` makes the pair ``LIVE``.
 * The sender may send ``Update`` once it has welcomed the receiver; each ``Update`` carries a
-  version strictly greater than the previous one.  Several may be outstanding (a cancelled send
-  leaves one behind), so ``Ack``/``Nack`` name the version they answer, which must be one the
-  sender actually sent.
+  version strictly greater than the previous one, or the same version with a higher ``attempt``
+  (a retry after a failed transfer) while that version is still unacknowledged. Several may be
+  outstanding (a cancelled send leaves one behind), so ``Ack``/``Nack`` name the version they
+  answer, which must be one the sender actually sent.
 * ``Heartbeat`` is allowed in every open state; ``Bye`` from either side closes the pair.
 * Anything not in the table is a protocol error and moves the machine to ``ERROR``, where only
   ``Bye`` is accepted.
@@ -98,6 +99,7 @@ class Connection:
 
     __slots__ = (
         "_acked",
+        "_attempt",
         "_error",
         "_outstanding",
         "_sent_versions",
@@ -112,6 +114,7 @@ class Connection:
         self.worker_idx = worker_idx
         self._sent_versions: int = -1  # highest Update/Welcome version on this pair
         self._acked: int = -1  # highest version acknowledged
+        self._attempt: int = 0  # attempt number of the latest announced version
         # Versions announced on this pair that an answer may still name. Versions on one pair
         # can skip (updates sent to a subset of workers), so "<= latest" is not enough.
         self._outstanding: set[int] = set()
@@ -162,13 +165,19 @@ class Connection:
             self.worker_idx = message.worker_idx
         if isinstance(message, Welcome):
             self._sent_versions = message.version
+            self._attempt = 0
             self._outstanding.add(message.version)
         elif isinstance(message, Update):
-            if message.version <= self._sent_versions:
+            retry = message.version == self._sent_versions and message.attempt > self._attempt
+            if retry and message.version <= self._acked:
+                self._fail(f"retry of version {message.version}, which was already acknowledged")
+            if message.version <= self._sent_versions and not retry:
                 self._fail(
-                    f"update to version {message.version} does not follow {self._sent_versions}"
+                    f"update to version {message.version} (attempt {message.attempt}) does not "
+                    f"follow {self._sent_versions} (attempt {self._attempt})"
                 )
             self._sent_versions = message.version
+            self._attempt = message.attempt
             self._outstanding.add(message.version)
         elif isinstance(message, Ack | Nack):
             if message.version not in self._outstanding:

@@ -1,0 +1,582 @@
+"""The torch.distributed data plane: versions broadcast bucket by bucket on groups of our own.
+
+The sender runs a TCP store (bound to the control socket's host only) and creates one process
+group per set of receivers it sends to, with itself as rank 0. A group is named by a random
+token and used as a prefix in the store, so groups never collide and the user's default group
+is never touched. Groups are cached by their members (worker index and session, so a restarted
+worker gets new groups); a group whose collective failed is dropped at once, which closes its
+connections and makes every member's pending receive fail quickly instead of timing out.
+
+Each version is packed into a private sender slot while it is broadcast: bucket i+1 is packed
+while bucket i is on the wire. A receiver receives into whichever of its two slots the model
+does not run, and the scheme switches the model to it only once every bucket arrived.
+
+Every blocking call here runs in a worker thread and has a deadline.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+from ._exceptions import ProtocolError, TransportError, WeightSyncError
+from ._layout import Layout, fused_copy
+from ._planes import Params, ReceiverPlane, SenderPlane, Source, Staged
+from ._protocol import ParamValue
+
+__all__ = ["Backend", "DistReceiverPlane", "DistSenderPlane", "Member"]
+
+log = logging.getLogger("aiowsync.dist")
+
+Backend: TypeAlias = Literal["gloo", "nccl"]
+Member: TypeAlias = tuple[int, str]
+"""A receiver as a group member: (worker index, session)."""
+
+_MAX_GROUPS = 8
+
+
+def host_of(address: str) -> str:
+    """The host part of a ``tcp://host:port`` address."""
+    host = (urlsplit(address).hostname or "").strip("[]")
+    if not host:
+        raise ValueError(f"no host in address {address!r}")
+    return host
+
+
+def local_ip_towards(host: str) -> str:
+    """The local address this machine uses to reach ``host`` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
+
+
+def _seconds_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransportError("the transfer ran out of time")
+    return left
+
+
+def _new_group(
+    backend: Backend,
+    store: Store,
+    name: str,
+    rank: int,
+    size: int,
+    hostname: str,
+    timeout: float,
+) -> dist.ProcessGroup:
+    """A process group of ``size`` ranks under prefix ``name``: blocks until all have joined."""
+    prefixed = PrefixStore(f"aiowsync/{name}/", store)
+    span = datetime.timedelta(seconds=timeout)
+    pg: Any
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = span
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+        pg = dist.ProcessGroupGloo(prefixed, rank, size, options)
+    elif backend == "nccl":  # pragma: no cover - needs GPUs
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = span
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, nccl_options)
+    else:
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    return pg  # type: ignore[no-any-return]
+
+
+def _finish(work: Any, backend: Backend, timeout: float) -> None:
+    work.wait(datetime.timedelta(seconds=timeout))
+    if backend == "nccl":  # pragma: no cover - needs GPUs
+        torch.cuda.synchronize()
+
+
+def _broadcast(pg: Any, tensor: torch.Tensor) -> Any:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    return pg.broadcast([tensor], options)
+
+
+class Buckets:
+    """Byte ranges of a version's flat image, and which piece of each source lands in each.
+
+    A source is a list of segments ``(global offset, nbytes)`` (a tensor of the layout, or one
+    of its flat buffers); a bucket's plan lists ``(segment, start, stop)`` byte ranges within
+    segments, so that packing bucket i copies exactly bytes ``ranges[i]`` of the image.
+    """
+
+    def __init__(self, total: int, bucket_bytes: int) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.ranges = [(lo, min(lo + bucket_bytes, total)) for lo in range(0, total, bucket_bytes)]
+
+    def plan(self, segments: Sequence[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
+        starts = [offset for offset, _ in segments]
+        plans: list[list[tuple[int, int, int]]] = []
+        for lo, hi in self.ranges:
+            pieces = []
+            index = max(0, bisect.bisect_right(starts, lo) - 1)
+            while index < len(segments) and segments[index][0] < hi:
+                offset, nbytes = segments[index]
+                a, b = max(lo, offset), min(hi, offset + nbytes)
+                if a < b:
+                    pieces.append((index, a - offset, b - offset))
+                index += 1
+            plans.append(pieces)
+        return plans
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+@dataclass(slots=True)
+class _Group:
+    name: str
+    members: tuple[Member, ...]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dropped: bool = False
+    pg: Any = None
+    last_used: float = 0.0
+
+
+@dataclass(slots=True)
+class _SenderSlot:
+    flat: torch.Tensor
+    version: int | None = None
+    busy: bool = False
+    readers: int = 0
+    source: Source | None = None
+    packed: int = 0  # buckets packed so far for ``version``
+    complete: threading.Event = field(default_factory=threading.Event)
+
+
+class DistSenderPlane(SenderPlane):
+    """Private sender slots, a TCP store and a cache of process groups."""
+
+    transfers = True
+    pins_receivers = False
+
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        bucket_bytes: int,
+        host: str,
+        device: torch.device,
+        max_slots: int = 4,
+    ) -> None:
+        self.backend: Backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.host = host
+        self.device = device
+        self.max_slots = max_slots
+        self._slots: list[_SenderSlot] = []
+        self._groups: dict[tuple[Member, ...], _Group] = {}
+        self._lock = threading.Lock()
+        self._store_port = 0
+        self._store: TCPStore | None = None
+        self._closed = False
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def setup(self, layout: Layout) -> None:
+        self.layout = layout
+        self.buckets = Buckets(layout.total_bytes, self.bucket_bytes)
+        starts = [0]
+        for size in layout.buffer_sizes[:-1]:
+            starts.append(starts[-1] + size)
+        self._buffer_starts = starts
+        self._tensor_starts = [starts[s.buffer] + s.offset for s in layout.specs]
+        self._tensor_plan = self.buckets.plan(
+            [(start, s.nbytes) for start, s in zip(self._tensor_starts, layout.specs, strict=True)]
+        )
+        self._buffer_plan = self.buckets.plan(list(zip(starts, layout.buffer_sizes, strict=True)))
+        for _ in range(2):
+            self._add_slot()
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((self.host, 0))
+            listener.listen(256)
+            # The store serves on our own socket, so it listens on the control host only.
+            self._store = TCPStore(
+                self.host,
+                listener.getsockname()[1],
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=60),
+                master_listen_fd=listener.fileno(),
+            )
+        except BaseException:
+            listener.close()
+            raise
+        # The store owns the listening socket from here on and closes it with itself.
+        self._store_port = int(listener.getsockname()[1])
+        listener.detach()
+
+    def _add_slot(self) -> _SenderSlot:
+        flat = torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+        slot = _SenderSlot(flat)
+        self._slots.append(slot)
+        return slot
+
+    def welcome_params(self) -> Params:
+        return {
+            "store_port": self._store_port,
+            "backend": self.backend,
+            "bucket_bytes": self.bucket_bytes,
+        }
+
+    # -- slots --------------------------------------------------------------------------------
+
+    def reserve(self, pinned: set[int]) -> int:
+        if self._closed:
+            raise WeightSyncError("the distributed plane is closed")
+        latest = max(pinned) if pinned else None
+        with self._lock:
+            for index, slot in enumerate(self._slots):
+                if not slot.busy and slot.readers == 0 and slot.version != latest:
+                    slot.busy, slot.version = True, None
+                    return index
+            if len(self._slots) >= self.max_slots:
+                raise WeightSyncError(
+                    f"all {len(self._slots)} sender slots are being transferred; "
+                    "a stalled transfer holds them"
+                )
+            slot = self._add_slot()
+            slot.busy = True
+            return len(self._slots) - 1
+
+    def write(self, slot: int, source: Source) -> None:
+        # Packing happens during the transfer, bucket by bucket, overlapping the wire.
+        if source.buffers is None and source.tensors is None:
+            raise ValueError("empty source")
+        s = self._slots[slot]
+        s.source, s.packed = source, 0
+        s.complete.clear()
+
+    def publish(self, slot: int, version: int) -> Params:
+        if self._closed:
+            raise WeightSyncError("the distributed plane is closed")
+        s = self._slots[slot]
+        s.version, s.busy = version, False
+        return {}
+
+    def release(self, slot: int) -> None:
+        s = self._slots[slot]
+        s.busy, s.version, s.source = False, None, None
+
+    def params_for(self, version: int) -> Params:
+        self._slot_of(version)
+        return {}
+
+    def _slot_of(self, version: int) -> _SenderSlot:
+        for s in self._slots:
+            if s.version == version:
+                return s
+        raise KeyError(f"version {version} is in no slot")
+
+    # -- groups -------------------------------------------------------------------------------
+
+    def route(self, members: Sequence[Member], purpose: str = "") -> _Group:
+        """The group for ``members`` (created on first use; ``purpose`` keeps e.g. the groups
+        that bring joining workers up to date apart from the groups of ``send()``)."""
+        key = (*sorted(members), (-1, purpose))
+        with self._lock:
+            group = self._groups.get(key)
+            if group is None:
+                group = _Group(secrets.token_hex(8), key)
+                self._groups[key] = group
+            group.last_used = time.monotonic()
+            self._evict()
+        return group
+
+    def route_params(self, route: _Group, timeout: float) -> Params:
+        return {
+            "group": route.name,
+            "members": ",".join(str(w) for w, _ in route.members if w >= 0),
+            "timeout_ms": max(1, int(timeout * 1000)),
+        }
+
+    def _evict(self) -> None:
+        idle = sorted(
+            (g for g in self._groups.values() if not g.lock.locked()), key=lambda g: g.last_used
+        )
+        while len(self._groups) > _MAX_GROUPS and idle:
+            group = idle.pop(0)
+            self._groups.pop(group.members, None)
+            group.dropped, group.pg = True, None
+
+    def forget(self, worker: int) -> None:
+        """Drop every group that counts ``worker`` (lost, replaced or gone)."""
+        with self._lock:
+            for key in [k for k in self._groups if any(w == worker for w, _ in k)]:
+                group = self._groups.pop(key)
+                group.dropped, group.pg = True, None
+
+    def _drop(self, group: _Group) -> None:
+        with self._lock:
+            if self._groups.get(group.members) is group:
+                self._groups.pop(group.members)
+        group.dropped = True
+        group.pg = None  # the last reference: its connections close, members fail fast
+
+    # -- transfer (in a worker thread) --------------------------------------------------------
+
+    def transfer(self, version: int, route: _Group, deadline: float) -> None:
+        """Broadcast ``version`` on ``route``, packing it on the way if not yet packed.
+
+        Raises :class:`TransportError` when the group cannot be formed or a collective fails;
+        the group is then dropped (which makes its other members fail fast), so a retry forms
+        a fresh one.
+        """
+        with self._lock:
+            slot = self._slot_of(version)
+            slot.readers += 1
+        try:
+            self._transfer(slot, route, deadline)
+        finally:
+            with self._lock:
+                slot.readers -= 1
+
+    def _transfer(self, slot: _SenderSlot, group: _Group, deadline: float) -> None:
+        workers = [w for w, _ in group.members if w >= 0]
+        if not group.lock.acquire(timeout=_seconds_left(deadline)):
+            raise TransportError("another transfer on the same group did not finish in time")
+        packing = False
+        try:
+            packing = slot.source is not None and not slot.complete.is_set()
+            if not packing and not slot.complete.wait(_seconds_left(deadline)):
+                raise TransportError("the version was not packed in time")
+            try:
+                if group.dropped:
+                    raise TransportError("its group was torn down after an earlier failure")
+                if group.pg is None:
+                    group.pg = _new_group(
+                        self.backend,
+                        self._need_store(),
+                        group.name,
+                        0,
+                        len(workers) + 1,
+                        self.host,
+                        _seconds_left(deadline),
+                    )
+                self._broadcast_all(group.pg, slot, packing, deadline)
+            except (RuntimeError, ValueError, TransportError) as exc:
+                self._drop(group)
+                raise TransportError(
+                    f"broadcast to workers {workers} failed: {_short(exc)}"
+                ) from exc
+        finally:
+            if packing:
+                self._pack_rest(slot)
+            group.last_used = time.monotonic()
+            group.lock.release()
+
+    def _broadcast_all(self, pg: Any, slot: _SenderSlot, packing: bool, deadline: float) -> None:
+        ranges = self.buckets.ranges
+        if packing:
+            self._pack(slot, 0)
+        for index, (lo, hi) in enumerate(ranges):
+            work = _broadcast(pg, slot.flat[lo:hi])
+            if packing and index + 1 < len(ranges):
+                self._pack(slot, index + 1)  # overlaps the bucket on the wire
+            _finish(work, self.backend, _seconds_left(deadline))
+            del work
+
+    def _pack(self, slot: _SenderSlot, index: int) -> None:
+        source = slot.source
+        if source is None or index < slot.packed:
+            return
+        pieces: Mapping[int, torch.Tensor]
+        if source.buffers is not None:
+            plan, starts = self._buffer_plan[index], self._buffer_starts
+            pieces = dict(enumerate(source.buffers))
+        else:
+            assert source.tensors is not None
+            plan, starts = self._tensor_plan[index], self._tensor_starts
+            tensors, keys = source.tensors, self.layout.keys
+            pieces = {seg: tensors[keys[seg]] for seg, _, _ in plan}
+        dsts, srcs = [], []
+        for seg, a, b in plan:
+            start = starts[seg] + a
+            srcs.append(_as_bytes(pieces[seg])[a:b])
+            dsts.append(slot.flat[start : start + (b - a)])
+        fused_copy(dsts, srcs)
+        slot.packed = index + 1
+        if slot.packed == len(self.buckets.ranges):
+            slot.source = None
+            slot.complete.set()
+
+    def _pack_rest(self, slot: _SenderSlot) -> None:
+        # A failed broadcast must still leave a whole version in the slot for retries.
+        while slot.source is not None and slot.packed < len(self.buckets.ranges):
+            self._pack(slot, slot.packed)
+
+    def _need_store(self) -> Store:
+        if self._store is None or self._closed:
+            raise TransportError("the distributed plane is closed")
+        return self._store
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            groups = list(self._groups.values())
+            self._groups.clear()
+        for group in groups:
+            group.pg = None
+        self._store = None
+
+
+class DistReceiverPlane(ReceiverPlane):
+    """Two private slots on the model's device; each version is received into the idle one."""
+
+    blocking_fetch = True
+    shares_sender_memory = False
+
+    def __init__(
+        self, *, address: str, worker_idx: int, backend: Backend, device: torch.device
+    ) -> None:
+        self.sender_host = host_of(address)
+        self._worker_idx = worker_idx
+        self.backend: Backend = backend
+        self.device = device
+        self._store: Store | None = None
+        self._groups: dict[str, tuple[Any, float]] = {}
+        self._dead: dict[str, None] = {}  # names of groups that failed (oldest first)
+        self._slots: list[Staged] = []
+        self._flats: list[torch.Tensor] = []
+        self._live = -1
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def setup(
+        self, layout: Layout, welcome: Mapping[str, ParamValue], *, swap: bool = True
+    ) -> None:
+        self.layout = layout
+        port, backend, bucket_bytes = (
+            welcome.get("store_port"),
+            welcome.get("backend"),
+            welcome.get("bucket_bytes"),
+        )
+        if not isinstance(port, int) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ProtocolError(f"the welcome lacks the store port or bucket size: {welcome}")
+        if backend != self.backend:
+            raise ProtocolError(
+                f"the sender uses backend {backend!r}, this receiver {self.backend!r}"
+            )
+        self.buckets = Buckets(layout.total_bytes, bucket_bytes)
+        self._hostname = local_ip_towards(self.sender_host)
+        for _ in range(2):
+            flat = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=self.device)
+            parts = layout.split(flat)
+            self._flats.append(flat)
+            self._slots.append(Staged(parts, layout.views(parts), str(len(self._slots))))
+        self._port = port
+
+    def _need_store(self, timeout: float) -> Store:
+        with self._lock:
+            if self._closed:
+                raise TransportError("the receiver is closed")
+            if self._store is None:
+                self._store = TCPStore(
+                    self.sender_host,
+                    self._port,
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout),
+                )
+            return self._store
+
+    def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
+        """Receive the announced version into the idle slot (blocking; run in a thread)."""
+        name, members, timeout_ms = (
+            params.get("group"),
+            params.get("members"),
+            params.get("timeout_ms"),
+        )
+        if not isinstance(name, str) or not isinstance(members, str):
+            raise ProtocolError(f"update parameters lack a group: {dict(params)}")
+        if not isinstance(timeout_ms, int) or timeout_ms <= 0:
+            raise ProtocolError(f"update parameters lack a positive timeout: {dict(params)}")
+        try:
+            workers = [int(w) for w in members.split(",")]
+        except ValueError:
+            raise ProtocolError(f"bad member list {members!r}") from None
+        if name in self._dead:
+            raise TransportError(f"group {name} was torn down after an earlier failure")
+        deadline = time.monotonic() + timeout_ms / 1000
+        # The slot the model does not run; its bytes are garbage until every bucket arrived.
+        index = 1 if self._live == 0 else 0
+        staged, flat = self._slots[index], self._flats[index]
+        with self._lock:
+            cached = self._groups.get(name)
+        try:
+            if cached is None:
+                rank = workers.index(self._worker_idx) + 1
+                pg = _new_group(
+                    self.backend,
+                    self._need_store(_seconds_left(deadline)),
+                    name,
+                    rank,
+                    len(workers) + 1,
+                    self._hostname,
+                    _seconds_left(deadline),
+                )
+                with self._lock:
+                    self._groups[name] = (pg, time.monotonic())
+                    self._evict()
+            else:
+                pg = cached[0]
+            works = [_broadcast(pg, flat[lo:hi]) for lo, hi in self.buckets.ranges]
+            for work in works:
+                _finish(work, self.backend, _seconds_left(deadline))
+            del works
+        except (RuntimeError, ValueError, TransportError) as exc:
+            with self._lock:
+                self._groups.pop(name, None)
+                self._dead[name] = None
+                while len(self._dead) > 64:
+                    self._dead.pop(next(iter(self._dead)))
+            raise TransportError(f"receiving version failed: {_short(exc)}") from exc
+        with self._lock:
+            if name in self._groups:
+                self._groups[name] = (self._groups[name][0], time.monotonic())
+        return staged
+
+    def _evict(self) -> None:
+        while len(self._groups) > _MAX_GROUPS:
+            oldest = min(self._groups, key=lambda n: self._groups[n][1])
+            self._groups.pop(oldest)
+
+    def show(self, staged: Staged) -> Staged:
+        self._live = int(staged.source) if staged.source in ("0", "1") else -1
+        return staged
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._groups.clear()
+            self._store = None
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:500]
