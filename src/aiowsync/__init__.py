@@ -1,5 +1,6 @@
 """aiowsync: versioned, tear-free async broadcast of PyTorch weights."""
 
+from ._auth import CurveKeys
 from ._channel import ChannelFactory, MemoryChannelFactory, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
 from ._exceptions import (
@@ -31,6 +32,7 @@ __all__ = [
     "ReadGuard",
     # control channels
     "ChannelFactory",
+    "CurveKeys",
     "MemoryChannelFactory",
     "ZmqChannelFactory",
     # configuration

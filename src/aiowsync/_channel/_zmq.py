@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from .._auth import CurveKeys, CurveServer, check_server_keys, client_options
 from .._exceptions import TransportError, WeightSyncTimeout
 from .._protocol import Heartbeat, Message, encode
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
@@ -34,6 +35,13 @@ _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
+_DOWN_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CLOSED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 def is_loopback_address(address: str) -> bool:
@@ -171,25 +179,35 @@ class _ZmqEnd:
 
 class ZmqSenderChannel(_ZmqEnd, SenderChannel):
     def __init__(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, heartbeat_timeout: float
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        address: str,
+        heartbeat_timeout: float,
+        curve: CurveKeys | None = None,
     ) -> None:
+        try:
+            self._curve = None if curve is None else CurveServer(ctx, curve)
+        except BaseException:
+            ctx.term()
+            raise
         _ZmqEnd.__init__(self, ctx, zmq.ROUTER)
         SenderChannel.__init__(self)
-        _base_options(self._sock, heartbeat_timeout)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Receivers keep their routing id across reconnections (see the receiver channel);
-        # the newest connection under an id takes it over.
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
         try:
+            _base_options(self._sock, heartbeat_timeout)
+            if self._curve is not None:
+                self._curve.apply(self._sock)
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # Receivers keep their routing id across reconnections (see the receiver channel);
+            # the newest connection under an id takes it over.
+            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
             if urlsplit(address).scheme == "tcp" and urlsplit(address).port in (None, 0):
                 host = address.rsplit(":", 1)[0] if address.count(":") > 1 else address
                 self._sock.bind(f"{host}:*")
             else:
                 self._sock.bind(address)
         except zmq.ZMQError as exc:
-            self._close_socket()
-            self._ctx.term()
+            self.close()
             raise TransportError(f"cannot bind {address}: {exc}") from None
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -222,15 +240,23 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
     def close(self) -> None:
         self.closed = True
         self._close_socket()
+        if self._curve is not None:
+            self._curve.close()
         self._ctx.term()
 
 
 class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
     def __init__(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, heartbeat_timeout: float
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        address: str,
+        heartbeat_timeout: float,
+        curve_options: dict[int, bytes] | None = None,
     ) -> None:
         _ZmqEnd.__init__(self, ctx, zmq.DEALER)
         ReceiverChannel.__init__(self)
+        self._curve_options = curve_options or {}
+        self._set_curve(self._sock)
         # A fixed, unguessable routing id: after a reconnection (say the process was stopped
         # long enough for the connection to time out) the sender still reaches this receiver.
         self._sock.setsockopt(zmq.ROUTING_ID, b"\x01" + secrets.token_bytes(15))
@@ -238,7 +264,8 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
         self._address = address
         self._heartbeat_timeout = heartbeat_timeout
-        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        # The sender counts as reached once the ZMTP handshake (and the CURVE check) passed.
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | _DOWN_EVENTS
         # Keep the owning socket: if it were only referenced by self._sock, disable_monitor()
         # would drop it unclosed (ResourceWarning, and a second close of the same handle).
         self._monitor_owner = self._sock.get_monitor_socket(events)
@@ -251,6 +278,10 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         except zmq.ZMQError as exc:
             self.close()
             raise TransportError(f"cannot connect to {address}: {exc}") from None
+
+    def _set_curve(self, sock: zmq.Socket[bytes]) -> None:
+        for option, value in self._curve_options.items():
+            sock.setsockopt(option, value)
 
     async def send(self, message: Message, *, timeout: float | None) -> None:
         await self._send_frames([encode(message)], timeout)
@@ -279,9 +310,9 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except (zmq.Again, zmq.ZMQError):
                 return self._alive
-            if event["event"] == zmq.EVENT_CONNECTED:
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._alive = True
-            elif event["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            elif event["event"] & _DOWN_EVENTS:
                 self._alive = False
 
     def start_heartbeat(self, beat: Callable[[], Heartbeat], interval: float) -> None:
@@ -297,6 +328,7 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         sock = self._ctx.socket(zmq.DEALER)
         try:
             _base_options(sock, self._heartbeat_timeout)
+            self._set_curve(sock)
             sock.setsockopt(zmq.SNDHWM, 8)
             sock.connect(self._address)
             while True:
@@ -326,23 +358,44 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
 
 
 class ZmqChannelFactory(ChannelFactory):
-    """Control channels over ZeroMQ (tcp or ipc).
+    """Control channels over ZeroMQ (tcp or ipc), optionally authenticated with CURVE.
 
-    Binding an address that is not loopback is refused unless ``allow_insecure_bind=True``:
-    anyone who can reach the port could otherwise join.
+    With ``curve`` set, the sender's socket is a CURVE server that admits only the client
+    public keys in ``curve.allowed_clients``, and every receiver socket is a CURVE client
+    presenting ``curve``'s client key pair; traffic is then also encrypted. The sender needs
+    the keys with their server secret, a receiver only the server public key and a client key
+    pair (pickling the factory, or a scheme holding it, drops the server secret).
+
+    Binding an address that is not loopback requires ``curve``, or the explicit opt-out
+    ``allow_insecure_bind=True``: anyone who can reach the port could otherwise join.
+    See docs/security.md.
+
+    Args:
+        curve: the CURVE keys, see :class:`CurveKeys`; ``None`` leaves the channel
+            unauthenticated (loopback only, unless ``allow_insecure_bind``).
+        allow_insecure_bind: allow binding a non-loopback address without authentication.
     """
 
-    def __init__(self, *, allow_insecure_bind: bool = False) -> None:
+    def __init__(
+        self, *, curve: CurveKeys | None = None, allow_insecure_bind: bool = False
+    ) -> None:
+        if curve is not None and not isinstance(curve, CurveKeys):
+            raise TypeError(f"curve must be CurveKeys or None, got {type(curve).__name__}")
+        self.curve = curve
         self.allow_insecure_bind = allow_insecure_bind
 
     def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
-        if not is_loopback_address(address) and not self.allow_insecure_bind:
-            raise ValueError(
-                f"refusing to bind {address!r}: it is not a loopback address and no "
-                "authentication is configured; pass allow_insecure_bind=True to accept the risk"
-            )
-        return ZmqSenderChannel(zmq.Context(), address, heartbeat_timeout)
+        if self.curve is None:
+            if not is_loopback_address(address) and not self.allow_insecure_bind:
+                raise ValueError(
+                    f"refusing to bind {address!r}: it is not a loopback address and no "
+                    "authentication is configured; pass curve=CurveKeys.generate() to require "
+                    "CURVE keys, or allow_insecure_bind=True to accept the risk"
+                )
+        else:
+            check_server_keys(self.curve)
+        return ZmqSenderChannel(zmq.Context(), address, heartbeat_timeout, self.curve)
 
     def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel:
-        return ZmqReceiverChannel(zmq.Context(), address, heartbeat_timeout)
-
+        options = None if self.curve is None else client_options(self.curve)
+        return ZmqReceiverChannel(zmq.Context(), address, heartbeat_timeout, options)

@@ -1,0 +1,402 @@
+"""CURVE authentication of the ZeroMQ control channel: real sockets over tcp loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import gc
+import logging
+import pickle
+import re
+import socket
+import threading
+import time
+import warnings
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+import zmq
+from torch import nn
+from zmq.auth.thread import AuthenticationThread
+
+import aiowsync
+from aiowsync import CurveKeys, ZmqChannelFactory
+from aiowsync._protocol import PROTOCOL_VERSION, Hello, Welcome, encode
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = aiowsync.Heartbeats(interval=0.1, missed=5)
+HEARTBEAT_TIMEOUT = 3.0
+WAIT = 5.0
+INTRUDER_DEADLINE = 1.0
+
+
+def model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def bump(m: nn.Module, by: float = 1.0) -> None:
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(by)
+
+
+def hello(worker_idx: int = 0) -> Hello:
+    return Hello(
+        protocol=PROTOCOL_VERSION, model_id="m", worker_idx=worker_idx, fingerprint="5a" * 32
+    )
+
+
+def our_threads() -> list[threading.Thread]:
+    return [
+        t
+        for t in threading.enumerate()
+        if isinstance(t, AuthenticationThread) or t.name == "aiowsync-heartbeat"
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads_or_sockets() -> Iterator[None]:
+    """ZAP and heartbeat threads are joined, and no socket is left for the collector."""
+    before = set(our_threads())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        yield
+        gc.collect()
+    assert set(our_threads()) - before == set()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+def client_only(keys: CurveKeys) -> CurveKeys:
+    """Keys with a fresh client pair the sender was never told about."""
+    public, secret = CurveKeys.keypair()
+    return keys.for_receiver(public, secret)
+
+
+@contextlib.asynccontextmanager
+async def curve_pair(
+    keys: CurveKeys, src: nn.Module, mirror: nn.Module, *, bind: str = "tcp://127.0.0.1:0"
+) -> AsyncIterator[tuple[aiowsync.SharedMemWeightSyncScheme, aiowsync.SharedMemWeightSyncScheme]]:
+    """A CURVE sender of ``src`` and one receiver into ``mirror``, built from its pickle."""
+    sender = aiowsync.SharedMemWeightSyncScheme(
+        bind=bind, heartbeats=FAST, channels=ZmqChannelFactory(curve=keys)
+    )
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        receiver = pickle.loads(pickle.dumps(sender))
+        receiver.init_on_receiver(model=mirror, worker_idx=0)
+        async with receiver:
+            await asyncio.gather(sender.connect(timeout=10), receiver.connect(timeout=10))
+            yield sender, receiver
+
+
+async def intrude(
+    address: str, channels: ZmqChannelFactory, worker_idx: int = 0
+) -> tuple[type[BaseException] | None, float, bool]:
+    """A receiver that tries to join: (what its connect raised, seconds taken, model untouched)."""
+    mine = model(7)
+    intruder = aiowsync.SharedMemWeightSyncScheme(
+        address=address, heartbeats=FAST, channels=channels
+    )
+    intruder.init_on_receiver(model=mine, worker_idx=worker_idx)
+    started = time.monotonic()
+    raised: type[BaseException] | None = None
+    async with intruder:
+        try:
+            await intruder.connect(timeout=INTRUDER_DEADLINE)
+        except Exception as exc:
+            raised = type(exc)
+    return raised, time.monotonic() - started, same(mine, model(7))
+
+
+# -- the legitimate path ---------------------------------------------------------------------
+
+
+async def test_receiver_with_the_right_keys_gets_updates() -> None:
+    keys = CurveKeys.generate()
+    src, mirror = model(0), model(1)
+    async with curve_pair(keys, src, mirror) as (sender, receiver):
+        assert receiver.version == 0 and same(mirror, src)
+        bump(src, 0.5)
+        result = await sender.send(timeout=WAIT)
+        assert result.version == 1 and result.worker_ids == (0,)
+        assert receiver.version == 1 and same(mirror, src)
+        assert receiver.connected and receiver.ready
+        assert sender.dropped_messages == receiver.dropped_messages == 0
+
+
+async def test_per_worker_client_keys_are_admitted_once_allowed() -> None:
+    keys = CurveKeys.generate()
+    worker_public, worker_secret = CurveKeys.keypair()
+    sender = aiowsync.SharedMemWeightSyncScheme(
+        heartbeats=FAST, channels=ZmqChannelFactory(curve=keys.allowing(worker_public))
+    )
+    src, mirror = model(0), model(1)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        own = ZmqChannelFactory(curve=keys.for_receiver(worker_public, worker_secret))
+        receiver = aiowsync.SharedMemWeightSyncScheme(
+            address=sender.address, heartbeats=FAST, channels=own
+        )
+        receiver.init_on_receiver(model=mirror, worker_idx=0)
+        async with receiver:
+            await asyncio.gather(sender.connect(timeout=10), receiver.connect(timeout=10))
+            bump(src)
+            assert (await sender.send(timeout=WAIT)).version == 1
+            assert receiver.version == 1 and same(mirror, src)
+
+
+# -- intruders -------------------------------------------------------------------------------
+
+
+async def test_intruders_cannot_join_or_disturb_a_send(caplog: pytest.LogCaptureFixture) -> None:
+    keys = CurveKeys.generate()
+    wrong_client = client_only(keys)
+    other_server = CurveKeys.generate().for_receiver(keys.client_public, keys.client_secret)
+    intruders = {
+        "wrong client key pair": ZmqChannelFactory(curve=wrong_client),
+        "no CURVE at all": ZmqChannelFactory(),
+        "wrong server public key": ZmqChannelFactory(curve=other_server),
+    }
+    src, mirror = model(0), model(1)
+    caplog.set_level(logging.WARNING, logger="aiowsync.auth")
+    async with curve_pair(keys, src, mirror) as (sender, receiver):
+        dropped = sender.dropped_messages
+        bump(src)
+        # Each intruder claims the live worker's index: had its hello reached the sender, it
+        # would have been refused as a second claimant rather than timing out.
+        outcome = await asyncio.gather(
+            sender.send(timeout=WAIT),
+            *(intrude(sender.address, channels) for channels in intruders.values()),
+        )
+        result, attempts = outcome[0], dict(zip(intruders, outcome[1:], strict=True))
+        assert result.version == 1 and result.worker_ids == (0,)
+        assert receiver.version == 1 and same(mirror, src)
+        for name, (raised, took, untouched) in attempts.items():
+            assert raised is aiowsync.WeightSyncTimeout, name
+            assert issubclass(raised, TimeoutError)
+            assert took < INTRUDER_DEADLINE + 2.0, (name, took)
+            assert untouched, name
+        assert sender.dropped_messages == dropped
+        # The wrong client key was seen and refused by the ZAP handler, by key.
+        assert any(wrong_client.client_public in r.getMessage() for r in caplog.records)
+        bump(src)
+        assert (await sender.send(timeout=WAIT)).version == 2
+        assert same(mirror, src)
+
+
+async def test_raw_garbage_from_an_unauthenticated_socket_never_reaches_the_sender() -> None:
+    keys = CurveKeys.generate()
+    sender = ZmqChannelFactory(curve=keys).bind(
+        "tcp://127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT
+    )
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    try:
+        raw.connect(sender.address)
+        for frame in (b"garbage", encode(hello()), b"\x00" * 1000):
+            raw.send(frame)
+        with pytest.raises(aiowsync.WeightSyncTimeout):
+            await sender.recv(timeout=0.5)
+        assert sender.dropped == 0
+    finally:
+        raw.close()
+        ctx.term()
+        sender.close()
+
+
+async def test_channel_level_round_trip_and_refusal() -> None:
+    keys = CurveKeys.generate()
+    sender = ZmqChannelFactory(curve=keys).bind(
+        "tcp://127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT
+    )
+    good = ZmqChannelFactory(curve=keys.for_receiver()).connect(
+        sender.address, heartbeat_timeout=HEARTBEAT_TIMEOUT
+    )
+    bad = ZmqChannelFactory(curve=client_only(keys)).connect(
+        sender.address, heartbeat_timeout=HEARTBEAT_TIMEOUT
+    )
+    try:
+        await bad.send(hello(1), timeout=WAIT)
+        await good.send(hello(0), timeout=WAIT)
+        peer, got = await sender.recv(timeout=WAIT)
+        assert got == hello(0)
+        reply = Welcome(model_id="m", worker_idx=0, session="c3" * 16, version=0)
+        await sender.send(peer, reply, timeout=WAIT)
+        assert await good.recv(timeout=WAIT) == reply
+        assert good.peer_alive
+        with pytest.raises(aiowsync.WeightSyncTimeout):
+            await sender.recv(timeout=0.5)  # the bad hello never arrives
+        assert not bad.peer_alive
+    finally:
+        good.close()
+        bad.close()
+        sender.close()
+
+
+# -- pickling --------------------------------------------------------------------------------
+
+
+def test_pickling_drops_the_server_secret_and_nothing_else() -> None:
+    keys = CurveKeys.generate()
+    assert keys.server_secret is not None and keys.client_secret is not None
+    factory = ZmqChannelFactory(curve=keys)
+    blob = pickle.dumps(factory)
+    assert keys.server_secret.encode() not in blob
+    clone = pickle.loads(blob)
+    assert clone.curve is not None and clone.curve.server_secret is None
+    assert clone.curve == keys.for_receiver()
+    assert (clone.curve.server_public, clone.curve.client_public, clone.curve.client_secret) == (
+        keys.server_public,
+        keys.client_public,
+        keys.client_secret,
+    )
+    # An unpickled copy cannot serve, and says why.
+    with pytest.raises(ValueError, match="server_secret"):
+        clone.bind("tcp://127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    # In-process copies keep everything: only pickling is meant for other processes.
+    assert copy.deepcopy(factory).curve.server_secret == keys.server_secret  # type: ignore[union-attr]
+    assert copy.copy(keys) is keys
+
+
+async def test_a_receiver_built_from_the_pickled_scheme_connects() -> None:
+    keys = CurveKeys.generate()
+    assert keys.server_secret is not None
+    src = model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(
+        heartbeats=FAST, channels=ZmqChannelFactory(curve=keys)
+    )
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        blob = pickle.dumps(sender)
+        assert keys.server_secret.encode() not in blob
+        worker = pickle.loads(blob)
+        assert worker.channels.curve.server_secret is None
+        mirror = model(1)
+        worker.init_on_receiver(model=mirror, worker_idx=0)
+        async with worker:
+            await asyncio.gather(sender.connect(timeout=10), worker.connect(timeout=10))
+            assert worker.version == 0 and same(mirror, src)
+            bump(src)
+            assert (await sender.send(timeout=WAIT)).version == 1
+            assert worker.version == 1 and same(mirror, src)
+        # The sender's own keys were not touched by pickling.
+        assert sender.channels.curve.server_secret == keys.server_secret  # type: ignore[attr-defined]
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def test_keys_are_z85_strings_and_bytes_are_accepted() -> None:
+    keys = CurveKeys.generate()
+    assert all(
+        isinstance(k, str) and len(k) == 40
+        for k in (keys.server_public, keys.server_secret, keys.client_public, keys.client_secret)
+    )
+    assert keys.allowed_clients == {keys.client_public}
+    public, secret = zmq.curve_keypair()
+    as_bytes = CurveKeys(server_public=public, server_secret=secret)
+    assert as_bytes.server_public == public.decode() and as_bytes.allowed_clients == frozenset()
+    assert as_bytes == CurveKeys(server_public=public.decode(), server_secret=secret.decode())
+
+
+def test_secrets_stay_out_of_the_repr_and_keys_are_immutable() -> None:
+    keys = CurveKeys.generate()
+    assert keys.server_secret is not None and keys.client_secret is not None
+    text = repr(keys)
+    assert keys.server_secret not in text and keys.client_secret not in text
+    assert keys.server_public in text
+    with pytest.raises(AttributeError):
+        keys.server_secret = None  # type: ignore[misc]
+
+
+def _bad_key_cases() -> list[tuple[dict[str, object], str]]:
+    spub, ssec = CurveKeys.keypair()
+    cpub, csec = CurveKeys.keypair()
+    return [
+        ({"server_public": spub[:-1]}, "40 z85 characters"),
+        ({"server_public": spub + "0"}, "40 z85 characters"),
+        ({"server_public": '"' * 40}, "outside the z85 alphabet"),
+        ({"server_public": "é" * 40}, "outside the z85 alphabet"),
+        ({"server_public": "#" * 40}, "not a valid z85"),
+        ({"server_public": 12345}, "str or bytes"),
+        ({"server_public": b"\xff" * 40}, "ASCII"),
+        ({"server_public": spub, "server_secret": csec}, "server_secret does not belong"),
+        ({"server_public": spub, "client_public": cpub}, "given together"),
+        ({"server_public": spub, "client_secret": csec}, "given together"),
+        (
+            {"server_public": spub, "client_public": cpub, "client_secret": ssec},
+            "client_secret does not belong",
+        ),
+        ({"server_public": spub, "allowed_clients": [cpub, "x"]}, "allowed_clients entry"),
+        ({"server_public": spub, "allowed_clients": cpub}, "collection of keys"),
+    ]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), _bad_key_cases())
+def test_bad_keys_raise_value_error(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CurveKeys(**kwargs)  # type: ignore[arg-type]
+
+
+def test_keys_that_cannot_play_their_role_are_refused_before_any_socket() -> None:
+    keys = CurveKeys.generate()
+    with pytest.raises(ValueError, match="no client key pair"):
+        ZmqChannelFactory(curve=CurveKeys(server_public=keys.server_public)).connect(
+            "tcp://127.0.0.1:1", heartbeat_timeout=HEARTBEAT_TIMEOUT
+        )
+    lonely = CurveKeys(server_public=keys.server_public, server_secret=keys.server_secret)
+    with pytest.raises(ValueError, match="allow no client"):
+        ZmqChannelFactory(curve=lonely).bind(
+            "tcp://127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT
+        )
+    with pytest.raises(TypeError, match="CurveKeys"):
+        ZmqChannelFactory(curve="not keys")  # type: ignore[arg-type]
+
+
+# -- binding off loopback --------------------------------------------------------------------
+
+
+def _public_ip() -> str | None:
+    """This machine's address on its default route, if it has one (no packet is sent)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))
+        ip = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if ip.startswith("127.") else ip
+
+
+NON_LOOPBACK = ["tcp://0.0.0.0:0", *([f"tcp://{ip}:0"] if (ip := _public_ip()) else [])]
+
+
+@pytest.mark.parametrize("address", NON_LOOPBACK)
+def test_non_loopback_bind_without_keys_is_refused_naming_both_options(address: str) -> None:
+    with pytest.raises(ValueError, match="not a loopback address") as info:
+        ZmqChannelFactory().bind(address, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    assert "curve=" in str(info.value) and "allow_insecure_bind=True" in str(info.value)
+
+
+@pytest.mark.parametrize("address", NON_LOOPBACK)
+async def test_non_loopback_bind_with_keys_serves_authenticated_workers(address: str) -> None:
+    keys = CurveKeys.generate()
+    src, mirror = model(0), model(1)
+    async with curve_pair(keys, src, mirror, bind=address) as (sender, receiver):
+        assert not re.match(r"tcp://127\.", sender.address)
+        bump(src)
+        assert (await sender.send(timeout=WAIT)).version == 1
+        assert same(mirror, src)
+        raised, _, _ = await intrude(sender.address, ZmqChannelFactory(curve=client_only(keys)))
+        assert raised is aiowsync.WeightSyncTimeout
