@@ -97,7 +97,7 @@ def _check_uniform(model: nn.Module) -> float | None:
 
 
 def worker_main(
-    scheme: aiowsync.SharedMemWeightSyncScheme | None,
+    scheme: aiowsync.WeightSyncScheme | None,
     address: str | None,
     worker_idx: int,
     kind: str,
@@ -114,7 +114,7 @@ def worker_main(
 
 
 async def _worker(
-    scheme: aiowsync.SharedMemWeightSyncScheme | None,
+    scheme: aiowsync.WeightSyncScheme | None,
     address: str | None,
     worker_idx: int,
     kind: str,
@@ -123,9 +123,12 @@ async def _worker(
     options: dict[str, Any],
 ) -> None:
     if scheme is None:
-        scheme = aiowsync.SharedMemWeightSyncScheme(
-            address=address, background=options.get("background", True)
+        kind_of_scheme = (
+            aiowsync.DistributedWeightSyncScheme
+            if options.get("transport") == "gloo"
+            else aiowsync.SharedMemWeightSyncScheme
         )
+        scheme = kind_of_scheme(address=address, background=options.get("background", True))
     model = make_model(kind)
     scheme.init_on_receiver(model=model, worker_idx=worker_idx)
     report_digests = options.get("digests", True)
@@ -173,7 +176,7 @@ async def _worker(
 
 
 def _thread_reader(
-    scheme: aiowsync.SharedMemWeightSyncScheme,
+    scheme: aiowsync.WeightSyncScheme,
     model: nn.Module,
     stats: dict[str, int],
     stop: threading.Event,

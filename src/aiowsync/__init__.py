@@ -3,9 +3,11 @@
 from ._auth import CurveKeys
 from ._channel import ChannelFactory, MemoryChannelFactory, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
+from ._distributed import DistributedWeightSyncScheme
 from ._exceptions import (
     ConnectError,
     LayoutMismatchError,
+    LostDuringSendError,
     NotConnectedError,
     ProtocolError,
     RefusedError,
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # schemes
+    "DistributedWeightSyncScheme",
     "SendResult",
     "SharedMemWeightSyncScheme",
     "WeightSyncScheme",
@@ -46,6 +49,7 @@ __all__ = [
     # errors
     "ConnectError",
     "LayoutMismatchError",
+    "LostDuringSendError",
     "NotConnectedError",
     "ProtocolError",
     "RefusedError",

@@ -366,6 +366,7 @@ class DistSenderPlane(SenderPlane):
             packing = slot.source is not None and not slot.complete.is_set()
             if not packing and not slot.complete.wait(_seconds_left(deadline)):
                 raise TransportError("the version was not packed in time")
+            failure = None
             try:
                 if group.dropped:
                     raise TransportError("its group was torn down after an earlier failure")
@@ -381,10 +382,12 @@ class DistSenderPlane(SenderPlane):
                     )
                 self._broadcast_all(group.pg, slot, packing, deadline)
             except (RuntimeError, ValueError, TransportError) as exc:
+                failure = _short(exc)
+            if failure is not None:
+                # Raised outside the handler: the failed collective's traceback must not keep
+                # the group alive, since dropping it is what releases the other members.
                 self._drop(group)
-                raise TransportError(
-                    f"broadcast to workers {workers} failed: {_short(exc)}"
-                ) from exc
+                raise TransportError(f"broadcast to workers {workers} failed: {failure}")
         finally:
             if packing:
                 self._pack_rest(slot)
@@ -526,40 +529,51 @@ class DistReceiverPlane(ReceiverPlane):
         # The slot the model does not run; its bytes are garbage until every bucket arrived.
         index = 1 if self._live == 0 else 0
         staged, flat = self._slots[index], self._flats[index]
+        if self._worker_idx not in workers:
+            raise ProtocolError(f"worker {self._worker_idx} is not a member of {members!r}")
         with self._lock:
             cached = self._groups.get(name)
+        failure = None
         try:
-            if cached is None:
-                rank = workers.index(self._worker_idx) + 1
-                pg = _new_group(
-                    self.backend,
-                    self._need_store(_seconds_left(deadline)),
-                    name,
-                    rank,
-                    len(workers) + 1,
-                    self._hostname,
-                    _seconds_left(deadline),
-                )
-                with self._lock:
-                    self._groups[name] = (pg, time.monotonic())
-                    self._evict()
-            else:
-                pg = cached[0]
-            works = [_broadcast(pg, flat[lo:hi]) for lo, hi in self.buckets.ranges]
-            for work in works:
-                _finish(work, self.backend, _seconds_left(deadline))
-            del works
+            self._receive(name, cached, workers, flat, deadline)
         except (RuntimeError, ValueError, TransportError) as exc:
+            failure = _short(exc)
+        if failure is not None:
+            # Outside the handler, so that no traceback keeps the failed group alive.
             with self._lock:
                 self._groups.pop(name, None)
                 self._dead[name] = None
                 while len(self._dead) > 64:
                     self._dead.pop(next(iter(self._dead)))
-            raise TransportError(f"receiving version failed: {_short(exc)}") from exc
-        with self._lock:
-            if name in self._groups:
-                self._groups[name] = (self._groups[name][0], time.monotonic())
+            raise TransportError(f"receiving the version failed: {failure}")
         return staged
+
+    def _receive(
+        self,
+        name: str,
+        cached: tuple[Any, float] | None,
+        workers: list[int],
+        flat: torch.Tensor,
+        deadline: float,
+    ) -> None:
+        if cached is None:
+            pg = _new_group(
+                self.backend,
+                self._need_store(_seconds_left(deadline)),
+                name,
+                workers.index(self._worker_idx) + 1,
+                len(workers) + 1,
+                self._hostname,
+                _seconds_left(deadline),
+            )
+        else:
+            pg = cached[0]
+        works = [_broadcast(pg, flat[lo:hi]) for lo, hi in self.buckets.ranges]
+        for work in works:
+            _finish(work, self.backend, _seconds_left(deadline))
+        with self._lock:
+            self._groups[name] = (pg, time.monotonic())
+            self._evict()
 
     def _evict(self) -> None:
         while len(self._groups) > _MAX_GROUPS:

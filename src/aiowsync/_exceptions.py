@@ -91,6 +91,20 @@ class WorkerLostError(WeightSyncError):
         super().__init__(f"{message} (workers {list(self.worker_ids)})")
 
 
+class LostDuringSendError(WorkerLostError, WeightSyncTimeout):
+    """A targeted worker was lost while a ``send()`` waited for it.
+
+    It will never acknowledge, so this is also a :class:`WeightSyncTimeout` (and a
+    ``TimeoutError``), raised as soon as the loss is known instead of at the deadline. The
+    workers that did acknowledge are in ``acked`` and run the new version.
+    """
+
+    def __init__(self, message: str, worker_ids: Iterable[int] = ()) -> None:
+        ids = _ids(worker_ids)
+        WeightSyncError.__init__(self, f"{message} (workers {list(ids)})")
+        self.worker_ids = ids
+
+
 class RemoteApplyError(WeightSyncError):
     """One or more receivers failed to apply an update; ``errors`` maps worker index to text."""
 

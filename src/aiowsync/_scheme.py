@@ -480,6 +480,8 @@ class WeightSyncScheme(abc.ABC):
 
         Raises:
             WorkerLostError: at once, if a targeted worker is known to be lost.
+            LostDuringSendError: a targeted worker was lost while the send waited for it
+                (also a ``WorkerLostError`` and a ``WeightSyncTimeout``).
             WeightSyncTimeout: a targeted worker did not acknowledge by the deadline.
             RemoteApplyError: a worker failed to apply the version (its error text included).
             LayoutMismatchError: ``weights`` do not match the layout (nothing was written).

@@ -22,6 +22,7 @@ import anyio
 from ._channel import ChannelFactory, PeerId, SenderChannel
 from ._config import Heartbeats, Timeouts
 from ._exceptions import (
+    LostDuringSendError,
     ProtocolError,
     RemoteApplyError,
     TransportError,
@@ -543,7 +544,7 @@ class SenderCore:
             )
         if pending.lost:
             raise _with_outcome(
-                WorkerLostError(
+                LostDuringSendError(
                     f"workers were lost during the send of version {version}", pending.lost
                 ),
                 version,
@@ -620,21 +621,27 @@ class SenderCore:
         When a collective fails its group is torn down, so every member still alive fails fast
         and nacks as retryable; those are sent the same version again, with a higher attempt
         number, on a fresh group. A member that stays silent is dead or stalled: the deadline
-        (or its heartbeats) names it.
+        (or its heartbeats) names it. Returns once every target answered, or at the deadline.
         """
         members = [self._peers[w] for w in sorted(pending.waiting) if w in self._peers]
-        attempt = 0
+        attempt, failed = 0, False
         while True:
-            try:
-                await self._chained(self._plane.transfer, version, route, move_by)
-                return
-            except WeightSyncError as exc:
-                log.warning("version %d, attempt %d: %s", version, attempt, exc)
-            grace = min(RETRY_GRACE, max(0.0, move_by - time.monotonic()))
-            with anyio.move_on_after(grace):
-                while any(p.worker_idx in pending.waiting for p in members):
-                    await pending.changed.wait()
-            channel = self._channel
+            if route is not None:
+                try:
+                    await self._chained(self._plane.transfer, version, route, move_by)
+                except WeightSyncError as exc:
+                    log.warning("version %d, attempt %d: %s", version, attempt, exc)
+                    failed = True
+                else:
+                    if not failed:
+                        return
+                    route = None  # a retry went through; others may still report failures
+                if route is not None:
+                    # Give this attempt's members a moment to report their failed receive.
+                    grace = min(RETRY_GRACE, max(0.0, move_by - time.monotonic()))
+                    with anyio.move_on_after(grace):
+                        while any(p.worker_idx in pending.waiting for p in members):
+                            await pending.changed.wait()
             retry = [
                 p
                 for p in members
@@ -643,8 +650,15 @@ class SenderCore:
                 and self._peers.get(p.worker_idx) is p
             ]
             left = move_by - time.monotonic()
-            if not retry or left <= 0 or channel is None:
+            channel = self._channel
+            if left <= 0 or channel is None or (not retry and pending.done.is_set()):
                 return
+            if not retry:
+                # Someone is still silent; a late report of a failed receive is retried too.
+                route = None
+                with anyio.move_on_after(left):
+                    await pending.changed.wait()
+                continue
             attempt += 1
             route = self._plane.route([(p.worker_idx, p.session) for p in retry])
             update = Update(
@@ -654,7 +668,6 @@ class SenderCore:
             with anyio.CancelScope(shield=True):
                 for peer in retry:
                     await self._announce(channel, peer, update)
-            members = retry
 
     async def _chained(self, transfer: Callable[..., None], *args: Any) -> None:
         """Run ``transfer`` in a thread once the previous chained transfer has finished."""

@@ -1,0 +1,161 @@
+"""DistributedWeightSyncScheme on gloo with real spawned receivers, real ZeroMQ and real groups."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+import aiowsync
+from _workers import Workers, digest, fill, make_model, randomize, workers
+
+pytestmark = pytest.mark.timeout(240)
+
+# Small buckets, so that every model here spans several and tensors straddle bucket edges.
+BUCKETS = {"big": 4 << 20, "many": 256 << 10, "small": 8 << 10}
+
+
+def scheme_for(kind: str, **kw: Any) -> aiowsync.DistributedWeightSyncScheme:
+    return aiowsync.DistributedWeightSyncScheme(backend="gloo", bucket_bytes=BUCKETS[kind], **kw)
+
+
+async def _connect(scheme: aiowsync.WeightSyncScheme, w: Workers, n: int) -> dict[int, str]:
+    await asyncio.wait_for(scheme.connect(timeout=60), 90)
+    ready = await asyncio.to_thread(w.collect, "ready", n)
+    return {e[1]: e[3] for e in ready}
+
+
+@pytest.mark.parametrize("kind", ["big", "many"])
+async def test_every_receiver_holds_the_senders_bytes_after_each_send(kind: str) -> None:
+    torch.manual_seed(0)
+    model = make_model(kind)
+    scheme = scheme_for(kind)
+    scheme.init_on_sender(model=model, num_workers=4)
+    with workers() as w:
+        async with scheme:
+            for i in range(4):
+                w.start(i, kind, scheme=scheme)
+            ready = await _connect(scheme, w, 4)
+            assert ready == dict.fromkeys(range(4), digest(model))
+            for step in range(1, 11):
+                randomize(model, seed=step)
+                expected = digest(model)
+                result = await scheme.send(timeout=30)
+                assert result.version == step
+                assert result.worker_ids == (0, 1, 2, 3)
+                seen = await asyncio.to_thread(w.collect, "version", 4)
+                assert {(e[1], e[2]) for e in seen} == {(i, step) for i in range(4)}
+                assert all(e[3] == expected for e in seen), f"content differs at version {step}"
+
+
+async def test_subsets_pull_mode_and_a_receiver_joining_from_the_address_alone() -> None:
+    model = make_model("small")
+    scheme = scheme_for("small", background=False)
+    scheme.init_on_sender(model=model, num_workers=4)
+    with workers() as w:
+        async with scheme:
+            for i in range(3):
+                w.start(i, "small", scheme=scheme)
+            # An unrelated process: the address and the same constructor arguments only.
+            w.start(3, "small", address=scheme.address, transport="gloo", background=False)
+            await _connect(scheme, w, 4)
+
+            randomize(model, 1)
+            result = await scheme.send(worker_ids=[0, 2], timeout=20)
+            assert (result.version, result.worker_ids) == (1, (0, 2))
+            seen = await asyncio.to_thread(w.collect, "version", 2)
+            assert sorted((e[1], e[2]) for e in seen) == [(0, 1), (2, 1)]
+            assert all(e[3] == digest(model) for e in seen)
+
+            randomize(model, 2)
+            result = await scheme.send(worker_ids=3, timeout=20)
+            assert (result.version, result.worker_ids) == (2, (3,))
+            seen = await asyncio.to_thread(w.collect, "version", 1)
+            assert seen[0][1:] == (3, 2, digest(model))
+
+            randomize(model, 3)
+            result = await scheme.send(timeout=20)
+            assert result.worker_ids == (0, 1, 2, 3)
+            seen = await asyncio.to_thread(w.collect, "version", 4)
+            assert {e[2] for e in seen} == {3} and {e[3] for e in seen} == {digest(model)}
+
+
+@pytest.mark.parametrize("kind", ["big", "many"])
+async def test_no_mixed_reads_while_sending_back_to_back(kind: str) -> None:
+    model = make_model(kind)
+    fill(model, 0)
+    scheme = scheme_for(kind)
+    scheme.init_on_sender(model=model, num_workers=4)
+    with workers() as w:
+        async with scheme:
+            for i in range(4):
+                w.start(i, kind, scheme=scheme, tear=True, digests=False)
+            await _connect(scheme, w, 4)
+            deadline = time.monotonic() + 6.0
+            sends = 0
+            while time.monotonic() < deadline:
+                fill(model, sends + 1)
+                result = await scheme.send(timeout=30)
+                sends += 1
+                assert result.version == sends
+            w.stop.set()
+            done = await asyncio.to_thread(w.collect, "done", 4)
+    assert sends >= 10
+    for _, idx, stats in done:
+        assert stats["loop_reads"] > 0 and stats["thread_reads"] > 0, stats
+        assert stats["mixed"] == 0, f"worker {idx} saw a mix of versions: {stats}"
+        assert stats["wrong_version"] == 0, f"worker {idx}: {stats}"
+        assert stats["version"] == sends
+
+
+@contextlib.asynccontextmanager
+async def _four_receivers_on_version_1(
+    **kw: Any,
+) -> AsyncIterator[tuple[aiowsync.DistributedWeightSyncScheme, torch.nn.Module, Workers]]:
+    model = make_model("small")
+    scheme = scheme_for("small", **kw)
+    scheme.init_on_sender(model=model, num_workers=4)
+    with workers() as w:
+        async with scheme:
+            for i in range(4):
+                w.start(i, "small", scheme=scheme)
+            await _connect(scheme, w, 4)
+            randomize(model, 1)
+            await scheme.send(timeout=20)
+            await asyncio.to_thread(w.collect, "version", 4)
+            yield scheme, model, w
+
+
+async def test_killed_receiver_is_named_by_the_timeout_the_others_commit_and_it_rejoins() -> None:
+    # Beats slower than the send's deadline, so that the deadline (not the beats) finds it.
+    slow_beats = aiowsync.Heartbeats(interval=1.0, missed=4)
+    async with _four_receivers_on_version_1(heartbeats=slow_beats) as (scheme, model, w):
+        w.kill(1)
+        randomize(model, 2)
+        deadline = 2.5
+        started = time.monotonic()
+        with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+            await scheme.send(timeout=deadline)
+        assert time.monotonic() - started < deadline + 2.0
+        assert info.value.worker_ids == (1,)
+        assert info.value.version == 2 and info.value.acked == (0, 2, 3)
+        seen = await asyncio.to_thread(w.collect, "version", 3)
+        assert {(e[1], e[2]) for e in seen} == {(0, 2), (2, 2), (3, 2)}
+        assert {e[3] for e in seen} == {digest(model)}
+
+        # A restart under the same index rejoins holding the latest version.
+        w.start(1, "small", scheme=scheme)
+        rejoined = await asyncio.to_thread(w.collect, "ready", 1)
+        assert rejoined[0][1:] == (1, 2, digest(model))
+
+        # And the next send reaches everyone, on a group formed with the new process.
+        randomize(model, 3)
+        result = await scheme.send(timeout=20)
+        assert result.worker_ids == (0, 1, 2, 3) and result.version == 3
+        seen = await asyncio.to_thread(w.collect, "version", 4)
+        assert {(e[2], e[3]) for e in seen} == {(3, digest(model))}
