@@ -224,6 +224,47 @@ def test_non_increasing_update_is_rejected_by_the_receiver() -> None:
     assert receiver.state is State.ERROR
 
 
+def test_a_nacked_version_may_be_retried_with_a_higher_attempt() -> None:
+    pair = Pair().handshake()
+    pair.to_receiver(Update(version=3))
+    pair.to_sender(Nack(worker_idx=0, version=3, error="receive failed", retryable=True))
+    pair.to_receiver(Update(version=3, attempt=1))
+    pair.to_receiver(Update(version=3, attempt=2))
+    pair.to_sender(Ack(worker_idx=0, version=3))
+    assert pair.sender.acked_version == 3 and pair.sender.state is State.LIVE
+    # The welcome version can be retried too.
+    fresh = Pair()
+    fresh.to_sender(hello(0))
+    fresh.to_receiver(welcome(0, version=5))
+    fresh.to_receiver(Update(version=5, attempt=1))
+    fresh.to_sender(Ack(worker_idx=0, version=5))
+    assert fresh.sender.state is State.LIVE
+
+
+@pytest.mark.parametrize(
+    ("version", "attempt", "why"),
+    [(3, 0, "does not follow"), (3, 1, "does not follow"), (2, 5, "does not follow")],
+)
+def test_retries_must_raise_the_attempt_of_the_latest_version(
+    version: int, attempt: int, why: str
+) -> None:
+    pair = Pair().handshake()
+    pair.to_receiver(Update(version=3))
+    pair.to_receiver(Update(version=3, attempt=1))
+    with pytest.raises(aiowsync.ProtocolError, match=why):
+        pair.sender.send(Update(version=version, attempt=attempt))
+    assert pair.sender.state is State.ERROR
+
+
+def test_an_acknowledged_version_cannot_be_retried() -> None:
+    pair = Pair().handshake()
+    pair.update(3)
+    pair.to_sender(Ack(worker_idx=0, version=3))
+    with pytest.raises(aiowsync.ProtocolError, match="already acknowledged"):
+        pair.receiver.receive(Update(version=3, attempt=1))
+    assert pair.receiver.state is State.ERROR
+
+
 def test_messages_naming_another_worker_are_rejected() -> None:
     pair = Pair(worker_idx=2, sender_knows_idx=True)
     with pytest.raises(aiowsync.ProtocolError, match="expected 2"):

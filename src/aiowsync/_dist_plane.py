@@ -541,10 +541,7 @@ class DistReceiverPlane(ReceiverPlane):
         if failure is not None:
             # Outside the handler, so that no traceback keeps the failed group alive.
             with self._lock:
-                self._groups.pop(name, None)
-                self._dead[name] = None
-                while len(self._dead) > 64:
-                    self._dead.pop(next(iter(self._dead)))
+                self._discard(name)
             raise TransportError(f"receiving the version failed: {failure}")
         return staged
 
@@ -577,8 +574,19 @@ class DistReceiverPlane(ReceiverPlane):
 
     def _evict(self) -> None:
         while len(self._groups) > _MAX_GROUPS:
-            oldest = min(self._groups, key=lambda n: self._groups[n][1])
-            self._groups.pop(oldest)
+            self._discard(min(self._groups, key=lambda n: self._groups[n][1]))
+
+    def _discard(self, name: str) -> None:
+        """Forget group ``name`` for good (call with the lock held).
+
+        Its connections close, and its name is remembered as dead: a group's rendezvous keys
+        stay in the store, so joining a second group under the same name would hang. An
+        update naming it fails at once instead, and the sender retries on a fresh group.
+        """
+        self._groups.pop(name, None)
+        self._dead[name] = None
+        while len(self._dead) > 256:
+            self._dead.pop(next(iter(self._dead)))
 
     def show(self, staged: Staged) -> Staged:
         self._live = int(staged.source) if staged.source in ("0", "1") else -1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
@@ -13,6 +14,7 @@ from ._dist_plane import Backend, DistReceiverPlane, DistSenderPlane, host_of
 from ._planes import ReceiverPlane, SenderPlane
 from ._scheme import WeightSyncScheme
 from ._strategy import StrategyName
+from ._weights import flatten_weights
 
 __all__ = ["DistributedWeightSyncScheme"]
 
@@ -92,12 +94,16 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             "max_slots": self.max_slots,
         }
 
-    def _device(self) -> torch.device:
-        if self.backend == "nccl":
-            if not torch.cuda.is_available():
-                raise RuntimeError("backend='nccl' needs CUDA, and torch sees no GPU here")
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    def _device(self, tensors: Iterable[torch.Tensor]) -> torch.device:
+        """Where the slots live: CPU for gloo; the model's GPU (or the current one) for NCCL."""
+        if self.backend != "nccl":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='nccl' needs CUDA, and torch sees no GPU here")
+        for t in tensors:
+            if t.device.type == "cuda":
+                return t.device
+        return torch.device("cuda", torch.cuda.current_device())
 
     def _sender_plane(self) -> SenderPlane:
         host = self.data_host or host_of(self.bind)
@@ -110,11 +116,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                 f"bind={self.bind!r} listens on every interface; pass data_host= with the "
                 "address receivers should reach the sender's process groups on"
             )
+        source = self._model if self._model is not None else self._weights
+        assert source is not None
         return DistSenderPlane(
             backend=self.backend,
             bucket_bytes=self.bucket_bytes,
             host=host,
-            device=self._device(),
+            device=self._device(flatten_weights(source).values()),
             max_slots=self.max_slots,
         )
 
@@ -124,5 +132,5 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             address=self.address,
             worker_idx=self.worker_idx,
             backend=self.backend,
-            device=self._device(),
+            device=self._device(self._targets.values()),
         )

@@ -1,0 +1,294 @@
+"""DistributedWeightSyncScheme with receivers in this process: real ZeroMQ, real gloo groups.
+
+Each receiver's collectives run in its own worker thread, so one process can hold every rank;
+process deaths are covered in test_distributed_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import gc
+import os
+import pickle
+import tempfile
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import aiowsync
+from aiowsync._dist_plane import Buckets, DistReceiverPlane
+from aiowsync._planes import Source
+
+pytestmark = pytest.mark.timeout(90)
+
+FAST = aiowsync.Heartbeats(interval=0.1, missed=10)
+
+
+def model(seed: int = 0, width: int = 64) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(width, 3 * width), nn.ReLU(), nn.Linear(3 * width, 7))
+    m.register_buffer("steps", torch.arange(5, dtype=torch.int64))
+    m.register_buffer("mask", torch.tensor([True, False, True]))
+    return m
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def bump(m: nn.Module, by: float = 1.0) -> None:
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(by)
+        m.steps.add_(1)  # type: ignore[operator]
+
+
+@contextlib.asynccontextmanager
+async def system(
+    n: int = 2, *, bucket_bytes: int = 4096, **sender_kw: object
+) -> AsyncIterator[tuple[aiowsync.DistributedWeightSyncScheme, nn.Module, list]]:
+    src = model(0)
+    sender = aiowsync.DistributedWeightSyncScheme(
+        bucket_bytes=bucket_bytes,
+        heartbeats=FAST,
+        **sender_kw,  # type: ignore[arg-type]
+    )
+    sender.init_on_sender(model=src, num_workers=n)
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(sender)
+        receivers = []
+        for i in range(n):
+            r = pickle.loads(pickle.dumps(sender))
+            m = model(100 + i)
+            r.init_on_receiver(model=m, worker_idx=i)
+            await stack.enter_async_context(r)
+            receivers.append((r, m))
+        await asyncio.gather(
+            sender.connect(timeout=30), *(r.connect(timeout=30) for r, _ in receivers)
+        )
+        yield sender, src, receivers
+
+
+# -- buckets and packing ----------------------------------------------------------------------
+
+
+def test_bucket_plans_cover_every_byte_once_and_split_straddling_tensors() -> None:
+    buckets = Buckets(total=100, bucket_bytes=30)
+    assert buckets.ranges == [(0, 30), (30, 60), (60, 90), (90, 100)]
+    segments = [(0, 10), (16, 50), (70, 30)]  # gaps (alignment) between segments
+    plans = buckets.plan(segments)
+    assert plans[0] == [(0, 0, 10), (1, 0, 14)]
+    assert plans[1] == [(1, 14, 44)]
+    assert plans[2] == [(1, 44, 50), (2, 0, 20)]
+    assert plans[3] == [(2, 20, 30)]
+    covered = sorted((segments[s][0] + a, segments[s][0] + b) for plan in plans for s, a, b in plan)
+    assert covered == [(0, 10), (16, 30), (30, 60), (60, 66), (70, 90), (90, 100)]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 64, 1000, 1 << 20])
+def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int) -> None:
+    from aiowsync._dist_plane import DistSenderPlane
+    from aiowsync._layout import Layout
+
+    m = model(3)
+    weights = {k: v.detach() for k, v in m.state_dict().items()}
+    layout = Layout.from_weights(weights)
+    plane = DistSenderPlane(
+        backend="gloo", bucket_bytes=bucket_bytes, host="127.0.0.1", device=torch.device("cpu")
+    )
+    plane.setup(layout)
+    try:
+        slot = plane.reserve(set())
+        plane.write(slot, Source(tensors=weights))
+        flat = plane._slots[slot].flat
+        for index in range(len(plane.buckets.ranges)):
+            plane._pack(plane._slots[slot], index)
+        assert plane._slots[slot].complete.is_set()
+        views = layout.views(layout.split(flat))
+        assert all(torch.equal(views[k], weights[k]) for k in weights)
+    finally:
+        plane.close()
+
+
+# -- the scheme -------------------------------------------------------------------------------
+
+
+async def test_receivers_hold_the_senders_bytes_after_each_send_and_subsets() -> None:
+    async with system(3) as (sender, src, receivers):
+        for _, m in receivers:
+            assert same(m, src)
+        for step in range(1, 4):
+            bump(src)
+            result = await sender.send(timeout=20)
+            assert (result.version, result.worker_ids) == (step, (0, 1, 2))
+            assert all(r.version == step and same(m, src) for r, m in receivers)
+        bump(src, 5)
+        result = await sender.send(worker_ids=[0, 2], timeout=20)
+        assert result.worker_ids == (0, 2)
+        (r0, m0), (r1, m1), (r2, m2) = receivers
+        assert same(m0, src) and same(m2, src) and not same(m1, src)
+        assert (r0.version, r1.version, r2.version) == (4, 3, 4)
+        result = await sender.send(worker_ids=1, timeout=20)
+        assert same(m1, src) and r1.version == 5
+
+
+async def test_send_of_explicit_weights_and_rehomed_sender() -> None:
+    async with system(2, bucket_bytes=1000) as (sender, src, receivers):
+        other = {k: v.clone() + 3 for k, v in src.state_dict().items()}
+        other["mask"] = ~src.mask  # type: ignore[operator]
+        result = await sender.send(other, timeout=20)
+        for _, m in receivers:
+            state = m.state_dict()
+            assert all(torch.equal(state[k], other[k]) for k in other)
+        assert result.nbytes >= sum(t.nbytes for t in other.values())
+
+    src = model(1)
+    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=777, heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1, rehome=True)
+    async with sender:
+        r = aiowsync.DistributedWeightSyncScheme(address=sender.address)
+        m = model(2)
+        r.init_on_receiver(model=m, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
+            bump(src, 2)
+            await sender.send(timeout=20)
+            assert same(m, src)
+
+
+async def test_a_failed_collective_is_retried_on_a_fresh_group() -> None:
+    async with system(2) as (sender, src, receivers):
+        bump(src)
+        await sender.send(timeout=20)
+        # Worker 0 drops its group (as its cache would, or as if its connections broke): the
+        # next broadcast on it fails, every member fails fast, and both get the version again.
+        plane = receivers[0][0]._receiver._plane
+        assert isinstance(plane, DistReceiverPlane)
+        with plane._lock:
+            for name in list(plane._groups):
+                plane._discard(name)
+        gc.collect()
+        bump(src)
+        result = await sender.send(timeout=20)
+        assert result.worker_ids == (0, 1) and result.version == 2
+        assert all(r.version == 2 and same(m, src) for r, m in receivers)
+        # And the group formed for the retry serves the next send.
+        bump(src)
+        assert (await sender.send(timeout=20)).version == 3
+        assert all(same(m, src) for _, m in receivers)
+
+
+async def test_hook_failure_is_surfaced_and_the_model_stays_whole() -> None:
+    async with system(2) as (sender, src, receivers):
+
+        def broken(version: int) -> None:
+            raise RuntimeError(f"cache reset failed at {version}")
+
+        receivers[1][0].register_hook(broken)
+        bump(src)
+        with pytest.raises(aiowsync.RemoteApplyError) as info:
+            await sender.send(timeout=20)
+        assert info.value.acked == (0,)
+        assert "cache reset failed at 1" in info.value.errors[1]
+        assert same(receivers[0][1], src)
+
+
+async def test_wrong_model_is_refused_naming_the_difference() -> None:
+    async with system(1) as (sender, _, _):
+        bad = aiowsync.DistributedWeightSyncScheme(address=sender.address)
+        bad.init_on_receiver(model=model(0, width=65), worker_idx=0)
+        async with bad:
+            with pytest.raises(aiowsync.RefusedError, match=r"0\.weight"):
+                await bad.connect(timeout=10)
+
+
+async def test_copy_mode_receiver_keeps_private_tensors() -> None:
+    src = model(0)
+    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=2048, heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        r = aiowsync.DistributedWeightSyncScheme(address=sender.address, apply_mode="copy")
+        m = model(5)
+        r.init_on_receiver(model=m, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
+            plane = r._receiver._plane
+            assert isinstance(plane, DistReceiverPlane)
+            slots = [(f.data_ptr(), f.data_ptr() + f.nbytes) for f in plane._flats]
+            for _ in range(3):
+                bump(src)
+                await sender.send(timeout=20)
+                assert same(m, src)
+                # Copy mode switches between private copies; it never points into a slot.
+                for t in m.state_dict().values():
+                    assert not any(lo <= t.data_ptr() < hi for lo, hi in slots)
+
+
+async def test_the_users_default_group_is_never_touched_and_works_beside_ours() -> None:
+    assert not dist.is_initialized()
+    async with system(1) as (sender, src, receivers):
+        bump(src)
+        await sender.send(timeout=20)
+        assert not dist.is_initialized(), "the scheme must not create the default group"
+        with tempfile.TemporaryDirectory() as tmp:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
+                rank=0,
+                world_size=1,
+                timeout=datetime.timedelta(seconds=30),
+            )
+            try:
+                t = torch.ones(3)
+                dist.all_reduce(t)
+                assert torch.equal(t, torch.ones(3))
+                bump(src)
+                result = await sender.send(timeout=20)
+                assert result.version == 2 and same(receivers[0][1], src)
+                dist.all_reduce(t)
+                assert dist.get_world_size() == 1
+            finally:
+                dist.destroy_process_group()
+
+
+def test_configuration_is_checked_and_pickled() -> None:
+    with pytest.raises(ValueError, match="backend"):
+        aiowsync.DistributedWeightSyncScheme(backend="mpi")  # type: ignore[arg-type]
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="bucket_bytes"):
+            aiowsync.DistributedWeightSyncScheme(bucket_bytes=bad)  # type: ignore[arg-type]
+    scheme = aiowsync.DistributedWeightSyncScheme(bucket_bytes=1 << 20, data_host="10.0.0.1")
+    clone = pickle.loads(pickle.dumps(scheme))
+    assert (clone.backend, clone.bucket_bytes, clone.data_host) == ("gloo", 1 << 20, "10.0.0.1")
+
+
+async def test_a_wildcard_bind_needs_a_data_host() -> None:
+    factory = aiowsync.ZmqChannelFactory(allow_insecure_bind=True)
+    scheme = aiowsync.DistributedWeightSyncScheme(bind="tcp://0.0.0.0:0", channels=factory)
+    scheme.init_on_sender(model=model(), num_workers=1)
+    with pytest.raises(ValueError, match="data_host"):
+        async with scheme:
+            pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL ranks need a GPU each (two here)")
+async def test_nccl_sends_cuda_weights() -> None:  # pragma: no cover - GPU hosts only
+    src = model(0).to("cuda:0")
+    sender = aiowsync.DistributedWeightSyncScheme(backend="nccl", heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        r = aiowsync.DistributedWeightSyncScheme(address=sender.address, backend="nccl")
+        m = model(1).to("cuda:1")
+        r.init_on_receiver(model=m, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=60), r.connect(timeout=60))
+            bump(src)
+            await sender.send(timeout=30)
+            assert same(m, src)
