@@ -233,6 +233,8 @@ class DistSenderPlane(SenderPlane):
         listener.detach()
 
     def _add_slot(self) -> _SenderSlot:
+        # Zeroed: the alignment gaps between tensors travel too, and must not carry whatever
+        # this process's memory held before.
         flat = torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         slot = _SenderSlot(flat)
         self._slots.append(slot)
@@ -489,7 +491,7 @@ class DistReceiverPlane(ReceiverPlane):
         self.buckets = Buckets(layout.total_bytes, bucket_bytes)
         self._hostname = local_ip_towards(self.sender_host)
         for _ in range(2):
-            flat = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=self.device)
+            flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
             parts = layout.split(flat)
             self._flats.append(flat)
             self._slots.append(Staged(parts, layout.views(parts), str(len(self._slots))))
