@@ -256,8 +256,9 @@ def fused_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None
     On CPU, torch copies a list tensor by tensor and starts an OpenMP parallel region for each
     mid-sized one; with idle OpenMP threads sleeping (``OMP_WAIT_POLICY=PASSIVE``) every region
     pays to wake them, which made a 1000-tensor 64 MiB copy about 3x slower than one flat copy
-    here. Large lists of contiguous CPU tensors are therefore split into byte-balanced shares
-    that a few threads copy with plain memmoves; anything else takes ``torch._foreach_copy_``.
+    here. Contiguous CPU tensors are therefore copied with plain memmoves: in this thread when
+    they are small in total, else in byte-balanced shares over a few threads. Anything else
+    takes ``torch._foreach_copy_``.
     """
     if not dst:
         return
@@ -265,13 +266,18 @@ def fused_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None
     with torch.no_grad():
         plain = [i for i, (d, s) in enumerate(zip(dst, src, strict=True)) if _plain_cpu(d, s)]
         sizes = [dst[i].nbytes for i in plain]
-        if len(plain) < 2 or sum(sizes) < _PARALLEL_COPY_BYTES:
-            torch._foreach_copy_(dst, src)
-            return
         if len(plain) < len(dst):
             others = sorted(set(range(len(dst))) - set(plain))
             torch._foreach_copy_([dst[i] for i in others], [src[i] for i in others])
-        _parallel_copy([(dst[i].data_ptr(), src[i].data_ptr()) for i in plain], sizes)
+        if not plain:
+            return
+        pointers = [(dst[i].data_ptr(), src[i].data_ptr()) for i in plain]
+        if sum(sizes) < _PARALLEL_COPY_BYTES:
+            # Small: memmoves in this thread. Waking torch's sleeping OpenMP team for each
+            # tensor would cost more than the copy (a 1 MiB model: ~350 us against ~60 us).
+            _copy_share([(*p, n) for p, n in zip(pointers, sizes, strict=True)])
+        else:
+            _parallel_copy(pointers, sizes)
 
 
 _PARALLEL_COPY_BYTES = 4 * 1024 * 1024
@@ -301,12 +307,18 @@ def _copy_share(moves: list[tuple[int, int, int]]) -> None:
 def _parallel_copy(pointers: list[tuple[int, int]], sizes: list[int]) -> None:
     global _copy_pool
     count = max(1, min(4, torch.get_num_threads()))
+    # Moves larger than a fair share are cut, so that one big tensor still uses every thread.
+    piece = max(1, -(-sum(sizes) // count))
+    moves: list[tuple[int, int, int]] = []
+    for (d, s), n in zip(pointers, sizes, strict=True):
+        for start in range(0, n, piece):
+            moves.append((d + start, s + start, min(piece, n - start)))
     shares: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     load = [0] * count
-    for i in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
+    for move in sorted(moves, key=lambda m: m[2], reverse=True):
         k = load.index(min(load))
-        shares[k].append((*pointers[i], sizes[i]))
-        load[k] += sizes[i]
+        shares[k].append(move)
+        load[k] += move[2]
     if count == 1:
         _copy_share(shares[0])
         return
