@@ -1,4 +1,4 @@
-"""Helpers shared by ``bench_shm.py`` and the worker processes it spawns.
+"""Helpers shared by ``bench_shm.py``, ``bench_dist.py`` and the worker processes they spawn.
 
 * model specs and a builder that turns a spec into an ``nn.Module`` (sender and workers build
   the same architecture from the same spec);
@@ -6,7 +6,8 @@
   recording the longest interval between two wake-ups);
 * :func:`private_memory`, private memory of a process from ``/proc/<pid>/smaps``, with the part
   that belongs to aiowsync's shared-memory slots counted separately;
-* :func:`worker_main`, the body of a benchmark worker process.
+* :func:`worker_main`, the body of a benchmark worker process;
+* :func:`raw_group` and :func:`raw_receive`, a raw gloo broadcast baseline (``bench_dist.py``).
 
 A worker process lives for the whole benchmark and serves one scheme session after another, so
 that torch is imported once per process, not once per case. It is driven by small tuples over a
@@ -17,7 +18,10 @@ that torch is imported once per process, not once per case. It is driven by smal
     ``init_on_receiver``, ``async with``, ``connect``, ``gc.collect()``; answer ``("ready", ...)``
     and serve the session's commands until ``("leave",)``, then answer ``("left",)``.
 in a session: ``("tick_start",)``, ``("tick_mark",)``, ``("tick_stop",)``, ``("mem",)``,
-``("check", version)``, ``("leave",)``.
+``("check", version)``, ``("leave",)``;
+``("raw_start", host, port, prefix, rank, size, nbytes, rounds, timeout)`` (answer ``("ok",)``)
+starts :func:`raw_receive` in a thread, beside the scheme's receiver, and
+``("raw_wait", timeout)`` answers ``("raw_done", stats)`` once it has finished.
 ``("exit",)`` (between sessions) ends the process.
 
 Any failure is answered with ``("error", traceback_text)``.
@@ -245,6 +249,73 @@ def malloc_trim() -> bool:
         return False
 
 
+# -- raw gloo baseline -------------------------------------------------------------------------
+
+RAW_CONFIRM_TAG = 7
+
+
+def raw_group(store: Any, prefix: str, rank: int, size: int, timeout: float) -> Any:
+    """A ``ProcessGroupGloo`` of its own on ``store`` under ``prefix``, on loopback like the
+    scheme's groups (blocks until all ``size`` ranks joined, at most ``timeout`` seconds)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import PrefixStore
+
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = datetime.timedelta(seconds=timeout)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(PrefixStore(prefix, store), rank, size, options)
+
+
+def broadcast_options() -> Any:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    return options
+
+
+def raw_marks(round_no: int) -> tuple[int, int]:
+    """What the root writes into the first and last byte of its buffer before round ``round_no``."""
+    return round_no % 251, (round_no * 31 + 7) % 253
+
+
+def raw_receive(
+    host: str,
+    port: int,
+    prefix: str,
+    rank: int,
+    size: int,
+    nbytes: int,
+    rounds: int,
+    timeout: float,
+) -> dict[str, Any]:
+    """Rank ``rank`` of the raw baseline: ``rounds`` times, receive the root's broadcast of one
+    flat uint8 buffer of ``nbytes``, then confirm with a one-byte ``send`` to rank 0. Every wait
+    has a deadline of ``timeout`` seconds; a root that drops its group makes them fail fast."""
+    import datetime
+
+    from torch._C._distributed_c10d import TCPStore
+
+    span = datetime.timedelta(seconds=timeout)
+    # Every page touched, like the scheme's slots, and before the group forms: the root's first
+    # round (or a send of the scheme racing it) must not pay for this process's page faults.
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    one = torch.ones(1, dtype=torch.uint8)
+    store = TCPStore(host, port, is_master=False, timeout=span)
+    pg = raw_group(store, prefix, rank, size, timeout)
+    options = broadcast_options()
+    wrong = 0
+    for r in range(rounds):
+        pg.broadcast([buf], options).wait(span)
+        pg.send([one], 0, RAW_CONFIRM_TAG).wait(span)
+        if (int(buf[0]), int(buf[-1])) != raw_marks(r):  # after the confirm: not timed
+            wrong += 1
+    return {"rounds": rounds, "wrong": wrong}
+
+
 # -- the worker process -------------------------------------------------------------------------
 
 
@@ -295,6 +366,7 @@ async def _session(conn: Connection, worker_idx: int, blob: bytes, spec: Spec) -
 
     ticker = Ticker()
     tick_task: asyncio.Task[None] | None = None
+    raw_task: asyncio.Future[dict[str, Any]] | None = None
     async with scheme:
         t0 = time.perf_counter()
         await scheme.connect(timeout=180)
@@ -335,6 +407,23 @@ async def _session(conn: Connection, worker_idx: int, blob: bytes, spec: Spec) -
                 elif kind == "check":
                     version = await scheme.wait_for_version(msg[1], timeout=60)
                     conn.send(("check", version, fingerprint(model)))
+                elif kind == "raw_start":
+                    if raw_task is not None and not raw_task.done():
+                        conn.send(("error", f"worker {worker_idx}: a raw baseline is running"))
+                        continue
+                    raw_task = asyncio.ensure_future(asyncio.to_thread(raw_receive, *msg[1:]))
+                    conn.send(("ok",))
+                elif kind == "raw_wait":
+                    if raw_task is None:
+                        conn.send(("error", f"worker {worker_idx}: no raw baseline started"))
+                        continue
+                    try:
+                        stats = await asyncio.wait_for(asyncio.shield(raw_task), msg[1])
+                    except Exception:
+                        conn.send(("error", f"worker {worker_idx}:\n{traceback.format_exc()}"))
+                    else:
+                        conn.send(("raw_done", stats))
+                        raw_task = None
                 else:
                     conn.send(("error", f"worker {worker_idx}: unknown command {kind!r}"))
         finally:
@@ -342,6 +431,12 @@ async def _session(conn: Connection, worker_idx: int, blob: bytes, spec: Spec) -
             if tick_task is not None:
                 tick_task.cancel()
                 await asyncio.gather(tick_task, return_exceptions=True)
+            if raw_task is not None:
+                # A thread cannot be cancelled: each of its waits ends by its own deadline (or
+                # at once, when the root dropped its group).
+                await asyncio.wait({raw_task}, timeout=180)
+                if raw_task.done() and not raw_task.cancelled():
+                    raw_task.exception()  # retrieved: it was reported or nobody asked
     del model, scheme
     gc.collect()
     conn.send(("left",))
