@@ -184,6 +184,24 @@ async def test_a_failed_collective_is_retried_on_a_fresh_group() -> None:
         assert all(same(m, src) for _, m in receivers)
 
 
+async def test_more_groups_than_the_caches_hold() -> None:
+    # Ten joining workers and ten different subsets: more groups than either side caches (8),
+    # so groups are evicted on both sides while others are still announced or in use.
+    async with system(10, bucket_bytes=8192) as (sender, src, receivers):
+        assert all(same(m, src) for _, m in receivers)
+        # The first subsets come back after their groups left the receivers' caches.
+        for k in [*range(10), 0, 1, 2]:
+            subset = sorted({k, (k + 3) % 10, (k + 7) % 10})
+            bump(src)
+            result = await sender.send(worker_ids=subset, timeout=30)
+            assert result.worker_ids == tuple(subset)
+            assert all(same(receivers[w][1], src) for w in subset)
+        bump(src)
+        result = await sender.send(timeout=30)
+        assert result.worker_ids == tuple(range(10))
+        assert all(r.version == 14 and same(m, src) for r, m in receivers)
+
+
 async def test_hook_failure_is_surfaced_and_the_model_stays_whole() -> None:
     async with system(2) as (sender, src, receivers):
 

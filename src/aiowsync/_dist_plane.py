@@ -153,6 +153,7 @@ class _Group:
     members: tuple[Member, ...]
     lock: threading.Lock = field(default_factory=threading.Lock)
     dropped: bool = False
+    users: int = 0  # routes handed out whose transfer has not ended
     pg: Any = None
     last_used: float = 0.0
 
@@ -308,6 +309,7 @@ class DistSenderPlane(SenderPlane):
                 group = _Group(secrets.token_hex(8), key)
                 self._groups[key] = group
             group.last_used = time.monotonic()
+            group.users += 1  # until its transfer ends: never evicted while announced
             self._evict()
         return group
 
@@ -320,7 +322,7 @@ class DistSenderPlane(SenderPlane):
 
     def _evict(self) -> None:
         idle = sorted(
-            (g for g in self._groups.values() if not g.lock.locked()), key=lambda g: g.last_used
+            (g for g in self._groups.values() if g.users == 0), key=lambda g: g.last_used
         )
         while len(self._groups) > _MAX_GROUPS and idle:
             group = idle.pop(0)
@@ -343,21 +345,33 @@ class DistSenderPlane(SenderPlane):
 
     # -- transfer (in a worker thread) --------------------------------------------------------
 
-    def transfer(self, version: int, route: _Group, deadline: float) -> None:
+    def transfer(
+        self,
+        version: int,
+        route: _Group,
+        deadline: float,
+        after: threading.Event | None = None,
+    ) -> None:
         """Broadcast ``version`` on ``route``, packing it on the way if not yet packed.
 
         Raises :class:`TransportError` when the group cannot be formed or a collective fails;
         the group is then dropped (which makes its other members fail fast), so a retry forms
-        a fresh one.
+        a fresh one. With ``after``, waits for that event first (the previous transfer's end).
         """
-        with self._lock:
-            slot = self._slot_of(version)
-            slot.readers += 1
         try:
-            self._transfer(slot, route, deadline)
+            if after is not None and not after.wait(max(0.0, deadline - time.monotonic())):
+                raise TransportError("an earlier transfer did not finish in time")
+            with self._lock:
+                slot = self._slot_of(version)
+                slot.readers += 1
+            try:
+                self._transfer(slot, route, deadline)
+            finally:
+                with self._lock:
+                    slot.readers -= 1
         finally:
             with self._lock:
-                slot.readers -= 1
+                route.users -= 1
 
     def _transfer(self, slot: _SenderSlot, group: _Group, deadline: float) -> None:
         workers = [w for w, _ in group.members if w >= 0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import logging
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,8 +109,15 @@ class SenderPlane(abc.ABC):
         """What the members of ``route`` need to take part in a transfer on it."""
         raise NotImplementedError
 
-    def transfer(self, version: int, route: Any, deadline: float) -> None:
-        """Move ``version`` along ``route`` by ``deadline`` (monotonic); blocking."""
+    def transfer(
+        self,
+        version: int,
+        route: Any,
+        deadline: float,
+        after: threading.Event | None = None,
+    ) -> None:
+        """Move ``version`` along ``route`` by ``deadline`` (monotonic), once ``after`` is set;
+        blocking. Every route handed out is passed here exactly once."""
         raise NotImplementedError
 
 

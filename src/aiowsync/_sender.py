@@ -628,7 +628,7 @@ class SenderCore:
         while True:
             if route is not None:
                 try:
-                    await self._chained(self._plane.transfer, version, route, move_by)
+                    await self._chained(version, route, move_by)
                 except WeightSyncError as exc:
                     log.warning("version %d, attempt %d: %s", version, attempt, exc)
                     failed = True
@@ -669,17 +669,14 @@ class SenderCore:
                 for peer in retry:
                     await self._announce(channel, peer, update)
 
-    async def _chained(self, transfer: Callable[..., None], *args: Any) -> None:
-        """Run ``transfer`` in a thread once the previous chained transfer has finished."""
+    async def _chained(self, version: int, route: Any, move_by: float) -> None:
+        """Transfer in a thread, once the previous chained transfer has finished."""
         previous, mine = self._last_transfer, threading.Event()
         self._last_transfer = mine
-        move_by = args[-1]
 
         def run() -> None:
             try:
-                if not previous.wait(max(0.0, move_by - time.monotonic())):
-                    raise TransportError("an earlier transfer did not finish in time")
-                transfer(*args)
+                self._plane.transfer(version, route, move_by, after=previous)
             finally:
                 mine.set()
 
