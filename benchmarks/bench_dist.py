@@ -55,7 +55,7 @@ re-homed) <= 1.2x the raw flat broadcast. Ratios are of medians.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_dist.py                   # everything, ~5 min
+    .venv/bin/python benchmarks/bench_dist.py                   # everything, 4-7 min
     .venv/bin/python benchmarks/bench_dist.py --quick           # 64MiB + 1000t, < 2 min
     .venv/bin/python benchmarks/bench_dist.py --models 256MiB --bucket-mb 64 --no-sweep
     .venv/bin/python benchmarks/bench_dist.py --more-workers    # also 1 and 8 receivers
@@ -99,7 +99,7 @@ MODELS: dict[str, Callable[[], w.Spec]] = {
     "256MiB": lambda: w.few_large_spec(256 * MIB),
     "1000t-64MiB": lambda: w.many_tensors_spec(64 * MIB),
 }
-DEFAULT_ITERS = {"64MiB": 30, "256MiB": 20, "1000t-64MiB": 30}
+DEFAULT_ITERS = {"64MiB": 30, "256MiB": 16, "1000t-64MiB": 30}
 QUICK_ITERS = {"64MiB": 8, "256MiB": 4, "1000t-64MiB": 8}
 SWEEP_MODEL = "256MiB"
 DEFAULT_SWEEP = "4,16,32,64,whole"
@@ -730,7 +730,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.sweep_passes < 1:
         p.error("--sweep-passes must be at least 1")
     if args.sweep_iters is None:
-        args.sweep_iters = 4 if args.quick else 12
+        args.sweep_iters = 4 if args.quick else 8
     return args
 
 
