@@ -418,6 +418,30 @@ async def test_a_failing_hook_at_connect_fails_connect() -> None:
                 await r.connect(timeout=5)
 
 
+async def test_a_slow_first_apply_is_not_taken_for_a_lost_worker() -> None:
+    # Bringing a big model up to date can outlast the heartbeat timeout: the worker beats from
+    # its welcome on, so the sender keeps it and its connect() succeeds.
+    src = model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, heartbeats=FAST)
+        m = model(1)
+        r.init_on_receiver(model=m, worker_idx=0)
+
+        async def slow(version: int) -> None:
+            if version == 0:
+                await asyncio.sleep(3 * FAST.timeout)
+
+        r.register_hook(slow)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+            assert sender._sender is not None and not sender._sender.lost_workers()
+            bump(src)
+            assert (await sender.send(timeout=5)).worker_ids == (0,)
+            assert same(m, src)
+
+
 async def test_sender_shutdown_while_a_send_is_staging() -> None:
     big = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)

@@ -133,6 +133,9 @@ class ReceiverCore:
         try:
             with anyio.fail_after(timeout):
                 welcome = await self._handshake(channel)
+                # The sender judges this worker's liveness from the welcome on, and bringing
+                # a big model up to date can take longer than its patience: beat already.
+                channel.start_heartbeat(self._heartbeat, welcome.heartbeat_interval)
                 self._plane.setup(self.layout, welcome.params, swap=self.apply_mode == "swap")
                 answer = await self._apply_and_answer(welcome.version, welcome.params)
         except TimeoutError:
@@ -151,7 +154,6 @@ class ReceiverCore:
                 f"worker {self.worker_idx} could not apply version {welcome.version}: "
                 f"{answer.error}"
             )
-        channel.start_heartbeat(self._heartbeat, welcome.heartbeat_interval)
         if self.apply_mode == "swap":
             _return_freed_memory()
 
