@@ -91,13 +91,17 @@ def test_bucket_plans_cover_every_byte_once_and_split_straddling_tensors() -> No
     assert covered == [(0, 10), (16, 30), (30, 60), (60, 66), (70, 90), (90, 100)]
 
 
+@pytest.mark.parametrize("plain", [True, False])
 @pytest.mark.parametrize("bucket_bytes", [1, 64, 1000, 1 << 20])
-def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int) -> None:
+def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, plain: bool) -> None:
     from aiowsync._dist_plane import DistSenderPlane
     from aiowsync._layout import Layout
 
     m = model(3)
     weights = {k: v.detach() for k, v in m.state_dict().items()}
+    if not plain:  # a transposed view: packing goes through tensor views instead of addresses
+        weights["2.weight"] = torch.randn(weights["2.weight"].shape[::-1]).t()
+        assert not weights["2.weight"].is_contiguous()
     layout = Layout.from_weights(weights)
     plane = DistSenderPlane(
         backend="gloo", bucket_bytes=bucket_bytes, host="127.0.0.1", device=torch.device("cpu")

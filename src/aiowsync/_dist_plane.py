@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
-from ._layout import Layout, fused_copy
+from ._layout import _PARALLEL_COPY_BYTES, Layout, _copy_share, _parallel_copy, fused_copy
 from ._planes import Params, ReceiverPlane, SenderPlane, Source, Staged
 from ._protocol import ParamValue
 
@@ -140,6 +140,19 @@ class Buckets:
         return plans
 
 
+def _plain_pointers(tensors: Sequence[torch.Tensor], device: torch.device) -> list[int]:
+    """The tensors' addresses when every one is a plain contiguous CPU tensor (and the slots
+    are on the CPU too), else ``[]``: then packing goes through tensor views."""
+    if device.type != "cpu":
+        return []
+    pointers = []
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            return []
+        pointers.append(t.data_ptr())
+    return pointers
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if not t.is_contiguous():
@@ -165,6 +178,7 @@ class _SenderSlot:
     busy: bool = False
     readers: int = 0
     source: Source | None = None
+    source_pointers: list[int] | None = None  # the source's addresses ([] if not plain CPU)
     packed: int = 0  # buckets packed so far for ``version``
     complete: threading.Event = field(default_factory=threading.Event)
 
@@ -273,7 +287,7 @@ class DistSenderPlane(SenderPlane):
         if source.buffers is None and source.tensors is None:
             raise ValueError("empty source")
         s = self._slots[slot]
-        s.source, s.packed = source, 0
+        s.source, s.packed, s.source_pointers = source, 0, None
         s.complete.clear()
 
     def publish(self, slot: int, version: int) -> Params:
@@ -321,9 +335,7 @@ class DistSenderPlane(SenderPlane):
         }
 
     def _evict(self) -> None:
-        idle = sorted(
-            (g for g in self._groups.values() if g.users == 0), key=lambda g: g.last_used
-        )
+        idle = sorted((g for g in self._groups.values() if g.users == 0), key=lambda g: g.last_used)
         while len(self._groups) > _MAX_GROUPS and idle:
             group = idle.pop(0)
             self._groups.pop(group.members, None)
@@ -425,13 +437,48 @@ class DistSenderPlane(SenderPlane):
         source = slot.source
         if source is None or index < slot.packed:
             return
-        pieces: Mapping[int, torch.Tensor]
         if source.buffers is not None:
             plan, starts = self._buffer_plan[index], self._buffer_starts
+        else:
+            plan, starts = self._tensor_plan[index], self._tensor_starts
+        if slot.source_pointers is None:
+            slot.source_pointers = _plain_pointers(self._segments(source), self.device)
+        pointers = slot.source_pointers
+        if pointers:
+            # Plain memmoves between addresses: no tensor view is made per piece, which for a
+            # 1000-tensor model cost more than the copy itself.
+            base = slot.flat.data_ptr()
+            moves = [(base + starts[seg] + a, pointers[seg] + a, b - a) for seg, a, b in plan]
+            if sum(n for _, _, n in moves) >= _PARALLEL_COPY_BYTES:
+                _parallel_copy([(d, s) for d, s, _ in moves], [n for _, _, n in moves])
+            else:
+                _copy_share(moves)
+        else:
+            self._pack_views(slot, source, plan, starts)
+        slot.packed = index + 1
+        if slot.packed == len(self.buckets.ranges):
+            slot.source = None
+            slot.source_pointers = None
+            slot.complete.set()
+
+    def _segments(self, source: Source) -> list[torch.Tensor]:
+        if source.buffers is not None:
+            return list(source.buffers)
+        assert source.tensors is not None
+        return [source.tensors[k] for k in self.layout.keys]
+
+    def _pack_views(
+        self,
+        slot: _SenderSlot,
+        source: Source,
+        plan: list[tuple[int, int, int]],
+        starts: list[int],
+    ) -> None:
+        pieces: Mapping[int, torch.Tensor]
+        if source.buffers is not None:
             pieces = dict(enumerate(source.buffers))
         else:
             assert source.tensors is not None
-            plan, starts = self._tensor_plan[index], self._tensor_starts
             tensors, keys = source.tensors, self.layout.keys
             pieces = {seg: tensors[keys[seg]] for seg, _, _ in plan}
         dsts, srcs = [], []
@@ -440,10 +487,6 @@ class DistSenderPlane(SenderPlane):
             srcs.append(_as_bytes(pieces[seg])[a:b])
             dsts.append(slot.flat[start : start + (b - a)])
         fused_copy(dsts, srcs)
-        slot.packed = index + 1
-        if slot.packed == len(self.buckets.ranges):
-            slot.source = None
-            slot.complete.set()
 
     def _pack_rest(self, slot: _SenderSlot) -> None:
         # A failed broadcast must still leave a whole version in the slot for retries.
