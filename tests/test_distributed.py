@@ -79,6 +79,7 @@ async def system(
 
 
 def test_bucket_plans_cover_every_byte_once_and_split_straddling_tensors() -> None:
+    assert Buckets(total=100, bucket_bytes=33).ranges == [(0, 33), (33, 66), (66, 100)]
     buckets = Buckets(total=100, bucket_bytes=30)
     assert buckets.ranges == [(0, 30), (30, 60), (60, 90), (90, 100)]
     segments = [(0, 10), (16, 50), (70, 30)]  # gaps (alignment) between segments
