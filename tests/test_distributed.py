@@ -207,6 +207,66 @@ async def test_more_groups_than_the_caches_hold() -> None:
         assert all(r.version == 14 and same(m, src) for r, m in receivers)
 
 
+def _uniform(m: nn.Module) -> set[float]:
+    return {float(v) for t in m.parameters() for v in t.detach().unique()}
+
+
+async def test_a_cancelled_send_never_reads_the_model_after_it_returns() -> None:
+    # Many small buckets make the transfer long enough to be cancelled half-way; the trainer
+    # then changes its model at once. No receiver may ever hold those later values.
+    src = nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256))
+    with torch.no_grad():
+        for p in src.parameters():
+            p.fill_(1.0)
+    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=4096, heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=2)
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(sender)
+        mirrors = []
+        for i in range(2):
+            r = aiowsync.DistributedWeightSyncScheme(address=sender.address)
+            m = nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256))
+            r.init_on_receiver(model=m, worker_idx=i)
+            await stack.enter_async_context(r)
+            mirrors.append((r, m))
+        await asyncio.gather(
+            sender.connect(timeout=30), *(r.connect(timeout=30) for r, _ in mirrors)
+        )
+        for value in (2.0, 3.0, 4.0):
+            with torch.no_grad():
+                for p in src.parameters():
+                    p.fill_(value)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(sender.send(timeout=20), 0.02)
+            with torch.no_grad():
+                for p in src.parameters():
+                    p.fill_(-1.0)  # what a trainer's next step would do
+        await asyncio.sleep(1.0)
+        for r, m in mirrors:
+            seen = _uniform(m)
+            assert len(seen) == 1 and -1.0 not in seen, (r.version, seen)
+        # The next send works and brings everyone to the current weights.
+        result = await sender.send(timeout=20)
+        assert result.worker_ids == (0, 1)
+        assert all(_uniform(m) == {-1.0} for _, m in mirrors)
+
+
+async def test_version_0_is_the_model_at_start_even_for_late_joiners() -> None:
+    src = model(0)
+    expected = {k: v.clone() for k, v in src.state_dict().items()}
+    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=2048, heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        bump(src, 100)  # after start, before anyone joined: not part of version 0
+        r = aiowsync.DistributedWeightSyncScheme(address=sender.address)
+        m = model(9)
+        r.init_on_receiver(model=m, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
+            state = m.state_dict()
+            assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
 async def test_hook_failure_is_surfaced_and_the_model_stays_whole() -> None:
     async with system(2) as (sender, src, receivers):
 

@@ -95,20 +95,22 @@ def _new_group(
         pg = dist.ProcessGroupNCCL(prefixed, rank, size, nccl_options)
     else:
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    # ``timeout`` bounded the rendezvous above; from here on each wait has its own deadline.
+    set_default = getattr(pg, "_set_default_timeout", None)
+    if set_default is not None:
+        set_default(_OP_TIMEOUT)
     return pg  # type: ignore[no-any-return]
 
 
-def _finish(work: Any, backend: Backend, timeout: float) -> None:
+def _finish(work: Any, backend: Backend, timeout: float, device: torch.device) -> None:
     work.wait(datetime.timedelta(seconds=timeout))
     if backend == "nccl":  # pragma: no cover - needs GPUs
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
-def _broadcast(pg: Any, tensor: torch.Tensor) -> Any:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    options.rootTensor = 0
-    return pg.broadcast([tensor], options)
+_OP_TIMEOUT = datetime.timedelta(hours=1)
+"""The groups' own limit on one send or receive. Deadlines are enforced by each wait instead:
+a cached group outlives the deadline of the send that formed it."""
 
 
 class Buckets:
@@ -182,9 +184,12 @@ class _SenderSlot:
     busy: bool = False
     readers: int = 0
     source: Source | None = None
-    source_pointers: list[int] | None = None  # the source's addresses ([] if not plain CPU)
+    # The source's tensors (detached: they hold its storage while we read it) and addresses.
+    source_refs: list[torch.Tensor] | None = None
+    source_pointers: list[int] | None = None  # [] when not all plain CPU tensors
     packed: int = 0  # buckets packed so far for ``version``
     complete: threading.Event = field(default_factory=threading.Event)
+    pack_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class DistSenderPlane(SenderPlane):
@@ -201,8 +206,10 @@ class DistSenderPlane(SenderPlane):
         host: str,
         device: torch.device,
         max_slots: int = 4,
+        form_timeout: float = 10.0,
     ) -> None:
         self.backend: Backend = backend
+        self.form_timeout = form_timeout
         self.bucket_bytes = bucket_bytes
         self.host = host
         self.device = device
@@ -291,7 +298,7 @@ class DistSenderPlane(SenderPlane):
         if source.buffers is None and source.tensors is None:
             raise ValueError("empty source")
         s = self._slots[slot]
-        s.source, s.packed, s.source_pointers = source, 0, None
+        s.source, s.packed, s.source_pointers, s.source_refs = source, 0, None, None
         s.complete.clear()
 
     def publish(self, slot: int, version: int) -> Params:
@@ -317,17 +324,21 @@ class DistSenderPlane(SenderPlane):
 
     # -- groups -------------------------------------------------------------------------------
 
-    def route(self, members: Sequence[Member], purpose: str = "") -> _Group:
+    def route(self, members: Sequence[Member], version: int, purpose: str = "") -> _Group:
         """The group for ``members`` (created on first use; ``purpose`` keeps e.g. the groups
-        that bring joining workers up to date apart from the groups of ``send()``)."""
+        that bring joining workers up to date apart from the groups of ``send()``).
+
+        Until the matching :meth:`transfer` ends, the group is not evicted and the slot of
+        ``version`` is not reused."""
         key = (*sorted(members), (-1, purpose))
         with self._lock:
+            self._slot_of(version).readers += 1
             group = self._groups.get(key)
             if group is None:
                 group = _Group(secrets.token_hex(8), key)
                 self._groups[key] = group
             group.last_used = time.monotonic()
-            group.users += 1  # until its transfer ends: never evicted while announced
+            group.users += 1
             self._evict()
         return group
 
@@ -336,6 +347,7 @@ class DistSenderPlane(SenderPlane):
             "group": route.name,
             "members": ",".join(str(w) for w, _ in route.members if w >= 0),
             "timeout_ms": max(1, int(timeout * 1000)),
+            "form_ms": max(1, int(min(timeout, self.form_timeout) * 1000)),
         }
 
     def _evict(self) -> None:
@@ -370,83 +382,115 @@ class DistSenderPlane(SenderPlane):
     ) -> None:
         """Broadcast ``version`` on ``route``, packing it on the way if not yet packed.
 
-        Raises :class:`TransportError` when the group cannot be formed or a collective fails;
-        the group is then dropped (which makes its other members fail fast), so a retry forms
-        a fresh one. With ``after``, waits for that event first (the previous transfer's end).
+        With ``after``, waits for that event first (the previous transfer's end). Any failure,
+        even before the first collective, drops the group (which makes its other members fail
+        fast, and keeps a later transfer from meeting receivers still waiting on this one) and
+        raises :class:`TransportError`, so a retry forms a fresh group.
         """
+        workers = [w for w, _ in route.members if w >= 0]
+        failure = None
         try:
             if after is not None and not after.wait(max(0.0, deadline - time.monotonic())):
                 raise TransportError("an earlier transfer did not finish in time")
-            with self._lock:
-                slot = self._slot_of(version)
-                slot.readers += 1
-            try:
-                self._transfer(slot, route, deadline)
-            finally:
-                with self._lock:
-                    slot.readers -= 1
+            self._transfer(self._slot_of(version), route, deadline)
+        except Exception as exc:  # every failure, whatever raised it, ends in a dropped group
+            failure = _short(exc)
         finally:
             with self._lock:
                 route.users -= 1
+                for s in self._slots:
+                    if s.version == version:
+                        s.readers -= 1
+        if failure is not None:
+            # Raised outside the handler: the failed collective's traceback must not keep the
+            # group alive, since dropping it is what releases the other members.
+            self._drop(route)
+            raise TransportError(f"broadcast to workers {workers} failed: {failure}")
 
     def _transfer(self, slot: _SenderSlot, group: _Group, deadline: float) -> None:
-        workers = [w for w, _ in group.members if w >= 0]
         if not group.lock.acquire(timeout=_seconds_left(deadline)):
             raise TransportError("another transfer on the same group did not finish in time")
-        packing = False
         try:
-            packing = slot.source is not None and not slot.complete.is_set()
-            if not packing and not slot.complete.wait(_seconds_left(deadline)):
-                raise TransportError("the version was not packed in time")
-            failure = None
-            try:
+            with self._lock:
                 if group.dropped:
                     raise TransportError("its group was torn down after an earlier failure")
-                if group.pg is None:
-                    group.pg = _new_group(
-                        self.backend,
-                        self._need_store(),
-                        group.name,
-                        0,
-                        len(workers) + 1,
-                        self.host,
-                        _seconds_left(deadline),
-                    )
-                self._broadcast_all(group.pg, slot, packing, deadline)
-            except (RuntimeError, ValueError, TransportError) as exc:
-                failure = _short(exc)
-            if failure is not None:
-                # Raised outside the handler: the failed collective's traceback must not keep
-                # the group alive, since dropping it is what releases the other members.
-                self._drop(group)
-                raise TransportError(f"broadcast to workers {workers} failed: {failure}")
+                pg = group.pg
+            if pg is None:
+                size = sum(1 for w, _ in group.members if w >= 0) + 1
+                form = min(_seconds_left(deadline), self.form_timeout)
+                pg = _new_group(
+                    self.backend, self._need_store(), group.name, 0, size, self.host, form
+                )
+                with self._lock:
+                    if group.dropped:  # dropped while it formed: never reuse its name
+                        raise TransportError("its group was torn down while it formed")
+                    group.pg = pg
+            self._send_all(pg, slot, deadline, group)
         finally:
-            if packing:
-                self._pack_rest(slot)
             group.last_used = time.monotonic()
             group.lock.release()
 
-    def _broadcast_all(self, pg: Any, slot: _SenderSlot, packing: bool, deadline: float) -> None:
+    def seal(self, version: int) -> None:
+        """Pack whatever of ``version`` is not packed yet, now (blocking).
+
+        Called when a send stops waiting (done, failed or cancelled), and for version 0 at
+        start: after that the slot never reads the user's model again.
+        """
+        with self._lock:
+            slots = [s for s in self._slots if s.version == version]
+        for slot in slots:
+            while slot.source is not None and slot.packed < len(self.buckets.ranges):
+                self._pack(slot, slot.packed)
+
+    def _send_all(self, pg: Any, slot: _SenderSlot, deadline: float, group: _Group) -> None:
+        """Send every bucket to every member, point to point from rank 0.
+
+        Not a broadcast: gloo relays a broadcast through a tree of receivers, so one dead
+        receiver would hold up the others behind it until the deadline. Here each member
+        depends on the sender alone; a member that fails is left out of the later buckets,
+        the others get the whole version, and the failure is raised at the end.
+        """
+        workers = [w for w, _ in group.members if w >= 0]
+        alive = dict(enumerate(workers, start=1))  # rank -> worker index
+        failed: dict[int, str] = {}
         ranges = self.buckets.ranges
-        if packing:
-            self._pack(slot, 0)
+        self._pack(slot, 0)
         for index, (lo, hi) in enumerate(ranges):
-            work = _broadcast(pg, slot.flat[lo:hi])
-            if packing and index + 1 < len(ranges):
-                self._pack(slot, index + 1)  # overlaps the bucket on the wire
-            _finish(work, self.backend, _seconds_left(deadline))
-            del work
+            bucket = slot.flat[lo:hi]
+            works = []
+            for rank in list(alive):
+                try:
+                    works.append((rank, pg.send([bucket], rank, index)))
+                except RuntimeError as exc:
+                    failed[alive.pop(rank)] = _short(exc)
+            if index + 1 < len(ranges):
+                self._pack(slot, index + 1)  # overlaps the buckets on the wire
+            for rank, work in works:
+                try:
+                    _finish(work, self.backend, _seconds_left(deadline), self.device)
+                except (RuntimeError, TransportError) as exc:
+                    failed[alive.pop(rank)] = _short(exc)
+            del works
+            if not alive:
+                break
+        if failed:
+            detail = "; ".join(f"worker {w}: {text}" for w, text in sorted(failed.items()))
+            raise TransportError(detail)
 
     def _pack(self, slot: _SenderSlot, index: int) -> None:
-        source = slot.source
-        if source is None or index < slot.packed:
-            return
+        """Pack buckets up to ``index`` (a no-op for those already packed); thread-safe."""
+        with slot.pack_lock:
+            while slot.packed <= index and slot.source is not None:
+                self._pack_one(slot, slot.packed, slot.source)
+
+    def _pack_one(self, slot: _SenderSlot, index: int, source: Source) -> None:
         if source.buffers is not None:
             plan, starts = self._buffer_plan[index], self._buffer_starts
         else:
             plan, starts = self._tensor_plan[index], self._tensor_starts
         if slot.source_pointers is None:
-            slot.source_pointers = _plain_pointers(self._segments(source), self.device)
+            slot.source_refs = [t.detach() for t in self._segments(source)]
+            slot.source_pointers = _plain_pointers(slot.source_refs, self.device)
         pointers = slot.source_pointers
         if pointers:
             # Plain memmoves between addresses: no tensor view is made per piece, which for a
@@ -461,8 +505,7 @@ class DistSenderPlane(SenderPlane):
             self._pack_views(slot, source, plan, starts)
         slot.packed = index + 1
         if slot.packed == len(self.buckets.ranges):
-            slot.source = None
-            slot.source_pointers = None
+            slot.source = slot.source_refs = slot.source_pointers = None
             slot.complete.set()
 
     def _segments(self, source: Source) -> list[torch.Tensor]:
@@ -491,11 +534,6 @@ class DistSenderPlane(SenderPlane):
             srcs.append(_as_bytes(pieces[seg])[a:b])
             dsts.append(slot.flat[start : start + (b - a)])
         fused_copy(dsts, srcs)
-
-    def _pack_rest(self, slot: _SenderSlot) -> None:
-        # A failed broadcast must still leave a whole version in the slot for retries.
-        while slot.source is not None and slot.packed < len(self.buckets.ranges):
-            self._pack(slot, slot.packed)
 
     def _need_store(self) -> Store:
         if self._store is None or self._closed:
@@ -573,15 +611,18 @@ class DistReceiverPlane(ReceiverPlane):
 
     def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
         """Receive the announced version into the idle slot (blocking; run in a thread)."""
-        name, members, timeout_ms = (
+        name, members, timeout_ms, form_ms = (
             params.get("group"),
             params.get("members"),
             params.get("timeout_ms"),
+            params.get("form_ms", params.get("timeout_ms")),
         )
         if not isinstance(name, str) or not isinstance(members, str):
             raise ProtocolError(f"update parameters lack a group: {dict(params)}")
         if not isinstance(timeout_ms, int) or timeout_ms <= 0:
             raise ProtocolError(f"update parameters lack a positive timeout: {dict(params)}")
+        if not isinstance(form_ms, int) or form_ms <= 0:
+            raise ProtocolError(f"update parameters have a bad group timeout: {dict(params)}")
         try:
             workers = [int(w) for w in members.split(",")]
         except ValueError:
@@ -598,7 +639,7 @@ class DistReceiverPlane(ReceiverPlane):
             cached = self._groups.get(name)
         failure = None
         try:
-            self._receive(name, cached, workers, flat, deadline)
+            self._receive(name, cached, workers, flat, deadline, form_ms / 1000)
         except (RuntimeError, ValueError, TransportError) as exc:
             failure = _short(exc)
         if failure is not None:
@@ -615,6 +656,7 @@ class DistReceiverPlane(ReceiverPlane):
         workers: list[int],
         flat: torch.Tensor,
         deadline: float,
+        form: float,
     ) -> None:
         if cached is None:
             pg = _new_group(
@@ -624,14 +666,16 @@ class DistReceiverPlane(ReceiverPlane):
                 workers.index(self._worker_idx) + 1,
                 len(workers) + 1,
                 self._hostname,
-                _seconds_left(deadline),
+                min(_seconds_left(deadline), form),
             )
         else:
             pg = cached[0]
-        works = [_broadcast(pg, flat[lo:hi]) for lo, hi in self.buckets.ranges]
+        works = [pg.recv([flat[lo:hi]], 0, i) for i, (lo, hi) in enumerate(self.buckets.ranges)]
         for work in works:
-            _finish(work, self.backend, _seconds_left(deadline))
+            _finish(work, self.backend, _seconds_left(deadline), self.device)
         with self._lock:
+            if self._closed:
+                return  # closed meanwhile: the group goes with this call, not into a cache
             self._groups[name] = (pg, time.monotonic())
             self._evict()
 

@@ -94,6 +94,12 @@ class SenderPlane(abc.ABC):
         """Parameters every receiver needs once, sent in the welcome."""
         return {}
 
+    def seal(self, version: int) -> None:
+        """Finish reading the source of ``version`` now (blocking): after this call the plane
+        never reads the user's weights for it again. Planes that copy at :meth:`write` have
+        nothing left to do."""
+        del version
+
     def forget(self, worker: int) -> None:
         """``worker`` is lost or replaced: drop whatever state involves it."""
         del worker  # the shared-memory plane keeps nothing per worker
@@ -101,8 +107,9 @@ class SenderPlane(abc.ABC):
     # Planes with ``transfers`` move a published version to a set of receivers (a *route*),
     # in a worker thread, after the receivers were told the route's parameters.
 
-    def route(self, members: Sequence[tuple[int, str]], purpose: str = "") -> Any:
-        """The route to ``members`` ((worker index, session) pairs); cached by the plane."""
+    def route(self, members: Sequence[tuple[int, str]], version: int, purpose: str = "") -> Any:
+        """The route to ``members`` ((worker index, session) pairs) for ``version``; cached by
+        the plane."""
         raise NotImplementedError
 
     def route_params(self, route: Any, timeout: float) -> Params:

@@ -171,6 +171,7 @@ class SenderCore:
             slot = self._plane.reserve(set())
             await anyio.to_thread.run_sync(self._plane.write, slot, initial)
             self._plane.publish(slot, 0)
+            await anyio.to_thread.run_sync(self._plane.seal, 0)
             self._channel = self._channels.bind(self._bind, heartbeat_timeout=self._beats.timeout)
         except BaseException:
             self._plane.close()
@@ -192,6 +193,7 @@ class SenderCore:
                 pending.lost |= set(pending.waiting)
                 pending.waiting.clear()
                 pending.done.set()
+                pending.changed.set()
             self._plane.close()
 
     # -- status -------------------------------------------------------------------------------
@@ -391,7 +393,9 @@ class SenderCore:
         params = {**self._plane.welcome_params(), **self._plane.params_for(self.version)}
         join_route = None
         if self._plane.transfers:
-            join_route = self._plane.route([(hello.worker_idx, session)], purpose="join")
+            join_route = self._plane.route(
+                [(hello.worker_idx, session)], self.version, purpose="join"
+            )
             params.update(self._plane.route_params(join_route, self._timeouts.handshake))
         welcome = Welcome(
             model_id=self.model_id,
@@ -421,6 +425,8 @@ class SenderCore:
             if isinstance(exc, TransportError):
                 self._connection_closed(peer)
             self._mark_lost(peer, f"could not be welcomed: {exc}")
+            if join_route is not None:
+                self._release(welcome.version, join_route)
         else:
             if join_route is not None and self._tasks is not None:
                 deadline = time.monotonic() + self._timeouts.handshake
@@ -431,11 +437,20 @@ class SenderCore:
         """Move the welcome version to a joining worker (planes with transfers)."""
         try:
             await _in_thread(self._plane.transfer, version, route, deadline)
+        except _NotStarted as exc:
+            self._release(version, route)
+            log.warning("worker %d: no thread to bring it up: %s", peer.worker_idx, exc)
         except WeightSyncError as exc:
             # The worker hears of it too (its receive fails) and its connect() raises.
             log.warning(
                 "worker %d could not be brought up to version %d: %s", peer.worker_idx, version, exc
             )
+
+    def _release(self, version: int, route: Any) -> None:
+        """Give back a route whose transfer will never run (a transfer past its deadline
+        returns at once, dropping the group and the route's hold on the slot)."""
+        with contextlib.suppress(WeightSyncError):
+            self._plane.transfer(version, route, 0.0)
 
     def _refusal(self, hello: Hello) -> str | None:
         if hello.protocol != PROTOCOL_VERSION:
@@ -528,7 +543,14 @@ class SenderCore:
                     # Still under the lock: a retry must be announced before the next version.
                     await self._deliver(version, pending, route, move_by)
             finally:
-                self._send_lock.release()
+                try:
+                    if self._plane.transfers:
+                        # However this ended (even cancelled), the version is read from the
+                        # caller's weights now, never after send() stopped waiting.
+                        with anyio.CancelScope(shield=True):
+                            await anyio.to_thread.run_sync(self._plane.seal, version)
+                finally:
+                    self._send_lock.release()
             wait = self._timeouts.ack if deadline is None else max(0.0, deadline - time.monotonic())
             with anyio.move_on_after(wait):
                 await pending.done.wait()
@@ -590,7 +612,7 @@ class SenderCore:
             members = [self._peers[w] for w in targets if not self._peers[w].lost]
             route = None
             if self._plane.transfers and members:
-                route = self._plane.route([(p.worker_idx, p.session) for p in members])
+                route = self._plane.route([(p.worker_idx, p.session) for p in members], version)
                 left = max(0.001, move_by - time.monotonic())
                 params = {**params, **self._plane.route_params(route, left)}
             update = Update(version=version, params=params)
@@ -659,8 +681,11 @@ class SenderCore:
                 with anyio.move_on_after(left):
                     await pending.changed.wait()
                 continue
+            if attempt >= MAX_ATTEMPTS:
+                log.warning("version %d: giving up after %d attempts", version, attempt + 1)
+                return
             attempt += 1
-            route = self._plane.route([(p.worker_idx, p.session) for p in retry])
+            route = self._plane.route([(p.worker_idx, p.session) for p in retry], version)
             update = Update(
                 version=version, attempt=attempt, params=self._plane.route_params(route, left)
             )
@@ -680,8 +705,16 @@ class SenderCore:
             finally:
                 mine.set()
 
-        await _in_thread(run)
+        try:
+            await _in_thread(run)
+        except _NotStarted as exc:
+            mine.set()  # never ran: the next transfer must not wait for it
+            self._release(version, route)
+            raise TransportError(f"could not start a transfer thread: {exc}") from None
 
+
+MAX_ATTEMPTS = 4
+"""Retries of one version within one send (the wire allows far more)."""
 
 RETRY_GRACE = 0.5
 """After a failed transfer, how long the sender waits for the members' answers before it
@@ -714,8 +747,15 @@ async def _in_thread(fn: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
             loop.call_soon_threadsafe(settle, error)
 
-    threading.Thread(target=run, name="aiowsync-transfer", daemon=True).start()
+    try:
+        threading.Thread(target=run, name="aiowsync-transfer", daemon=True).start()
+    except RuntimeError as exc:  # no thread could be started
+        raise _NotStarted(str(exc)) from None
     await future
+
+
+class _NotStarted(RuntimeError):
+    pass
 
 
 def _with_outcome(exc: WeightSyncError, version: int, pending: _Pending) -> WeightSyncError:
