@@ -1,4 +1,4 @@
-"""The torch.distributed data plane: versions broadcast bucket by bucket on groups of our own.
+"""The torch.distributed data plane: versions sent bucket by bucket on groups of our own.
 
 The sender runs a TCP store (bound to the control socket's host only) and creates one process
 group per set of receivers it sends to, with itself as rank 0. A group is named by a random
@@ -7,7 +7,7 @@ is never touched. Groups are cached by their members (worker index and session, 
 worker gets new groups); a group whose collective failed is dropped at once, which closes its
 connections and makes every member's pending receive fail quickly instead of timing out.
 
-Each version is packed into a private sender slot while it is broadcast: bucket i+1 is packed
+Each version is packed into a private sender slot while it is sent: bucket i+1 is packed
 while bucket i is on the wire. A receiver receives into whichever of its two slots the model
 does not run, and the scheme switches the model to it only once every bucket arrived.
 
@@ -380,7 +380,7 @@ class DistSenderPlane(SenderPlane):
         deadline: float,
         after: threading.Event | None = None,
     ) -> None:
-        """Broadcast ``version`` on ``route``, packing it on the way if not yet packed.
+        """Send ``version`` to ``route``'s members, packing it on the way if not yet packed.
 
         With ``after``, waits for that event first (the previous transfer's end). Any failure,
         even before the first collective, drops the group (which makes its other members fail
@@ -405,7 +405,7 @@ class DistSenderPlane(SenderPlane):
             # Raised outside the handler: the failed collective's traceback must not keep the
             # group alive, since dropping it is what releases the other members.
             self._drop(route)
-            raise TransportError(f"broadcast to workers {workers} failed: {failure}")
+            raise TransportError(f"sending to workers {workers} failed: {failure}")
 
     def _transfer(self, slot: _SenderSlot, group: _Group, deadline: float) -> None:
         if not group.lock.acquire(timeout=_seconds_left(deadline)):

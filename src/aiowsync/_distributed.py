@@ -1,4 +1,4 @@
-"""The torch.distributed scheme: weights travel as bucketed broadcasts, on one host or many."""
+"""The torch.distributed scheme: weights travel in buckets over process groups, across hosts."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     The same API as :class:`SharedMemWeightSyncScheme`; only the way the bytes travel differs.
     The sender creates its own TCP store and process groups (it is rank 0 of each), never the
     default group, so a user's own ``init_process_group`` keeps working beside it. Each version
-    is packed into buckets of ``bucket_bytes`` and broadcast bucket by bucket, packing the next
+    is packed into buckets of ``bucket_bytes`` and sent bucket by bucket, packing the next
     bucket while the previous one is on the wire; a receiver receives into a spare copy and
     switches its model only when the whole version arrived. A send to some of the workers uses
     a group of just those workers. A failed or timed-out collective tears its group down and
@@ -35,7 +35,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     Args:
         backend: ``"gloo"`` (CPU tensors, any host) or ``"nccl"`` (CUDA tensors, GPU hosts).
-        bucket_bytes: size of one broadcast; see docs/distributed.md for how to choose it.
+        bucket_bytes: size of one bucket; see docs/distributed.md for how to choose it.
         data_host: the address the sender's store and process groups listen on; by default
             the host of ``bind``. Needed when ``bind`` is a wildcard such as ``0.0.0.0``.
         max_slots: the most version copies the sender keeps (two are made up front; more

@@ -95,8 +95,9 @@ class LostDuringSendError(WorkerLostError, WeightSyncTimeout):
     """A targeted worker was lost while a ``send()`` waited for it.
 
     It will never acknowledge, so this is also a :class:`WeightSyncTimeout` (and a
-    ``TimeoutError``), raised as soon as the loss is known instead of at the deadline. The
-    workers that did acknowledge are in ``acked`` and run the new version.
+    ``TimeoutError``), raised once the loss is known instead of at the deadline (with the
+    distributed scheme, once the transfer to the others has ended too). The workers that did
+    acknowledge are in ``acked`` and run the new version.
     """
 
     def __init__(self, message: str, worker_ids: Iterable[int] = ()) -> None:
