@@ -259,3 +259,35 @@ def workers() -> Iterator[Workers]:
         yield w
     finally:
         w.close()
+
+
+async def sends_without_mixed_reads(
+    scheme: aiowsync.WeightSyncScheme, model: nn.Module, kind: str, workers_count: int = 4
+) -> int:
+    """Send back to back for >= 6 s and >= 10 sends while every worker reads its model on its
+    event loop and in a thread holding the read guard; assert that no read saw two versions.
+
+    ``model`` is the sender's (initialised on ``scheme``); send k fills it with k. Returns the
+    number of sends.
+    """
+    with workers() as w:
+        async with scheme:
+            for i in range(workers_count):
+                w.start(i, kind, scheme=scheme, tear=True, digests=False)
+            await asyncio.wait_for(scheme.connect(timeout=60), 90)
+            await asyncio.to_thread(w.collect, "ready", workers_count)
+            deadline = time.monotonic() + 6.0
+            sends = 0
+            while time.monotonic() < deadline or sends < 10:  # both, however slow the machine
+                fill(model, sends + 1)
+                result = await scheme.send(timeout=30)
+                sends += 1
+                assert result.version == sends
+            w.stop.set()
+            done = await asyncio.to_thread(w.collect, "done", workers_count)
+    for _, idx, stats in done:
+        assert stats["loop_reads"] > 0 and stats["thread_reads"] > 0, stats
+        assert stats["mixed"] == 0, f"worker {idx} saw a mix of versions: {stats}"
+        assert stats["wrong_version"] == 0, f"worker {idx}: {stats}"
+        assert stats["version"] == sends
+    return sends

@@ -13,7 +13,16 @@ import pytest
 import torch
 
 import aiowsync
-from _workers import SPAWN, Workers, digest, fill, make_model, randomize, workers
+from _workers import (
+    SPAWN,
+    Workers,
+    digest,
+    fill,
+    make_model,
+    randomize,
+    sends_without_mixed_reads,
+    workers,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -100,26 +109,7 @@ async def test_no_mixed_reads_while_sending_back_to_back(kind: str) -> None:
     fill(model, 0)
     scheme = aiowsync.SharedMemWeightSyncScheme()
     scheme.init_on_sender(model=model, num_workers=4)
-    with workers() as w:
-        async with scheme:
-            for i in range(4):
-                w.start(i, kind, scheme=scheme, tear=True, digests=False)
-            await _connect(scheme, w, 4)
-            deadline = time.monotonic() + 6.0
-            sends = 0
-            while time.monotonic() < deadline or sends < 10:  # both, however slow the machine
-                fill(model, sends + 1)
-                result = await scheme.send(timeout=30)
-                sends += 1
-                assert result.version == sends
-            w.stop.set()
-            done = await asyncio.to_thread(w.collect, "done", 4)
-    assert sends >= 10
-    for _, idx, stats in done:
-        assert stats["loop_reads"] > 0 and stats["thread_reads"] > 0, stats
-        assert stats["mixed"] == 0, f"worker {idx} saw a mix of versions: {stats}"
-        assert stats["wrong_version"] == 0, f"worker {idx}: {stats}"
-        assert stats["version"] == sends
+    assert await sends_without_mixed_reads(scheme, model, kind) >= 10
 
 
 @contextlib.asynccontextmanager
