@@ -87,7 +87,8 @@ def _new_group(
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = span
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+        # Two devices, so two I/O threads: consecutive buckets (tags) alternate between them.
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)] * 2
         pg = dist.ProcessGroupGloo(prefixed, rank, size, options)
     elif backend == "nccl":  # pragma: no cover - needs GPUs
         nccl_options = dist.ProcessGroupNCCL.Options()
@@ -453,26 +454,39 @@ class DistSenderPlane(SenderPlane):
         workers = [w for w, _ in group.members if w >= 0]
         alive = dict(enumerate(workers, start=1))  # rank -> worker index
         failed: dict[int, str] = {}
-        ranges = self.buckets.ranges
-        self._pack(slot, 0)
-        for index, (lo, hi) in enumerate(ranges):
-            bucket = slot.flat[lo:hi]
+
+        def fail(rank: int, exc: BaseException) -> None:
+            worker = alive.pop(rank, None)
+            if worker is not None:
+                failed[worker] = _short(exc)
+
+        def post(index: int) -> list[tuple[int, Any]]:
+            lo, hi = self.buckets.ranges[index]
             works = []
             for rank in list(alive):
                 try:
-                    works.append((rank, pg.send([bucket], rank, index)))
+                    works.append((rank, pg.send([slot.flat[lo:hi]], rank, index)))
                 except RuntimeError as exc:
-                    failed[alive.pop(rank)] = _short(exc)
-            if index + 1 < len(ranges):
-                self._pack(slot, index + 1)  # overlaps the buckets on the wire
+                    fail(rank, exc)
+            return works
+
+        def finish(works: list[tuple[int, Any]]) -> None:
             for rank, work in works:
                 try:
                     _finish(work, self.backend, _seconds_left(deadline), self.device)
                 except (RuntimeError, TransportError) as exc:
-                    failed[alive.pop(rank)] = _short(exc)
-            del works
-            if not alive:
-                break
+                    fail(rank, exc)
+
+        # Bucket i+1 is packed and posted while bucket i is still on the wire.
+        count = len(self.buckets.ranges)
+        self._pack(slot, 0)
+        in_flight = post(0)
+        for index in range(1, count):
+            self._pack(slot, index)
+            posted = post(index) if alive else []
+            finish(in_flight)
+            in_flight = posted
+        finish(in_flight)
         if failed:
             detail = "; ".join(f"worker {w}: {text}" for w, text in sorted(failed.items()))
             raise TransportError(detail)
