@@ -24,8 +24,10 @@ sample (aiowsync, raw, raw, aiowsync, ...) so that drift of the shared machine h
   (``asyncio.to_thread`` hop included). The scheme moves its layout's bytes, which for the
   1000-tensor model include 18 KiB of alignment padding; the raw buffer is the exact model size.
 
-* ``torchrl``: TorchRL's ``DistributedWeightSyncScheme`` is only looked for (``import torchrl``
-  guarded); it is not measured by this script (see ``torchrl_status`` in the output).
+* ``torchrl``: when torchrl imports, TorchRL's ``DistributedWeightSyncScheme`` (gloo, no Ray)
+  ``send()`` on the same models and receiver counts, after aiowsync's sessions in the same run,
+  through ``benchmarks/_torchrl.py`` (run this script with a venv that has torchrl, e.g.
+  ``.venv-torchrl``); its mixed reads are counted too.
 
 Models: ``64MiB`` and ``256MiB`` (four float32 matrices of 1/2, 1/4, 1/8, 1/8 of the size) and
 ``1000t-64MiB`` (1000 tensors of varied sizes, a tenth of them int64 buffers, exactly 64 MiB),
@@ -495,6 +497,47 @@ def print_report(report: dict[str, Any]) -> None:
     for v in report["targets"]:
         print(f"  {'met   ' if v['met'] else 'MISSED'}  {v['target']}  ({v['value']:.3f})")
     print(f"\ntorchrl: {report['torchrl_status']}")
+    if report.get("torchrl"):
+        print(
+            "| model | recv | TorchRL distributed send() p50 ms | aiowsync p50 ms "
+            "| aiowsync / TorchRL | TorchRL mixed reads |"
+        )
+        print("|---|--:|--:|--:|--:|--:|")
+        for t in report["torchrl"]:
+            torchrl_ms, ours = t.get("send_ms_p50"), t.get("aiowsync_ms_p50")
+            ratio = f"{ours / torchrl_ms:.2f}" if torchrl_ms and ours else "-"
+            print(
+                f"| {t['model']} | {t['workers']} | {torchrl_ms or t.get('error')} | {ours:.1f} "
+                f"| {ratio} | {t.get('mixed_reads')} |"
+            )
+
+
+TORCHRL_MODELS = {"64MiB": "64mib", "256MiB": "256mib", "1000t-64MiB": "many"}
+
+
+def torchrl_contender(sessions: list[dict[str, Any]], args: argparse.Namespace) -> list[Any]:
+    """TorchRL's DistributedWeightSyncScheme (gloo) on the same models and receiver counts, run
+    after aiowsync's sessions in this run, through benchmarks/_torchrl.py (its public API)."""
+    try:
+        import torchrl  # type: ignore[import-not-found]  # noqa: F401
+    except Exception:  # not installed (the usual case), or broken: nothing to measure
+        return []
+    import _torchrl  # type: ignore[import-not-found]
+
+    ours: dict[tuple[str, int], float] = {}
+    for s in sessions:
+        result = s.get("results", {}).get("aiowsync")
+        if result and s.get("bucket_bytes") == int(args.bucket_mb * MIB):
+            ours.setdefault((s["model"], s["workers"]), result["median_ms"])
+    rows = []
+    for (model, workers), ours_ms in ours.items():
+        case = _torchrl.Case(
+            "distributed", "send()", TORCHRL_MODELS[model], workers, samples=10, tear_sends=3
+        )
+        print(f"  TorchRL distributed send() {model} x{workers} ...", flush=True)
+        summary = _torchrl._summary(_torchrl.run_case(case))
+        rows.append({"model": model, "workers": workers, "aiowsync_ms_p50": ours_ms, **summary})
+    return rows
 
 
 def torchrl_status() -> str:
@@ -506,8 +549,8 @@ def torchrl_status() -> str:
         return f"torchrl failed to import ({type(exc).__name__}: {exc}); not measured"
     version = getattr(torchrl, "__version__", "?")
     return (
-        f"torchrl {version} is installed, but its DistributedWeightSyncScheme needs a collector "
-        "context and the default process group; this script does not measure it"
+        f"torchrl {version}: its DistributedWeightSyncScheme (gloo) is measured after aiowsync's "
+        "sessions, each case in a sender process of its own (benchmarks/_torchrl.py)"
     )
 
 
@@ -633,6 +676,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await pool.close()
         del store
+    report["torchrl"] = await asyncio.to_thread(torchrl_contender, report["sessions"], args)
     report["environment"]["loadavg_end"] = os.getloadavg()
     report["elapsed_s"] = time.perf_counter() - t_start
     default_bucket = int(args.bucket_mb * MIB)
