@@ -291,3 +291,34 @@ async def sends_without_mixed_reads(
         assert stats["wrong_version"] == 0, f"worker {idx}: {stats}"
         assert stats["version"] == sends
     return sends
+
+
+async def connect_all(scheme: aiowsync.WeightSyncScheme, w: Workers, n: int) -> dict[int, str]:
+    """The sender's connect(); then each worker's ready report: {worker: digest}."""
+    await asyncio.wait_for(scheme.connect(timeout=60), 90)
+    ready = await asyncio.to_thread(w.collect, "ready", n)
+    return {e[1]: e[3] for e in ready}
+
+
+async def ten_sends_reach_every_worker(
+    scheme: aiowsync.WeightSyncScheme, model: nn.Module, kind: str
+) -> None:
+    """4 workers hold the sender's bytes at connect and after each of 10 sends (versions 1..10).
+
+    ``model`` is the sender's, initialised on ``scheme`` for 4 workers.
+    """
+    with workers() as w:
+        async with scheme:
+            for i in range(4):
+                w.start(i, kind, scheme=scheme)
+            ready = await connect_all(scheme, w, 4)
+            assert ready == dict.fromkeys(range(4), digest(model))
+            for step in range(1, 11):
+                randomize(model, seed=step)
+                expected = digest(model)
+                result = await scheme.send(timeout=30)
+                assert result.version == step
+                assert result.worker_ids == (0, 1, 2, 3)
+                seen = await asyncio.to_thread(w.collect, "version", 4)
+                assert {(e[1], e[2]) for e in seen} == {(i, step) for i in range(4)}
+                assert all(e[3] == expected for e in seen), f"content differs at version {step}"

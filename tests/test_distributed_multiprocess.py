@@ -14,11 +14,13 @@ import torch
 import aiowsync
 from _workers import (
     Workers,
+    connect_all,
     digest,
     fill,
     make_model,
     randomize,
     sends_without_mixed_reads,
+    ten_sends_reach_every_worker,
     workers,
 )
 
@@ -32,33 +34,13 @@ def scheme_for(kind: str, **kw: Any) -> aiowsync.DistributedWeightSyncScheme:
     return aiowsync.DistributedWeightSyncScheme(backend="gloo", bucket_bytes=BUCKETS[kind], **kw)
 
 
-async def _connect(scheme: aiowsync.WeightSyncScheme, w: Workers, n: int) -> dict[int, str]:
-    await asyncio.wait_for(scheme.connect(timeout=60), 90)
-    ready = await asyncio.to_thread(w.collect, "ready", n)
-    return {e[1]: e[3] for e in ready}
-
-
 @pytest.mark.parametrize("kind", ["big", "many"])
 async def test_every_receiver_holds_the_senders_bytes_after_each_send(kind: str) -> None:
     torch.manual_seed(0)
     model = make_model(kind)
     scheme = scheme_for(kind)
     scheme.init_on_sender(model=model, num_workers=4)
-    with workers() as w:
-        async with scheme:
-            for i in range(4):
-                w.start(i, kind, scheme=scheme)
-            ready = await _connect(scheme, w, 4)
-            assert ready == dict.fromkeys(range(4), digest(model))
-            for step in range(1, 11):
-                randomize(model, seed=step)
-                expected = digest(model)
-                result = await scheme.send(timeout=30)
-                assert result.version == step
-                assert result.worker_ids == (0, 1, 2, 3)
-                seen = await asyncio.to_thread(w.collect, "version", 4)
-                assert {(e[1], e[2]) for e in seen} == {(i, step) for i in range(4)}
-                assert all(e[3] == expected for e in seen), f"content differs at version {step}"
+    await ten_sends_reach_every_worker(scheme, model, kind)
 
 
 async def test_subsets_pull_mode_and_a_receiver_joining_from_the_address_alone() -> None:
@@ -71,7 +53,7 @@ async def test_subsets_pull_mode_and_a_receiver_joining_from_the_address_alone()
                 w.start(i, "small", scheme=scheme)
             # An unrelated process: the address and the same constructor arguments only.
             w.start(3, "small", address=scheme.address, transport="gloo", background=False)
-            await _connect(scheme, w, 4)
+            await connect_all(scheme, w, 4)
 
             randomize(model, 1)
             result = await scheme.send(worker_ids=[0, 2], timeout=20)
@@ -113,7 +95,7 @@ async def _four_receivers_on_version_1(
         async with scheme:
             for i in range(4):
                 w.start(i, "small", scheme=scheme)
-            await _connect(scheme, w, 4)
+            await connect_all(scheme, w, 4)
             randomize(model, 1)
             await scheme.send(timeout=20)
             await asyncio.to_thread(w.collect, "version", 4)

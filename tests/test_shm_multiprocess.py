@@ -16,21 +16,17 @@ import aiowsync
 from _workers import (
     SPAWN,
     Workers,
+    connect_all,
     digest,
     fill,
     make_model,
     randomize,
     sends_without_mixed_reads,
+    ten_sends_reach_every_worker,
     workers,
 )
 
 pytestmark = pytest.mark.timeout(240)
-
-
-async def _connect(scheme: aiowsync.SharedMemWeightSyncScheme, w, n: int) -> dict[int, str]:
-    await asyncio.wait_for(scheme.connect(timeout=60), 90)
-    ready = await asyncio.to_thread(w.collect, "ready", n)
-    return {e[1]: e[3] for e in ready}
 
 
 @pytest.mark.parametrize("kind", ["big", "many"])
@@ -39,21 +35,7 @@ async def test_every_worker_holds_the_senders_bytes_after_each_send(kind: str) -
     model = make_model(kind)
     scheme = aiowsync.SharedMemWeightSyncScheme()
     scheme.init_on_sender(model=model, num_workers=4)
-    with workers() as w:
-        async with scheme:
-            for i in range(4):
-                w.start(i, kind, scheme=scheme)
-            ready = await _connect(scheme, w, 4)
-            assert ready == dict.fromkeys(range(4), digest(model))
-            for step in range(1, 11):
-                randomize(model, seed=step)
-                expected = digest(model)
-                result = await scheme.send(timeout=30)
-                assert result.version == step
-                assert result.worker_ids == (0, 1, 2, 3)
-                seen = await asyncio.to_thread(w.collect, "version", 4)
-                assert {(e[1], e[2]) for e in seen} == {(i, step) for i in range(4)}
-                assert all(e[3] == expected for e in seen), f"content differs at version {step}"
+    await ten_sends_reach_every_worker(scheme, model, kind)
 
 
 async def test_subset_sends_and_worker_joining_from_address_alone() -> None:
@@ -65,7 +47,7 @@ async def test_subset_sends_and_worker_joining_from_address_alone() -> None:
             for i in range(3):
                 w.start(i, "small", scheme=scheme)
             w.start(3, "small", address=scheme.address)  # an unrelated process: address only
-            await _connect(scheme, w, 4)
+            await connect_all(scheme, w, 4)
 
             randomize(model, 1)
             result = await scheme.send(worker_ids=[0, 2], timeout=20)
@@ -94,7 +76,7 @@ async def test_pull_mode_workers_apply_on_receive() -> None:
         async with scheme:
             for i in range(2):
                 w.start(i, "small", scheme=scheme)
-            await _connect(scheme, w, 2)
+            await connect_all(scheme, w, 2)
             for step in range(1, 4):
                 randomize(model, step)
                 result = await scheme.send(timeout=20)
@@ -123,7 +105,7 @@ async def _three_workers_on_version_1() -> AsyncIterator[
         async with scheme:
             for i in range(3):
                 w.start(i, "small", scheme=scheme)
-            await _connect(scheme, w, 3)
+            await connect_all(scheme, w, 3)
             randomize(model, 1)
             await scheme.send(timeout=20)
             await asyncio.to_thread(w.collect, "version", 3)
