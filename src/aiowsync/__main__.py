@@ -1,4 +1,4 @@
-"""Command line: ``aiowsync demo`` (also ``python -m aiowsync demo``)."""
+"""Command line: ``aiowsync demo`` and ``aiowsync bench`` (also ``python -m aiowsync ...``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,22 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print("usage: aiowsync demo [--workers N] [--sends N] [--width W] [--depth D]")
-        print("       aiowsync demo --help")
+        print("       aiowsync bench [--quick] [--models M,...] [--workers N,...] [--out DIR]")
+        print("       aiowsync demo --help | aiowsync bench --help")
         return 0 if args else 2
     if args[0] == "demo":
         from ._demo import main as demo
 
         return demo(args[1:])
-    print(f"aiowsync: unknown command {args[0]!r} (try: aiowsync demo)", file=sys.stderr)
+    if args[0] == "bench":
+        from ._bench import main as bench
+
+        # The console script passes nothing: bench may then restart itself with its settings.
+        return bench(None if argv is None else args[1:])
+    print(
+        f"aiowsync: unknown command {args[0]!r} (try: aiowsync demo, aiowsync bench)",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -1,0 +1,298 @@
+"""The contenders of ``aiowsync bench``, as the orchestrator sees them.
+
+A contender takes timed samples (one send of the model to every worker, or one raw transfer of
+the same bytes); where it has workers, it can also measure its event-loop gaps and count mixed
+reads. aiowsync's contenders live in the orchestrator's own event loop, with the
+:class:`~aiowsync._bench._pool.WorkerPool`'s processes as receivers; TorchRL's live in a
+:class:`~aiowsync._bench._torchrl.TorchRLTree` each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import pickle
+import time
+from typing import Any, ClassVar
+
+import torch
+
+from .. import DistributedWeightSyncScheme, Heartbeats, SharedMemWeightSyncScheme
+from ._models import Spec, build_model, fill, fingerprint, random_init
+from ._pool import WorkerPool
+from ._probe import Ticker
+from ._rawgloo import RawRoot
+from ._torchrl import TorchRLTree
+
+__all__ = [
+    "AiowsyncSend",
+    "AiowsyncSession",
+    "Contender",
+    "RawCopy",
+    "RawGloo",
+    "TorchRLContender",
+    "verify_tree",
+]
+
+
+class Contender:
+    """One line of the report: a name, its timed samples and what else it measured."""
+
+    kind = "limit"  # "aiowsync" | "limit" | "torchrl"
+
+    def __init__(self, name: str, transport: str) -> None:
+        self.name = name
+        self.transport = transport
+        self.samples: list[float] = []
+        self.gap: dict[str, Any] | None = None
+        self.tear: dict[str, Any] | None = None
+        self.notes: list[str] = []
+        self.info: dict[str, Any] | None = None  # what setting it up reported
+
+    async def sample(self) -> float:
+        raise NotImplementedError
+
+    async def measure_gap(self, sends: int, idle_s: float) -> None:
+        """Event-loop gaps while idle and during ``sends`` sends (nothing for the limits)."""
+
+    async def measure_tear(self, sends: int) -> None:
+        """Mixed reads on the workers during ``sends`` sends (nothing for the limits)."""
+
+
+# -- aiowsync -----------------------------------------------------------------------------------
+
+
+class AiowsyncSession:
+    """One aiowsync scheme (``shm`` or ``dist``) with the pool's first ``n`` workers joined.
+
+    Both modes share the session: ``send()`` sends the model given at ``init_on_sender``;
+    ``send(weights)`` sends a ``TensorDict`` clone of it, filled separately.
+    """
+
+    def __init__(self, transport: str, pool: WorkerPool, spec: Spec, n: int, timeout: float):
+        self.transport = transport
+        self.pool = pool
+        self.spec = spec
+        self.ids = list(range(n))
+        self.timeout = timeout
+        torch.manual_seed(0)
+        self.module = build_model(spec, random_init)
+        self.weights: Any = None
+        self.k = 0
+        beats = Heartbeats(interval=0.5, missed=10)  # busy 2-core machine: slow beats are normal
+        self.scheme: SharedMemWeightSyncScheme | DistributedWeightSyncScheme
+        if transport == "shm":
+            self.scheme = SharedMemWeightSyncScheme(heartbeats=beats)
+        else:
+            self.scheme = DistributedWeightSyncScheme(backend="gloo", heartbeats=beats)
+        self.scheme.init_on_sender(model=self.module, num_workers=n)
+        self.ticker = Ticker()
+        self._joined = False
+        self._entered = False
+
+    async def open(self) -> None:
+        await self.scheme.__aenter__()
+        self._entered = True
+        blob = pickle.dumps(self.scheme)  # after entering: the address is bound
+        for i in self.ids:
+            self.pool.tell(i, ("join", blob, self.spec))
+        self._joined = True
+        await self.scheme.connect(timeout=self.timeout)
+        for i in self.ids:
+            await self.pool.expect(i, "ready", timeout=self.timeout)
+
+    def targets(self, mode: str) -> list[torch.Tensor]:
+        if mode == "send()":
+            return list(self.module.state_dict().values())
+        if self.weights is None:
+            from tensordict import TensorDict
+
+            self.weights = TensorDict.from_module(self.module).data.clone()
+        return list(self.weights.values(True, True))
+
+    def fill_next(self, mode: str) -> None:
+        self.k += 1
+        fill(self.targets(mode), self.k)
+
+    async def send(self, mode: str) -> float:
+        t0 = time.perf_counter()
+        if mode == "send()":
+            await self.scheme.send(timeout=self.timeout)
+        else:
+            await self.scheme.send(self.weights, timeout=self.timeout)
+        return time.perf_counter() - t0
+
+    async def verify(self) -> None:
+        """Every worker holds exactly the sender's model at a new version."""
+        self.fill_next("send()")
+        await self.send("send()")
+        expected = fingerprint(self.module)
+        version = self.scheme.version
+        checks = await self.pool.ask(self.ids, ("check", version), "check", self.timeout)
+        bad = [i for i, c in zip(self.ids, checks, strict=True) if c[2] != expected]
+        if bad:
+            raise AssertionError(f"aiowsync {self.transport}: workers {bad} do not hold v{version}")
+
+    async def close(self) -> None:
+        try:
+            if self._joined:
+                await self.pool.leave(self.ids, self.timeout)
+        finally:
+            if self._entered:
+                await self.scheme.__aexit__(None, None, None)
+            del self.module, self.weights
+            gc.collect()
+
+
+class AiowsyncSend(Contender):
+    kind = "aiowsync"
+
+    def __init__(self, session: AiowsyncSession, mode: str) -> None:
+        super().__init__(f"aiowsync {session.transport} {mode}", session.transport)
+        self.session = session
+        self.mode = mode
+
+    async def sample(self) -> float:
+        self.session.fill_next(self.mode)  # untimed: the trainer's own work
+        return await self.session.send(self.mode)
+
+    async def measure_gap(self, sends: int, idle_s: float) -> None:
+        s, pool, ids = self.session, self.session.pool, self.session.ids
+        task = asyncio.create_task(s.ticker.run())
+        try:
+            await pool.ask(ids, ("tick_start",), "ok", s.timeout)
+            s.ticker.mark()
+            await asyncio.sleep(idle_s)
+            idle = s.ticker.mark()[0]
+            idle_w = [m[1] for m in await pool.ask(ids, ("tick_mark",), "gap", s.timeout)]
+            busy, busy_w = 0.0, [0.0] * len(ids)
+            for _ in range(sends):
+                s.fill_next(self.mode)
+                await pool.ask(ids, ("tick_mark",), "gap", s.timeout)
+                s.ticker.mark()
+                await s.send(self.mode)
+                busy = max(busy, s.ticker.mark()[0])
+                marks = await pool.ask(ids, ("tick_mark",), "gap", s.timeout)
+                busy_w = [max(b, m[1]) for b, m in zip(busy_w, marks, strict=True)]
+            await pool.ask(ids, ("tick_stop",), "ok", s.timeout)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.gap = {
+            "sender_idle_s": idle,
+            "sender_busy_s": busy,
+            "workers_idle_s": idle_w,
+            "workers_busy_s": busy_w,
+        }
+
+    async def measure_tear(self, sends: int) -> None:
+        s = self.session
+        await s.pool.ask(s.ids, ("read_start",), "ok", s.timeout)
+        try:
+            await asyncio.sleep(0.1)
+            for _ in range(sends):
+                s.fill_next(self.mode)
+                await s.send(self.mode)
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)
+        finally:
+            stats = await s.pool.ask(s.ids, ("read_stop",), "reads", s.timeout)
+        where = ("loop", "guarded thread")
+        self.tear = {
+            "reads": [dict(zip(where, r[1], strict=True)) for r in stats],
+            "mixed": [dict(zip(where, r[2], strict=True)) for r in stats],
+        }
+
+
+# -- the limits ---------------------------------------------------------------------------------
+
+
+class RawCopy(Contender):
+    """``dst.copy_(src)`` of one flat uint8 tensor of the model's bytes, on the loop thread."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__("raw copy_", "shm")
+        self.src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8)
+
+    async def sample(self) -> float:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if not torch.equal(self.src[:4096], self.dst[:4096]):
+            raise AssertionError("the raw copy did not copy")
+        del self.src, self.dst
+
+
+class RawGloo(Contender):
+    """One gloo broadcast of a flat buffer of the model's bytes to the same worker processes,
+    then a one-byte confirmation from each (they run it in a thread beside their session)."""
+
+    def __init__(self, pool: WorkerPool, ids: list[int], nbytes: int, timeout: float) -> None:
+        super().__init__("raw gloo broadcast", "dist")
+        from torch._C._distributed_c10d import TCPStore
+
+        self.pool, self.ids = pool, ids
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.root = RawRoot(self.store, nbytes, timeout)
+
+    async def open(self, rounds: int) -> None:
+        await self.root.open(self.pool, self.ids, rounds)
+
+    async def sample(self) -> float:
+        return await self.root.round()
+
+    async def close(self) -> None:
+        try:
+            wrong = await self.root.close(self.pool, self.ids)
+            if wrong:
+                raise AssertionError(f"{wrong} raw gloo rounds delivered the wrong bytes")
+        finally:
+            self.root.drop()
+            del self.store
+
+
+# -- TorchRL ------------------------------------------------------------------------------------
+
+
+class TorchRLContender(Contender):
+    """One send mode of a :class:`TorchRLTree` (both modes of ``shared`` share one tree)."""
+
+    kind = "torchrl"
+    LABEL: ClassVar[dict[str, str]] = {
+        "shared": "SharedMem",
+        "mp": "MultiProcess",
+        "distributed": "Distributed",
+    }
+
+    def __init__(self, tree: TorchRLTree, mode: str) -> None:
+        transport = "dist" if tree.scheme == "distributed" else "shm"
+        super().__init__(f"TorchRL {self.LABEL[tree.scheme]} {mode}", transport)
+        self.tree = tree
+        self.mode = mode
+
+    async def sample(self) -> float:
+        out = await self.tree.call("sample", self.mode)
+        return float(out["send_s"])
+
+    async def measure_gap(self, sends: int, idle_s: float) -> None:
+        self.gap = await self.tree.call(
+            "gap", self.mode, sends, idle_s, timeout=self.tree.timeout * (sends + 1)
+        )
+
+    async def measure_tear(self, sends: int) -> None:
+        out = await self.tree.call(
+            "tear", self.mode, sends, timeout=self.tree.timeout * (sends + 2)
+        )
+        if not out["verify"]["ok"]:
+            self.notes.append(f"after tearing rounds the workers held {out['verify']['seen']}")
+        where = ("idle", "send", "fill")
+        self.tear = {"reads": out["reads"], "mixed": out["mixed"], "phases": where}
+
+
+async def verify_tree(contender: TorchRLContender) -> None:
+    out = await contender.tree.call("verify")
+    if not out["ok"]:
+        contender.notes.append(f"workers held {out['seen']}, expected {out['expected']}")

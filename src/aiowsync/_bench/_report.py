@@ -1,0 +1,286 @@
+"""What ``aiowsync bench`` writes: the Markdown table of medians and ratios, the checks against
+the project's targets, and the PNG plot. The JSON file is the run's dict itself."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["PAIRS", "checks", "markdown", "plot"]
+
+# TorchRL contender -> the aiowsync contender it is compared with
+PAIRS = {
+    "TorchRL SharedMem send()": "aiowsync shm send()",
+    "TorchRL SharedMem send(weights)": "aiowsync shm send(weights)",
+    "TorchRL MultiProcess send()": "aiowsync shm send()",
+    "TorchRL Distributed send()": "aiowsync dist send()",
+}
+LIMIT = {"shm": "raw copy_", "dist": "raw gloo broadcast"}
+GAP_SLACK_S = 0.010
+
+
+def _median(row: dict[str, Any]) -> float | None:
+    return statistics.median(row["samples_s"]) if row["samples_s"] else None
+
+
+def _rows(cell: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in cell.get("contenders", [])}
+
+
+def _cells(report: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield from (c for c in report["run"]["cells"] if "failed" not in c)
+
+
+def _find(report: dict[str, Any], model: str, n: int, transport: str) -> dict[str, Any] | None:
+    for cell in _cells(report):
+        if (cell["model"], cell["workers"], cell["transport"]) == (model, n, transport):
+            return cell
+    return None
+
+
+def _ratio(cell: dict[str, Any] | None, top: str, bottom: str) -> float | None:
+    if cell is None:
+        return None
+    rows = _rows(cell)
+    if top not in rows or bottom not in rows:
+        return None
+    a, b = _median(rows[top]), _median(rows[bottom])
+    return a / b if a and b else None
+
+
+def _mixed(row: dict[str, Any]) -> int | None:
+    tear = row.get("tear")
+    if not tear:
+        return None
+    return sum(sum(m.values()) for m in tear["mixed"])
+
+
+def _reads(row: dict[str, Any]) -> int | None:
+    tear = row.get("tear")
+    if not tear:
+        return None
+    return sum(sum(r.values()) for r in tear["reads"])
+
+
+def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The project's targets, judged on this run: ``met`` is None where not measured."""
+    out: list[dict[str, Any]] = []
+
+    def check(what: str, value: float | None, bound: float, fmt: str, higher: bool) -> None:
+        met = None if value is None else (value >= bound if higher else value <= bound)
+        shown = "not measured" if value is None else fmt.format(value)
+        sign = ">=" if higher else "<="
+        out.append(
+            {"check": what, "value": shown, "target": f"{sign} {fmt.format(bound)}", "met": met}
+        )
+
+    for model, bound in (("256MiB", 3.0), ("1000t-64MiB", 10.0)):
+        check(
+            f"{model} x4: TorchRL SharedMem send(weights) / aiowsync shm send(weights)",
+            _ratio(
+                _find(report, model, 4, "shm"),
+                "TorchRL SharedMem send(weights)",
+                "aiowsync shm send(weights)",
+            ),
+            bound,
+            "{:.1f}x",
+            True,
+        )
+    for model, transport, bound in (
+        ("256MiB", "shm", 1.3),
+        ("1000t-64MiB", "shm", 1.5),
+        ("64MiB", "dist", 1.1),
+        ("256MiB", "dist", 1.1),
+        ("1000t-64MiB", "dist", 1.2),
+    ):
+        cell = _find(report, model, 4, transport)
+        modes = ("send()", "send(weights)") if transport == "shm" else ("send()",)
+        for mode in modes:
+            name = f"aiowsync {transport} {mode}"
+            check(
+                f"{model} x4: {name} / {LIMIT[transport]}",
+                _ratio(cell, name, LIMIT[transport]),
+                bound,
+                "{:.2f}x",
+                False,
+            )
+    cell = _find(report, "1MiB", 4, "shm")
+    for mode in ("send()", "send(weights)"):
+        name = f"aiowsync shm {mode}"
+        row = _rows(cell).get(name) if cell else None
+        value = _median(row) if row else None
+        check(
+            f"1MiB x4: {name} p50 (ms)",
+            None if value is None else value * 1e3,
+            1.0,
+            "{:.2f}",
+            False,
+        )
+    worst: float | None = None
+    for cell in _cells(report):
+        if cell["model"] != "1GiB":
+            continue
+        for row in cell["contenders"]:
+            gap = row.get("gap")
+            if row["kind"] != "aiowsync" or not gap:
+                continue
+            over = [gap["sender_busy_s"] - gap["sender_idle_s"]]
+            over += [
+                b - i for b, i in zip(gap["workers_busy_s"], gap["workers_idle_s"], strict=True)
+            ]
+            worst = max(over) if worst is None else max(worst, *over)
+    check(
+        "1GiB: aiowsync loop max gap during sends above idle (ms), worst process",
+        None if worst is None else worst * 1e3,
+        GAP_SLACK_S * 1e3,
+        "{:.1f}",
+        False,
+    )
+    mixed = [
+        m
+        for c in _cells(report)
+        for r in c["contenders"]
+        if r["kind"] == "aiowsync" and (m := _mixed(r)) is not None
+    ]
+    check("aiowsync mixed reads, every cell", sum(mixed) if mixed else None, 0, "{:.0f}", False)
+    return out
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1e3:.3f}" if value < 0.01 else f"{value * 1e3:.1f}"
+
+
+def _gap(row: dict[str, Any]) -> tuple[str, str]:
+    gap = row.get("gap")
+    if not gap:
+        return "-", "-"
+    sender = f"{gap['sender_idle_s'] * 1e3:.1f} / {gap['sender_busy_s'] * 1e3:.1f}"
+    workers = f"{max(gap['workers_idle_s']) * 1e3:.1f} / {max(gap['workers_busy_s']) * 1e3:.1f}"
+    return sender, workers
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["env"]
+    lines = [
+        "# aiowsync bench",
+        "",
+        f"`{env['command']}` on {env['date']}: {env['cpus']} CPUs, "
+        f"{env['mem_gib']:.0f} GiB, Python {env['python']}, torch {env['torch']}, "
+        f"tensordict {env['tensordict']}, aiowsync {env['aiowsync']}; {env['torchrl_status']}. "
+        f"Took {report['run']['seconds'] / 60:.1f} min; load average "
+        f"{env['load_start'][0]:.1f} at start, {report['run']['load_end'][0]:.1f} at the end.",
+        "",
+        "## Checks",
+        "",
+        "| check | this run | target | |",
+        "|---|--:|--:|---|",
+    ]
+    for c in report["checks"]:
+        verdict = {True: "met", False: "**missed**", None: "not measured"}[c["met"]]
+        lines.append(f"| {c['check']} | {c['value']} | {c['target']} | {verdict} |")
+    lines += [
+        "",
+        "## Send latency",
+        "",
+        "Median of the samples (contenders alternated sample by sample within a cell). "
+        "*vs limit*: median / the limit's median in the same cell (raw `copy_` for one host, "
+        "raw gloo broadcast for torch.distributed). *aiowsync speed-up*: the TorchRL "
+        "contender's median / the matching aiowsync contender's. *Loop gap*: the longest "
+        "interval between wake-ups of a 1 ms sleeper, idle / during sends, in ms (TorchRL's "
+        "sender calls `send()` in a thread; its workers have no event loop, so theirs is a "
+        "thread's). *Mixed reads*: reads that saw two versions / reads, over all workers.",
+        "",
+        "| model | workers | contender | median ms | p90 ms | n | vs limit | aiowsync speed-up "
+        "| sender loop gap | worst worker gap | mixed reads |",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for cell in report["run"]["cells"]:
+        head = f"| {cell['model']} | {cell['workers']} |"
+        if "failed" in cell:
+            last = cell["failed"].strip().splitlines()[-1]
+            lines.append(f"{head} {cell['transport']}: FAILED ({last}) | | | | | | | | |")
+            continue
+        rows = _rows(cell)
+        limit = rows.get(LIMIT[cell["transport"]])
+        for row in cell["contenders"]:
+            med = _median(row)
+            p90 = (
+                sorted(row["samples_s"])[int(0.9 * (len(row["samples_s"]) - 1))]
+                if row["samples_s"]
+                else None
+            )
+            base = _median(limit) if limit else None
+            vs_limit = f"{med / base:.2f}x" if med and base and row is not limit else ""
+            speedup = ""
+            ours = rows.get(PAIRS.get(row["name"], ""))
+            if ours and med and _median(ours):
+                speedup = f"{med / _median(ours):.1f}x"  # type: ignore[operator]
+            sender, workers = _gap(row)
+            mixed, reads = _mixed(row), _reads(row)
+            tear = "-" if mixed is None else f"{mixed} / {reads}"
+            name = f"**{row['name']}**" if row["kind"] == "aiowsync" else row["name"]
+            lines.append(
+                f"{head} {name} | {_ms(med)} | {_ms(p90)} | {len(row['samples_s'])} "
+                f"| {vs_limit} | {speedup} | {sender} | {workers} | {tear} |"
+            )
+        for s in cell["skipped"]:
+            lines.append(f"{head} {s['contender']}: skipped, {s['reason']} | | | | | | | | |")
+        for e in cell["errors"]:
+            last = e["error"].strip().splitlines()[-1] if e["error"].strip() else "?"
+            lines.append(
+                f"{head} TorchRL {'+'.join(e['batch'])}: failed ({last}) | | | | | | | | |"
+            )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> str | None:
+    """Send latency against model size, one line per contender, one panel per worker count.
+    Returns why no plot was drawn (matplotlib missing), or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'aiowsync[bench]'): no plot"
+    cells = list(_cells(report))
+    workers = sorted({c["workers"] for c in cells})
+    if not workers:
+        return "no cell finished: no plot"
+    fig, axes = plt.subplots(1, len(workers), figsize=(6 * len(workers), 5), squeeze=False)
+    names = sorted({r["name"] for c in cells for r in c["contenders"]})
+    colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
+    for ax, n in zip(axes[0], workers, strict=True):
+        for name in names:
+            line: list[tuple[int, float]] = []
+            many: list[tuple[int, float]] = []
+            for c in cells:
+                row = _rows(c).get(name)
+                if c["workers"] != n or row is None or not row["samples_s"]:
+                    continue
+                point = (c["model_bytes"], statistics.median(row["samples_s"]) * 1e3)
+                (many if c["tensors"] > 10 else line).append(point)
+            style = "-" if name.startswith("aiowsync") else ("--" if "raw" in name else ":")
+            if line:
+                xs, ys = zip(*sorted(line), strict=True)
+                ax.plot(xs, ys, style, marker="o", color=colors[name], label=name)
+            for x, y in many:
+                ax.plot([x], [y], marker="*", markersize=12, linestyle="none", color=colors[name])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{n} worker{'s' if n > 1 else ''}  (star: 1000-tensor 64 MiB model)")
+        ax.set_xlabel("model bytes")
+        ax.set_ylabel("send latency, median ms")
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, loc="lower center", ncol=min(4, max(1, len(labels))), fontsize="small"
+    )
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

@@ -1,0 +1,306 @@
+"""The benchmark's plan and its run: cells of (model, worker count, transport), contenders
+alternated sample by sample inside a cell, and memory kept within what the machine has."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from ._contenders import (
+    AiowsyncSend,
+    AiowsyncSession,
+    Contender,
+    RawCopy,
+    RawGloo,
+    TorchRLContender,
+    verify_tree,
+)
+from ._models import MIB, model_spec, spec_bytes
+from ._pool import WorkerPool
+from ._torchrl import TorchRLError, TorchRLTree
+
+__all__ = ["FULL_SAMPLES", "QUICK_SAMPLES", "Settings", "run"]
+
+FULL_SAMPLES = {"1MiB": 30, "64MiB": 10, "256MiB": 6, "1GiB": 4, "1000t-64MiB": 10}
+QUICK_SAMPLES = {"1MiB": 10, "64MiB": 4, "256MiB": 3, "1GiB": 2, "1000t-64MiB": 4}
+TORCHRL_TREES = {"shm": ("shared", "mp"), "dist": ("distributed",)}
+TORCHRL_MODES = {
+    "shared": ("send()", "send(weights)"),
+    "mp": ("send()",),
+    "distributed": ("send()",),
+}
+PROCESS_BYTES = 400 * MIB  # what a process that imported torch (and torchrl) holds
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    models: tuple[str, ...]
+    workers: tuple[int, ...]
+    transports: tuple[str, ...] = ("shm", "dist")
+    samples: dict[str, int] = dataclasses.field(default_factory=lambda: dict(FULL_SAMPLES))
+    gap_sends: int = 3
+    tear_sends: int = 5
+    idle_s: float = 0.5
+    timeout: float = 120.0
+    torchrl: bool = True
+    memory_fraction: float = 0.8
+
+
+def footprint(what: str, nbytes: int, n: int) -> int:
+    """Rough peak bytes one contender group holds (beyond the worker pool's processes)."""
+    per_model = {
+        "shm": 5,  # the sender's model, the weights clone, up to three slots
+        "raw copy_": 2,
+        "dist": 2 * n + 3,  # two slots per receiver, the sender's model and slot, the clone
+        "raw gloo broadcast": n + 1,
+        # workers build their own model before TorchRL rebinds (shared) or fills it
+        "shared": n + 2,
+        "mp": n + 2,
+        "distributed": n + 2,
+    }[what]
+    procs = n + 1 if what in TORCHRL_MODES else 0
+    return per_model * nbytes + procs * PROCESS_BYTES
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+class Progress:
+    """Lines on stderr: every phase change, and the running samples at most every few seconds."""
+
+    def __init__(self, total_cells: int, every: float = 3.0) -> None:
+        self.t0 = time.monotonic()
+        self.total = total_cells
+        self.cell = 0
+        self.every = every
+        self._last = 0.0
+
+    def say(self, text: str, force: bool = True) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= self.every:
+            self._last = now
+            m, s = divmod(int(now - self.t0), 60)
+            print(
+                f"[{m:3d}:{s:02d}] ({self.cell}/{self.total}) {text}", file=sys.stderr, flush=True
+            )
+
+
+def _plan_batches(
+    trees: tuple[str, ...], base: int, budget: int, nbytes: int, n: int
+) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """TorchRL trees packed into batches that fit beside the aiowsync session and the limit."""
+    batches: list[list[str]] = []
+    skipped: list[dict[str, Any]] = []
+    current: list[str] = []
+    used = base
+    for tree in trees:
+        need = footprint(tree, nbytes, n)
+        if base + need > budget:
+            skipped.append(
+                {
+                    "contender": tree,
+                    "reason": f"needs ~{(base + need) / 2**30:.1f} GiB "
+                    f"with the rest of its cell; the budget is {budget / 2**30:.1f} GiB",
+                }
+            )
+            continue
+        if used + need > budget and current:
+            batches.append(current)
+            current, used = [], base
+        current.append(tree)
+        used += need
+    if current:
+        batches.append(current)
+    return batches, skipped
+
+
+async def _cell(
+    transport: str,
+    model: str,
+    n: int,
+    pool: WorkerPool,
+    settings: Settings,
+    budget: int,
+    progress: Progress,
+) -> dict[str, Any]:
+    spec = model_spec(model)
+    nbytes = spec_bytes(spec)
+    samples = settings.samples[model]
+    limit_name = "raw copy_" if transport == "shm" else "raw gloo broadcast"
+    base = footprint(transport, nbytes, n) + footprint(limit_name, nbytes, n)
+    out: dict[str, Any] = {
+        "model": model,
+        "model_bytes": nbytes,
+        "tensors": len(spec),
+        "workers": n,
+        "transport": transport,
+        "samples_per_round": samples,
+        "contenders": [],
+        "skipped": [],
+        "errors": [],
+        "batches": [],
+    }
+    label = f"{model} x{n} {transport}"
+    if base > budget:
+        out["skipped"].append(
+            {
+                "contender": f"every {transport} contender",
+                "reason": f"needs ~{base / 2**30:.1f} GiB; the budget is {budget / 2**30:.1f} GiB",
+            }
+        )
+        progress.say(f"{label}: skipped ({out['skipped'][0]['reason']})")
+        return out
+    trees = TORCHRL_TREES[transport] if settings.torchrl else ()
+    batches, skipped = _plan_batches(trees, base, budget, nbytes, n)
+    out["skipped"] += skipped
+    out["batches"] = batches
+    progress.say(f"{label}: opening aiowsync {transport} session ({nbytes / MIB:.0f} MiB)")
+    session = AiowsyncSession(transport, pool, spec, n, settings.timeout)
+    ours: list[Contender] = [AiowsyncSend(session, "send()")]
+    limit: RawCopy | RawGloo
+    if transport == "shm":
+        ours.append(AiowsyncSend(session, "send(weights)"))
+        limit = RawCopy(nbytes)
+    else:
+        limit = RawGloo(pool, session.ids, nbytes, settings.timeout)
+    theirs: list[Contender] = []
+    try:
+        await session.open()
+        if isinstance(limit, RawGloo):
+            await limit.open(rounds=(1 + samples) * max(1, len(batches)))
+        for batch in batches or [[]]:
+            theirs += await _batch(
+                batch, model, n, [*ours, limit], samples, settings, out, progress, label
+            )
+        for c in ours:
+            progress.say(f"{label}: {c.name}: loop gaps, then readers during sends")
+            await c.measure_gap(settings.gap_sends, settings.idle_s)
+            await c.measure_tear(settings.tear_sends)
+        await session.verify()
+    finally:
+        try:
+            if isinstance(limit, RawGloo):
+                await limit.close()
+            else:
+                limit.close()
+        finally:
+            await session.close()
+    out["contenders"] = [_row(c) for c in (*ours, limit, *theirs)]
+    return out
+
+
+async def _batch(
+    batch: list[str],
+    model: str,
+    n: int,
+    standing: list[Contender],
+    samples: int,
+    settings: Settings,
+    out: dict[str, Any],
+    progress: Progress,
+    label: str,
+) -> list[TorchRLContender]:
+    """Open the batch's TorchRL trees, alternate every contender's samples, then measure the
+    trees' gaps and mixed reads and close them. Returns the TorchRL contenders."""
+    trees: list[TorchRLTree] = []
+    theirs: list[TorchRLContender] = []
+    try:
+        for name in batch:
+            progress.say(f"{label}: starting TorchRL {name} with {n} workers")
+            tree = TorchRLTree(name, model, n, settings.timeout)
+            trees.append(tree)
+            info = await tree.open()
+            for mode in TORCHRL_MODES[name]:
+                contender = TorchRLContender(tree, mode)
+                contender.info = info
+                theirs.append(contender)
+        everyone = [*standing, *theirs]
+        for c in everyone:  # warm-up: first-send costs (pages, connections) are not samples
+            await c.sample()
+        for r in range(samples):
+            gc.collect()  # untimed, so that a collection never lands inside a sample
+            shift = r % len(everyone)
+            for c in everyone[shift:] + everyone[:shift]:
+                c.samples.append(await c.sample())
+            last = " | ".join(f"{c.name} {c.samples[-1] * 1e3:.1f}" for c in everyone)
+            progress.say(f"{label}: round {r + 1}/{samples} ms: {last}", force=False)
+        for contender in theirs:
+            await verify_tree(contender)
+            progress.say(f"{label}: {contender.name}: loop gaps, then readers during sends")
+            await contender.measure_gap(settings.gap_sends, settings.idle_s)
+            await contender.measure_tear(settings.tear_sends)
+    except TorchRLError as exc:
+        text = str(exc)
+        out["errors"].append({"batch": batch, "error": text})
+        progress.say(f"{label}: TorchRL {batch} failed: {text.splitlines()[-1] if text else ''}")
+    finally:
+        for tree in trees:
+            await tree.close()
+    return theirs
+
+
+def _row(c: Contender) -> dict[str, Any]:
+    return {
+        "name": c.name,
+        "kind": c.kind,
+        "transport": c.transport,
+        "samples_s": c.samples,
+        "gap": c.gap,
+        "tear": c.tear,
+        "notes": c.notes,
+        "info": c.info,
+    }
+
+
+async def run(settings: Settings) -> dict[str, Any]:
+    """Every cell of the matrix; a JSON-able dict of every sample."""
+    cells = [
+        (m, n, t) for m in settings.models for n in settings.workers for t in settings.transports
+    ]
+    progress = Progress(len(cells))
+    progress.say(f"starting {max(settings.workers)} worker processes")
+    pool = WorkerPool(max(settings.workers), name="aiowsync-bench-worker")
+    results: list[dict[str, Any]] = []
+    started = time.time()
+    budget = 0
+    try:
+        await pool.start()
+        budget = int(available_bytes() * settings.memory_fraction)
+        for model, n, transport in cells:
+            progress.cell += 1
+            try:
+                results.append(await _cell(transport, model, n, pool, settings, budget, progress))
+            except Exception:
+                text = traceback.format_exc()
+                progress.say(f"{model} x{n} {transport} FAILED:\n{text}")
+                results.append(
+                    {"model": model, "workers": n, "transport": transport, "failed": text}
+                )
+                # A failed session may leave workers in it: start from a fresh pool.
+                await pool.close()
+                pool = WorkerPool(max(settings.workers), name="aiowsync-bench-worker")
+                await pool.start()
+    finally:
+        await pool.close()
+    return {
+        "started": started,
+        "seconds": time.time() - started,
+        "budget_bytes": budget,
+        "load_end": os.getloadavg(),
+        "cells": results,
+    }
+
+
+def run_sync(settings: Settings) -> dict[str, Any]:
+    return asyncio.run(run(settings))
