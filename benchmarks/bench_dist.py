@@ -24,10 +24,7 @@ sample (aiowsync, raw, raw, aiowsync, ...) so that drift of the shared machine h
   (``asyncio.to_thread`` hop included). The scheme moves its layout's bytes, which for the
   1000-tensor model include 18 KiB of alignment padding; the raw buffer is the exact model size.
 
-* ``torchrl``: when torchrl imports, TorchRL's ``DistributedWeightSyncScheme`` (gloo, no Ray)
-  ``send()`` on the same models and receiver counts, after aiowsync's sessions in the same run,
-  through ``benchmarks/_torchrl.py`` (run this script with a venv that has torchrl, e.g.
-  ``.venv-torchrl``); its mixed reads are counted too.
+TorchRL's ``DistributedWeightSyncScheme`` is measured beside these by ``aiowsync bench``.
 
 Models: ``64MiB`` and ``256MiB`` (four float32 matrices of 1/2, 1/4, 1/8, 1/8 of the size) and
 ``1000t-64MiB`` (1000 tensors of varied sizes, a tenth of them int64 buffers, exactly 64 MiB),
@@ -77,7 +74,6 @@ import gc
 import json
 import pickle
 import platform
-import secrets
 import subprocess
 import sys
 import time
@@ -91,7 +87,8 @@ from torch._C._distributed_c10d import TCPStore
 
 import _workers as w
 import aiowsync
-from bench_shm import WorkerError, WorkerPool, summarize
+from aiowsync._bench._pool import WorkerError, WorkerPool
+from bench_shm import summarize
 
 MIB = 1 << 20
 MODELS: dict[str, Callable[[], w.Spec]] = {
@@ -113,79 +110,6 @@ TARGETS: dict[tuple[str, int], float] = {
     ("256MiB", 4): 1.1,
     ("1000t-64MiB", 4): 1.2,
 }
-
-
-# -- the raw baseline's root --------------------------------------------------------------------
-
-
-class RawRoot:
-    """Rank 0 of a raw gloo group over the given receivers, for one session."""
-
-    def __init__(self, store: Any, nbytes: int, timeout: float) -> None:
-        self.store = store
-        self.nbytes = nbytes
-        self.timeout = timeout
-        self.buf = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
-        self.pg: Any = None
-        self.rounds = 0
-        self.n = 0
-
-    async def open(self, pool: WorkerPool, ids: list[int], rounds: int) -> None:
-        self.n, self.rounds = len(ids), rounds
-        prefix = f"raw/{secrets.token_hex(8)}/"
-        port = int(self.store.port)
-        for rank, i in enumerate(ids, start=1):
-            pool.conns[i].send(
-                (
-                    "raw_start",
-                    "127.0.0.1",
-                    port,
-                    prefix,
-                    rank,
-                    self.n + 1,
-                    self.nbytes,
-                    rounds,
-                    self.timeout,
-                )
-            )
-        for i in ids:
-            await pool.expect(i, "ok", timeout=self.timeout)
-        self.pg = await asyncio.to_thread(
-            w.raw_group, self.store, prefix, 0, self.n + 1, self.timeout
-        )
-        self.confirm = [torch.zeros(1, dtype=torch.uint8) for _ in ids]
-        self.options = w.broadcast_options()
-
-    def _round(self, r: int) -> tuple[int, int]:
-        span = datetime.timedelta(seconds=self.timeout)
-        clock = time.perf_counter_ns
-        t0 = clock()
-        self.pg.broadcast([self.buf], self.options).wait(span)
-        t1 = clock()
-        works = [
-            self.pg.recv([c], rank, w.RAW_CONFIRM_TAG)
-            for rank, c in enumerate(self.confirm, start=1)
-        ]
-        for work in works:
-            work.wait(span)
-        return t1 - t0, clock() - t0
-
-    async def round(self, r: int) -> tuple[float, float]:
-        """One timed round: (broadcast-only ms, broadcast + confirmations ms), on rank 0."""
-        first, last = w.raw_marks(r)
-        self.buf[0], self.buf[-1] = first, last
-        bcast_ns, total_ns = await asyncio.to_thread(self._round, r)
-        return bcast_ns / 1e6, total_ns / 1e6
-
-    def drop(self) -> None:
-        # The last reference: its connections close, so receivers still waiting fail at once.
-        self.pg = None
-        gc.collect()
-
-    async def close(self, pool: WorkerPool, ids: list[int]) -> list[dict[str, Any]]:
-        self.drop()
-        answers = await pool.ask(ids, ("raw_wait", self.timeout), "raw_done", self.timeout + 10)
-        return [a[1] for a in answers]
 
 
 # -- one session --------------------------------------------------------------------------------
@@ -245,7 +169,7 @@ async def run_session(
         "warmup": case.warmup,
         "sweep_pass": case.sweep_pass,
     }
-    raw = RawRoot(store, model.nbytes, timeout)
+    raw = w.RawRoot(store, model.nbytes, timeout)
     joined = raw_open = False
     t_start = time.perf_counter()
     async with scheme:
@@ -261,7 +185,6 @@ async def run_session(
 
             await raw.open(pool, ids, case.warmup + case.iters)
             raw_open = True
-            rounds = iter(range(case.warmup + case.iters))
 
             async def send() -> float:
                 t0 = time.perf_counter_ns()
@@ -270,8 +193,8 @@ async def run_session(
 
             async def raw_round() -> tuple[float, float, float]:
                 t0 = time.perf_counter_ns()
-                bcast, total = await raw.round(next(rounds))
-                return bcast, total, (time.perf_counter_ns() - t0) / 1e6
+                bcast, total = await raw.round_split()
+                return bcast * 1e3, total * 1e3, (time.perf_counter_ns() - t0) / 1e6
 
             out.update(await measure(send, raw_round, case))
 
@@ -285,12 +208,11 @@ async def run_session(
             if bad:
                 raise AssertionError(f"workers {bad} do not hold version {result.version}")
             out["verified_version"] = result.version
-            raw_stats = await raw.close(pool, ids)
+            wrong = await raw.close(pool, ids)
             raw_open = False
-            wrong = sum(s["wrong"] for s in raw_stats)
             if wrong:
                 raise AssertionError(f"{wrong} raw rounds delivered the wrong bytes")
-            out["raw_rounds_verified"] = sum(s["rounds"] for s in raw_stats)
+            out["raw_rounds_verified"] = raw.rounds * len(ids)
         finally:
             if raw_open:
                 raw.drop()  # receivers still inside a raw round fail fast; their error is moot
@@ -496,62 +418,6 @@ def print_report(report: dict[str, Any]) -> None:
     print("\ntargets")
     for v in report["targets"]:
         print(f"  {'met   ' if v['met'] else 'MISSED'}  {v['target']}  ({v['value']:.3f})")
-    print(f"\ntorchrl: {report['torchrl_status']}")
-    if report.get("torchrl"):
-        print(
-            "| model | recv | TorchRL distributed send() p50 ms | aiowsync p50 ms "
-            "| aiowsync / TorchRL | TorchRL mixed reads |"
-        )
-        print("|---|--:|--:|--:|--:|--:|")
-        for t in report["torchrl"]:
-            torchrl_ms, ours = t.get("send_ms_p50"), t.get("aiowsync_ms_p50")
-            ratio = f"{ours / torchrl_ms:.2f}" if torchrl_ms and ours else "-"
-            print(
-                f"| {t['model']} | {t['workers']} | {torchrl_ms or t.get('error')} | {ours:.1f} "
-                f"| {ratio} | {t.get('mixed_reads')} |"
-            )
-
-
-TORCHRL_MODELS = {"64MiB": "64mib", "256MiB": "256mib", "1000t-64MiB": "many"}
-
-
-def torchrl_contender(sessions: list[dict[str, Any]], args: argparse.Namespace) -> list[Any]:
-    """TorchRL's DistributedWeightSyncScheme (gloo) on the same models and receiver counts, run
-    after aiowsync's sessions in this run, through benchmarks/_torchrl.py (its public API)."""
-    try:
-        import torchrl  # type: ignore[import-not-found]  # noqa: F401
-    except Exception:  # not installed (the usual case), or broken: nothing to measure
-        return []
-    import _torchrl  # type: ignore[import-not-found]
-
-    ours: dict[tuple[str, int], float] = {}
-    for s in sessions:
-        result = s.get("results", {}).get("aiowsync")
-        if result and s.get("bucket_bytes") == int(args.bucket_mb * MIB):
-            ours.setdefault((s["model"], s["workers"]), result["median_ms"])
-    rows = []
-    for (model, workers), ours_ms in ours.items():
-        case = _torchrl.Case(
-            "distributed", "send()", TORCHRL_MODELS[model], workers, samples=10, tear_sends=3
-        )
-        print(f"  TorchRL distributed send() {model} x{workers} ...", flush=True)
-        summary = _torchrl._summary(_torchrl.run_case(case))
-        rows.append({"model": model, "workers": workers, "aiowsync_ms_p50": ours_ms, **summary})
-    return rows
-
-
-def torchrl_status() -> str:
-    try:
-        import torchrl  # type: ignore[import-not-found]
-    except ImportError:
-        return "torchrl not installed; no TorchRL contender measured"
-    except Exception as exc:  # a broken install must not stop the benchmark
-        return f"torchrl failed to import ({type(exc).__name__}: {exc}); not measured"
-    version = getattr(torchrl, "__version__", "?")
-    return (
-        f"torchrl {version}: its DistributedWeightSyncScheme (gloo) is measured after aiowsync's "
-        "sessions, each case in a sender process of its own (benchmarks/_torchrl.py)"
-    )
 
 
 def git_state() -> dict[str, Any]:
@@ -635,7 +501,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "cases": [c.__dict__ for c in cases],
         },
         "environment": environment(),
-        "torchrl_status": torchrl_status(),
         "sessions": [],
     }
     t_start = time.perf_counter()
@@ -676,7 +541,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await pool.close()
         del store
-    report["torchrl"] = await asyncio.to_thread(torchrl_contender, report["sessions"], args)
     report["environment"]["loadavg_end"] = os.getloadavg()
     report["elapsed_s"] = time.perf_counter() - t_start
     default_bucket = int(args.bucket_mb * MIB)

@@ -38,7 +38,6 @@ from typing import Any
 __all__ = ["main"]
 
 ALL_MODELS = ("1MiB", "64MiB", "256MiB", "1GiB", "1000t-64MiB")
-QUICK_MODELS = ("1MiB", "64MiB", "1000t-64MiB")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -50,35 +49,37 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"models {','.join(QUICK_MODELS)}, 4 workers, few samples (~3 min)",
+        help="64MiB and 1000t-64MiB to 4 workers on shm, 64MiB on dist; few samples (< 3 min)",
     )
     p.add_argument("--models", help=f"comma-separated, among {','.join(ALL_MODELS)}")
     p.add_argument("--workers", help="comma-separated worker counts (default 1,4,8)")
-    p.add_argument("--transports", default="shm,dist", help="comma-separated: shm, dist")
+    p.add_argument("--transports", help="comma-separated: shm, dist (default both)")
     p.add_argument("--samples", type=int, help="samples per contender per round of a cell")
     p.add_argument("--no-torchrl", action="store_true", help="leave TorchRL out")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of every wait, s")
     p.add_argument("--out", default="aiowsync-bench", help="directory for the outputs")
     args = p.parse_args(argv)
-    models = args.models.split(",") if args.models else (QUICK_MODELS if args.quick else ALL_MODELS)
+    models = tuple(args.models.split(",")) if args.models else ALL_MODELS
     bad = [m for m in models if m not in ALL_MODELS]
     if bad:
         p.error(f"unknown models {bad}; choose among {', '.join(ALL_MODELS)}")
-    args.models = tuple(models)
-    try:
-        workers = (
-            args.workers.split(",") if args.workers else (["4"] if args.quick else ["1", "4", "8"])
-        )
-        args.workers = tuple(int(w) for w in workers)
-    except ValueError:
-        p.error(f"--workers must be integers, got {args.workers!r}")
-    if any(w < 1 for w in args.workers):
+    workers: tuple[int, ...] = (1, 4, 8)
+    if args.workers:
+        try:
+            workers = tuple(int(w) for w in args.workers.split(","))
+        except ValueError:
+            p.error(f"--workers must be integers, got {args.workers!r}")
+    if any(w < 1 for w in workers):
         p.error("worker counts must be at least 1")
-    args.transports = tuple(args.transports.split(","))
-    if not set(args.transports) <= {"shm", "dist"} or not args.transports:
+    transports = tuple(args.transports.split(",")) if args.transports else ("shm", "dist")
+    if not set(transports) <= {"shm", "dist"}:
         p.error("--transports takes shm, dist or both")
     if args.samples is not None and args.samples < 1:
         p.error("--samples must be at least 1")
+    from ._run import QUICK_CELLS, matrix
+
+    chosen = args.models or args.workers or args.transports
+    args.cells = QUICK_CELLS if args.quick and not chosen else matrix(models, workers, transports)
     return args
 
 
@@ -144,12 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.samples is not None:
         samples = dict.fromkeys(samples, args.samples)
     settings = Settings(
-        models=args.models,
-        workers=args.workers,
-        transports=args.transports,
+        cells=args.cells,
         samples=samples,
-        gap_sends=2 if args.quick else 3,
-        tear_sends=3 if args.quick else 5,
+        gap_sends=1 if args.quick else 3,
+        tear_sends=2 if args.quick else 5,
+        tear_max_s=6.0 if args.quick else 15.0,
         idle_s=0.3 if args.quick else 0.5,
         timeout=args.timeout,
         torchrl=use_torchrl,

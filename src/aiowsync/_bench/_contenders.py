@@ -55,8 +55,9 @@ class Contender:
     async def measure_gap(self, sends: int, idle_s: float) -> None:
         """Event-loop gaps while idle and during ``sends`` sends (nothing for the limits)."""
 
-    async def measure_tear(self, sends: int) -> None:
-        """Mixed reads on the workers during ``sends`` sends (nothing for the limits)."""
+    async def measure_tear(self, sends: int, max_s: float) -> None:
+        """Mixed reads on the workers during ``sends`` sends, or as many as ``max_s`` seconds
+        allow, at least one (nothing for the limits)."""
 
 
 # -- aiowsync -----------------------------------------------------------------------------------
@@ -185,14 +186,17 @@ class AiowsyncSend(Contender):
             "workers_busy_s": busy_w,
         }
 
-    async def measure_tear(self, sends: int) -> None:
+    async def measure_tear(self, sends: int, max_s: float) -> None:
         s = self.session
         await s.pool.ask(s.ids, ("read_start",), "ok", s.timeout)
+        until = time.monotonic() + max_s
+        done = 0
         try:
             await asyncio.sleep(0.1)
-            for _ in range(sends):
+            while done < sends and (done == 0 or time.monotonic() < until):
                 s.fill_next(self.mode)
                 await s.send(self.mode)
+                done += 1
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.1)
         finally:
@@ -201,6 +205,7 @@ class AiowsyncSend(Contender):
         self.tear = {
             "reads": [dict(zip(where, r[1], strict=True)) for r in stats],
             "mixed": [dict(zip(where, r[2], strict=True)) for r in stats],
+            "sends": done,
         }
 
 
@@ -282,14 +287,12 @@ class TorchRLContender(Contender):
             "gap", self.mode, sends, idle_s, timeout=self.tree.timeout * (sends + 1)
         )
 
-    async def measure_tear(self, sends: int) -> None:
-        out = await self.tree.call(
-            "tear", self.mode, sends, timeout=self.tree.timeout * (sends + 2)
-        )
+    async def measure_tear(self, sends: int, max_s: float) -> None:
+        limit = max_s + self.tree.timeout * 3
+        out = await self.tree.call("tear", self.mode, sends, max_s, timeout=limit)
         if not out["verify"]["ok"]:
             self.notes.append(f"after tearing rounds the workers held {out['verify']['seen']}")
-        where = ("idle", "send", "fill")
-        self.tear = {"reads": out["reads"], "mixed": out["mixed"], "phases": where}
+        self.tear = {"reads": out["reads"], "mixed": out["mixed"], "sends": out["sends"]}
 
 
 async def verify_tree(contender: TorchRLContender) -> None:

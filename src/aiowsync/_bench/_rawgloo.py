@@ -119,23 +119,30 @@ class RawRoot:
         self.confirm = [torch.zeros(1, dtype=torch.uint8) for _ in ids]
         self.options = broadcast_options()
 
-    def _round(self) -> int:
+    def _round(self) -> tuple[int, int]:
         span = datetime.timedelta(seconds=self.timeout)
         t0 = time.perf_counter_ns()
         self.pg.broadcast([self.buf], self.options).wait(span)
+        t1 = time.perf_counter_ns()
         works = [self.pg.recv([c], rank, RAW_CONFIRM_TAG) for rank, c in enumerate(self.confirm, 1)]
         for work in works:
             work.wait(span)
-        return time.perf_counter_ns() - t0
+        return t1 - t0, time.perf_counter_ns() - t0
 
-    async def round(self) -> float:
-        """One round; seconds from the broadcast's start to the last confirmation, on rank 0."""
+    async def round_split(self) -> tuple[float, float]:
+        """One round, in seconds on rank 0: until the root's broadcast returned (bytes handed
+        to the sockets), and until the last receiver's confirmation arrived."""
         if self.done >= self.rounds:
             raise RuntimeError(f"all {self.rounds} raw rounds were used")
         first, last = raw_marks(self.done)
         self.buf[0], self.buf[-1] = first, last
         self.done += 1
-        return await asyncio.to_thread(self._round) / 1e9
+        bcast_ns, total_ns = await asyncio.to_thread(self._round)
+        return bcast_ns / 1e9, total_ns / 1e9
+
+    async def round(self) -> float:
+        """One round; seconds from the broadcast's start to the last confirmation, on rank 0."""
+        return (await self.round_split())[1]
 
     def drop(self) -> None:
         # The last reference: its connections close, so receivers still waiting fail at once.

@@ -239,7 +239,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: str) -> str | None:
     """Send latency against model size, one line per contender, one panel per worker count.
-    Returns why no plot was drawn (matplotlib missing), or None."""
+    Returns why no plot was drawn (matplotlib missing, nothing measured), or None."""
     try:
         import matplotlib
 
@@ -247,40 +247,54 @@ def plot(report: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'aiowsync[bench]'): no plot"
-    cells = list(_cells(report))
+    cells = [c for c in _cells(report) if c["contenders"]]
     workers = sorted({c["workers"] for c in cells})
     if not workers:
-        return "no cell finished: no plot"
-    fig, axes = plt.subplots(1, len(workers), figsize=(6 * len(workers), 5), squeeze=False)
+        return "no cell measured anything: no plot"
+    # Sizes on a categorical axis, smallest first; the 1000-tensor model last, not joined by
+    # the lines (it is the same size as 64MiB but a different kind of model).
+    few = sorted({(c["model_bytes"], c["model"]) for c in cells if c["tensors"] <= 10})
+    many = sorted({c["model"] for c in cells if c["tensors"] > 10})
+    position = {name: i for i, (_, name) in enumerate(few)}
+    position.update({name: len(few) + i for i, name in enumerate(many)})
+    panels = len(workers)
+    fig, axes = plt.subplots(1, panels, figsize=(max(9, 6 * panels), 6), squeeze=False)
     names = sorted({r["name"] for c in cells for r in c["contenders"]})
     colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
     for ax, n in zip(axes[0], workers, strict=True):
         for name in names:
-            line: list[tuple[int, float]] = []
-            many: list[tuple[int, float]] = []
+            points = []
             for c in cells:
                 row = _rows(c).get(name)
-                if c["workers"] != n or row is None or not row["samples_s"]:
-                    continue
-                point = (c["model_bytes"], statistics.median(row["samples_s"]) * 1e3)
-                (many if c["tensors"] > 10 else line).append(point)
+                if c["workers"] == n and row is not None and row["samples_s"]:
+                    ms = statistics.median(row["samples_s"]) * 1e3
+                    points.append((position[c["model"]], ms, c["tensors"] > 10))
             style = "-" if name.startswith("aiowsync") else ("--" if "raw" in name else ":")
+            line = sorted((x, y) for x, y, is_many in points if not is_many)
             if line:
-                xs, ys = zip(*sorted(line), strict=True)
+                xs, ys = zip(*line, strict=True)
                 ax.plot(xs, ys, style, marker="o", color=colors[name], label=name)
-            for x, y in many:
-                ax.plot([x], [y], marker="*", markersize=12, linestyle="none", color=colors[name])
-        ax.set_xscale("log", base=2)
+            for x, y, is_many in points:
+                if is_many:
+                    label = None if line else name
+                    ax.plot([x], [y], marker="*", markersize=13, linestyle="none",
+                            color=colors[name], label=label)  # fmt: skip
+        ax.set_xticks(range(len(position)), [*(m for _, m in few), *many])
+        ax.set_xlim(-0.4, len(position) - 0.6)
         ax.set_yscale("log")
-        ax.set_title(f"{n} worker{'s' if n > 1 else ''}  (star: 1000-tensor 64 MiB model)")
-        ax.set_xlabel("model bytes")
-        ax.set_ylabel("send latency, median ms")
+        ax.set_title(f"{n} worker{'s' if n > 1 else ''}")
+        ax.set_xlabel("model (star: 1000 tensors)")
+        ax.set_ylabel("send latency, median ms (log)")
         ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(
-        handles, labels, loc="lower center", ncol=min(4, max(1, len(labels))), fontsize="small"
-    )
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    handles: dict[str, Any] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    ncol = 2 if panels == 1 else 4
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=ncol,
+               fontsize="small")  # fmt: skip
+    rows = -(-len(handles) // ncol)
+    fig.tight_layout(rect=(0, 0.04 + 0.035 * rows, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None

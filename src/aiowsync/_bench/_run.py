@@ -25,7 +25,7 @@ from ._models import MIB, model_spec, spec_bytes
 from ._pool import WorkerPool
 from ._torchrl import TorchRLError, TorchRLTree
 
-__all__ = ["FULL_SAMPLES", "QUICK_SAMPLES", "Settings", "run"]
+__all__ = ["FULL_SAMPLES", "QUICK_CELLS", "QUICK_SAMPLES", "Settings", "matrix", "run", "run_sync"]
 
 FULL_SAMPLES = {"1MiB": 30, "64MiB": 10, "256MiB": 6, "1GiB": 4, "1000t-64MiB": 10}
 QUICK_SAMPLES = {"1MiB": 10, "64MiB": 4, "256MiB": 3, "1GiB": 2, "1000t-64MiB": 4}
@@ -38,14 +38,28 @@ TORCHRL_MODES = {
 PROCESS_BYTES = 400 * MIB  # what a process that imported torch (and torchrl) holds
 
 
+Cell = tuple[str, int, str]  # (model, workers, transport)
+QUICK_CELLS: tuple[Cell, ...] = (
+    ("64MiB", 4, "shm"),
+    ("1000t-64MiB", 4, "shm"),
+    ("64MiB", 4, "dist"),
+)
+
+
+def matrix(
+    models: tuple[str, ...], workers: tuple[int, ...], transports: tuple[str, ...]
+) -> tuple[Cell, ...]:
+    """Every (model, workers, transport), models outermost."""
+    return tuple((m, n, t) for m in models for n in workers for t in transports)
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    models: tuple[str, ...]
-    workers: tuple[int, ...]
-    transports: tuple[str, ...] = ("shm", "dist")
+    cells: tuple[Cell, ...]
     samples: dict[str, int] = dataclasses.field(default_factory=lambda: dict(FULL_SAMPLES))
     gap_sends: int = 3
     tear_sends: int = 5
+    tear_max_s: float = 15.0
     idle_s: float = 0.5
     timeout: float = 120.0
     torchrl: bool = True
@@ -186,7 +200,7 @@ async def _cell(
         for c in ours:
             progress.say(f"{label}: {c.name}: loop gaps, then readers during sends")
             await c.measure_gap(settings.gap_sends, settings.idle_s)
-            await c.measure_tear(settings.tear_sends)
+            await c.measure_tear(settings.tear_sends, settings.tear_max_s)
         await session.verify()
     finally:
         try:
@@ -239,7 +253,7 @@ async def _batch(
             await verify_tree(contender)
             progress.say(f"{label}: {contender.name}: loop gaps, then readers during sends")
             await contender.measure_gap(settings.gap_sends, settings.idle_s)
-            await contender.measure_tear(settings.tear_sends)
+            await contender.measure_tear(settings.tear_sends, settings.tear_max_s)
     except TorchRLError as exc:
         text = str(exc)
         out["errors"].append({"batch": batch, "error": text})
@@ -265,12 +279,11 @@ def _row(c: Contender) -> dict[str, Any]:
 
 async def run(settings: Settings) -> dict[str, Any]:
     """Every cell of the matrix; a JSON-able dict of every sample."""
-    cells = [
-        (m, n, t) for m in settings.models for n in settings.workers for t in settings.transports
-    ]
+    cells = settings.cells
+    most = max(n for _, n, _ in cells)
     progress = Progress(len(cells))
-    progress.say(f"starting {max(settings.workers)} worker processes")
-    pool = WorkerPool(max(settings.workers), name="aiowsync-bench-worker")
+    progress.say(f"starting {most} worker processes")
+    pool = WorkerPool(most, name="aiowsync-bench-worker")
     results: list[dict[str, Any]] = []
     started = time.time()
     budget = 0
@@ -289,7 +302,7 @@ async def run(settings: Settings) -> dict[str, Any]:
                 )
                 # A failed session may leave workers in it: start from a fresh pool.
                 await pool.close()
-                pool = WorkerPool(max(settings.workers), name="aiowsync-bench-worker")
+                pool = WorkerPool(most, name="aiowsync-bench-worker")
                 await pool.start()
     finally:
         await pool.close()

@@ -338,11 +338,16 @@ class _Sender:
             "workers_busy_s": busy_w,
         }
 
-    def tear(self, mode: str, sends: int) -> dict[str, Any]:
+    def tear(self, mode: str, sends: int, max_s: float) -> dict[str, Any]:
+        """``sends`` sends while the workers read, fewer once ``max_s`` seconds have passed
+        (at least one): with readers busy, TorchRL's receiver threads can take many seconds."""
         _ask(self.conns, ("read", self.timeout * (1 + sends)), self.timeout)
         time.sleep(0.1)
-        for _ in range(sends):
+        until = time.monotonic() + max_s
+        done = 0
+        while done < sends and (done == 0 or time.monotonic() < until):
             self.sample(mode)
+            done += 1
             time.sleep(0.02)
         time.sleep(0.1)
         stats = _ask(self.conns, ("stop",), self.timeout)
@@ -350,7 +355,7 @@ class _Sender:
             "reads": [dict(zip(PHASES, s[1], strict=True)) for s in stats],
             "mixed": [dict(zip(PHASES, s[2], strict=True)) for s in stats],
         }
-        return out | {"verify": self.verify()}
+        return out | {"verify": self.verify(), "sends": done}
 
     def close(self) -> None:
         import torch
@@ -419,7 +424,7 @@ async def _serve_one(conn: Connection, sender: _Sender) -> bool:
         elif msg[0] == "gap":
             out = await sender.gap(msg[1], msg[2], msg[3])
         elif msg[0] == "tear":
-            out = sender.tear(msg[1], msg[2])
+            out = sender.tear(msg[1], msg[2], msg[3])
         elif msg[0] == "verify":
             out = sender.verify()
         else:

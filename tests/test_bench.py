@@ -1,0 +1,211 @@
+"""`aiowsync bench`: a real small run end to end, the plan, the checks and the report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aiowsync._bench import _parse
+from aiowsync._bench._models import MIB, Reader, fill, model_spec, spec_bytes
+from aiowsync._bench._report import checks, markdown, plot
+from aiowsync._bench._run import QUICK_CELLS, _plan_batches, footprint, matrix
+
+HAS_TORCHRL = importlib.util.find_spec("torchrl") is not None
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+GIB = 1 << 30
+
+
+def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    return subprocess.run(
+        [sys.executable, "-m", "aiowsync", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    args = ("--models", "1MiB", "--workers", "2", "--samples", "3", "--no-torchrl")
+    done = _bench(*args, "--out", str(out), timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "(1/2) 1MiB x2 shm" in done.stderr  # progress while it runs
+
+    report = json.loads((out / "bench.json").read_text())
+    cells = report["run"]["cells"]
+    assert [(c["model"], c["workers"], c["transport"]) for c in cells] == [
+        ("1MiB", 2, "shm"),
+        ("1MiB", 2, "dist"),
+    ]
+    names = [[r["name"] for r in c["contenders"]] for c in cells]
+    assert names == [
+        ["aiowsync shm send()", "aiowsync shm send(weights)", "raw copy_"],
+        ["aiowsync dist send()", "raw gloo broadcast"],
+    ]
+    for cell in cells:
+        assert cell["model_bytes"] == MIB and not cell["errors"]
+        for row in cell["contenders"]:
+            assert len(row["samples_s"]) == 3 and all(0 < s < 60 for s in row["samples_s"])
+            if row["kind"] != "aiowsync":
+                assert row["gap"] is None and row["tear"] is None
+                continue
+            gap = row["gap"]
+            assert len(gap["workers_busy_s"]) == 2 and gap["sender_busy_s"] > 0
+            for reads, mixed in zip(row["tear"]["reads"], row["tear"]["mixed"], strict=True):
+                assert reads["loop"] > 0 and reads["guarded thread"] > 0
+                assert mixed == {"loop": 0, "guarded thread": 0}
+    assert "left out: --no-torchrl" in report["env"]["torchrl_status"]
+
+    text = (out / "bench.md").read_text()
+    assert "| 1MiB | 2 | **aiowsync shm send()** |" in text
+    assert "| 1MiB | 2 | raw gloo broadcast |" in text
+    assert "| aiowsync mixed reads, every cell | 0 | <= 0 | met |" in text
+    if HAS_MATPLOTLIB:
+        assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "no plot" in text and not (out / "bench.png").exists()
+
+
+def test_arguments() -> None:
+    assert _parse(["--quick"]).cells == QUICK_CELLS
+    cells = _parse(["--quick", "--workers", "2,3", "--transports", "shm"]).cells
+    assert cells == matrix(("1MiB", "64MiB", "256MiB", "1GiB", "1000t-64MiB"), (2, 3), ("shm",))
+    assert len(_parse([]).cells) == 5 * 3 * 2
+    for bad in (["--models", "2GiB"], ["--workers", "x"], ["--workers", "0"],
+                ["--transports", "nccl"], ["--samples", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            _parse(bad)
+        assert info.value.code == 2
+
+
+def test_models_are_the_advertised_sizes() -> None:
+    assert spec_bytes(model_spec("1GiB")) == GIB
+    many = model_spec("1000t-64MiB")
+    assert len(many) == 1000 and spec_bytes(many) == 64 * MIB - 70  # ten int64 scalars -> bool
+    assert sum(1 for e in many if e[2] == "bool") == 10
+    with pytest.raises(ValueError, match="unknown model"):
+        model_spec("3MiB")
+
+
+def test_reader_sees_a_mix_of_two_fills() -> None:
+    tensors = [torch.zeros(4), torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.bool)]
+    reader = Reader(lambda: tensors, refresh=False)
+    fill(tensors, 3)
+    assert not reader.mixed()
+    tensors[1][-1] = 4
+    assert reader.mixed()
+    fill(tensors, 5)
+    tensors[2][0] = False  # a bool from an even fill beside odd numbers
+    assert reader.mixed()
+
+
+def test_plan_keeps_within_the_memory_budget() -> None:
+    budget = 18 * GIB
+    # 1 GiB to 8 workers: the distributed scheme alone needs two slots on each worker
+    base = footprint("dist", GIB, 8) + footprint("raw gloo broadcast", GIB, 8)
+    assert base > budget
+    # small models: both TorchRL trees fit beside aiowsync in one batch
+    small = footprint("shm", 64 * MIB, 4) + footprint("raw copy_", 64 * MIB, 4)
+    assert _plan_batches(("shared", "mp"), small, budget, 64 * MIB, 4) == ([["shared", "mp"]], [])
+    # 1 GiB to 4 workers: one tree at a time
+    big = footprint("shm", GIB, 4) + footprint("raw copy_", GIB, 4)
+    batches, skipped = _plan_batches(("shared", "mp"), big, budget, GIB, 4)
+    assert batches == [["shared"], ["mp"]] and skipped == []
+    # a tree that cannot fit at all is skipped, with the reason
+    batches, skipped = _plan_batches(("shared",), big, 10 * GIB, GIB, 8)
+    assert batches == [] and skipped[0]["contender"] == "shared"
+    assert "budget is 10.0 GiB" in skipped[0]["reason"]
+
+
+def _row(name: str, kind: str, ms: list[float], mixed: int | None = None) -> dict[str, Any]:
+    tear = None
+    if mixed is not None:
+        tear = {"reads": [{"send": 100}], "mixed": [{"send": mixed}]}
+    return {"name": name, "kind": kind, "transport": "shm", "samples_s": [m / 1e3 for m in ms],
+            "gap": None, "tear": tear, "notes": [], "info": None}  # fmt: skip
+
+
+def _report(ours_ms: float, theirs_ms: float, their_mixed: int) -> dict[str, Any]:
+    cell = {
+        "model": "256MiB", "model_bytes": 256 * MIB, "tensors": 4, "workers": 4,
+        "transport": "shm", "skipped": [], "errors": [],
+        "contenders": [
+            _row("aiowsync shm send(weights)", "aiowsync", [ours_ms] * 3, mixed=0),
+            _row("raw copy_", "limit", [30.0, 31.0, 29.0]),
+            _row("TorchRL SharedMem send(weights)", "torchrl", [theirs_ms] * 3, their_mixed),
+        ],
+    }  # fmt: skip
+    too_big = [{"contender": "every dist contender", "reason": "needs ~27 GiB"}]
+    skipped = {"model": "1GiB", "model_bytes": GIB, "tensors": 4, "workers": 8,
+               "transport": "dist", "contenders": [], "errors": [], "skipped": too_big}  # fmt: skip
+    failed = {"model": "64MiB", "workers": 1, "transport": "shm", "failed": "Trace\nBoom: x"}
+    env = {"command": "aiowsync bench", "date": "2026-11-30", "cpus": 2, "mem_gib": 24,
+           "python": "3.11", "torch": "2.13.0", "tensordict": "0.14.3", "aiowsync": "0.1.0",
+           "torchrl_status": "torchrl 0.14.1", "load_start": [0.5, 0.5, 0.5]}  # fmt: skip
+    report = {"env": env, "run": {"cells": [cell, skipped, failed], "seconds": 60,
+                                  "load_end": [1.0, 1.0, 1.0]}}  # fmt: skip
+    report["checks"] = checks(report)
+    return report
+
+
+def _check(report: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return next(c for c in report["checks"] if c["check"].startswith(prefix))
+
+
+def test_checks_judge_this_runs_ratios(tmp_path: Path) -> None:
+    good = _report(ours_ms=36.0, theirs_ms=120.0, their_mixed=7)
+    assert _check(good, "256MiB x4: TorchRL SharedMem send(weights)")["met"] is True
+    assert _check(good, "256MiB x4: TorchRL SharedMem send(weights)")["value"] == "3.3x"
+    assert _check(good, "256MiB x4: aiowsync shm send(weights) / raw copy_")["met"] is True
+    assert _check(good, "1000t-64MiB x4: TorchRL")["met"] is None  # not in this run
+    assert _check(good, "aiowsync mixed reads")["met"] is True
+
+    bad = _report(ours_ms=45.0, theirs_ms=120.0, their_mixed=7)
+    assert _check(bad, "256MiB x4: TorchRL SharedMem send(weights)")["met"] is False
+    assert _check(bad, "256MiB x4: aiowsync shm send(weights) / raw copy_")["met"] is False
+
+    text = markdown(good)
+    assert "| 256MiB | 4 | **aiowsync shm send(weights)** | 36.0 |" in text
+    assert "| 1.20x |" in text  # 36 / 30 against the raw copy
+    assert "| 3.3x |" in text and "| 7 / 100 |" in text  # TorchRL's speed-up row, mixed reads
+    assert "every dist contender: skipped, needs ~27 GiB" in text
+    assert "shm: FAILED (Boom: x)" in text
+    if HAS_MATPLOTLIB:
+        assert plot(good, str(tmp_path / "p.png")) is None
+        assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCHRL, reason="torchrl is not installed (the bench extra)")
+async def test_torchrl_tree_sends_and_counts_reads() -> None:
+    from aiowsync._bench._torchrl import TorchRLTree
+
+    tree = TorchRLTree("shared", "1MiB", 2, timeout=60)
+    try:
+        info = await tree.open()
+        assert info["scheme_class"] == "SharedMemWeightSyncScheme"
+        assert info["aliases_sender_model"] == [True, True]  # TorchRL binds workers to its buffer
+        for mode in ("send()", "send(weights)"):
+            out = await tree.call("sample", mode)
+            assert out["send_s"] > 0
+        assert (await tree.call("verify"))["ok"]
+        tear = await tree.call("tear", "send()", 2, 30.0)
+        assert tear["verify"]["ok"] and all(sum(r.values()) > 0 for r in tear["reads"])
+        gap = await tree.call("gap", "send(weights)", 1, 0.1)
+        assert len(gap["workers_busy_s"]) == 2
+    finally:
+        await tree.close()
+    assert tree._proc is None
