@@ -2,7 +2,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint demo bench clean
+BENCH_VENV ?= .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
+
+.PHONY: setup test lint demo bench bench-quick bench-setup clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,5 +26,21 @@ lint: setup
 demo: setup
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/aiowsync demo
 
+# `aiowsync bench` gets a venv of its own: the bench extra installs torchrl 0.14, which pins
+# tensordict 0.14, and the test venv keeps the newest tensordict.
+$(BENCH_BIN)/python:
+	$(PY) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/pip install -q --upgrade pip
+
+bench-setup: $(BENCH_BIN)/python
+	$(BENCH_BIN)/pip install -q torch==2.13.0
+	$(BENCH_BIN)/pip install -q -e ".[bench]"
+
+bench: bench-setup
+	$(BENCH_BIN)/aiowsync bench --out bench-results/bench
+
+bench-quick: bench-setup
+	$(BENCH_BIN)/aiowsync bench --quick --out bench-results/bench-quick
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info src/*.egg-info

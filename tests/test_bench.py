@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from aiowsync._bench import _parse
+from aiowsync._bench import _parse, main
 from aiowsync._bench._models import MIB, Reader, fill, model_spec, spec_bytes
 from aiowsync._bench._report import checks, markdown, plot
 from aiowsync._bench._run import QUICK_CELLS, _plan_batches, footprint, matrix
@@ -180,12 +180,23 @@ def test_checks_judge_this_runs_ratios(tmp_path: Path) -> None:
     text = markdown(good)
     assert "| 256MiB | 4 | **aiowsync shm send(weights)** | 36.0 |" in text
     assert "| 1.20x |" in text  # 36 / 30 against the raw copy
-    assert "| 3.3x |" in text and "| 7 / 100 |" in text  # TorchRL's speed-up row, mixed reads
+    assert "| 3.3x |" in text  # TorchRL's row: how much faster aiowsync was
+    assert "| 7 / 100 (send 7, fill 0) |" in text  # its mixed reads, by the sender's phase
     assert "every dist contender: skipped, needs ~27 GiB" in text
     assert "shm: FAILED (Boom: x)" in text
     if HAS_MATPLOTLIB:
         assert plot(good, str(tmp_path / "p.png")) is None
         assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_report_from_an_earlier_run(tmp_path: Path) -> None:
+    source = tmp_path / "earlier.json"
+    source.write_text(json.dumps(_report(ours_ms=36.0, theirs_ms=120.0, their_mixed=0)))
+    status = main(["--from-json", str(source), "--out", str(tmp_path / "again")])
+    assert status == 1  # the earlier run had a failed cell
+    again = json.loads((tmp_path / "again" / "bench.json").read_text())
+    assert _check(again, "256MiB x4: TorchRL SharedMem send(weights)")["value"] == "3.3x"
+    assert "## Checks" in (tmp_path / "again" / "bench.md").read_text()
 
 
 @pytest.mark.slow

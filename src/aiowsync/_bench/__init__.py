@@ -58,6 +58,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-torchrl", action="store_true", help="leave TorchRL out")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of every wait, s")
     p.add_argument("--out", default="aiowsync-bench", help="directory for the outputs")
+    p.add_argument(
+        "--from-json", metavar="FILE", help="measure nothing: write the report of an earlier run"
+    )
     args = p.parse_args(argv)
     models = tuple(args.models.split(",")) if args.models else ALL_MODELS
     bad = [m for m in models if m not in ALL_MODELS]
@@ -132,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         os.execv(sys.executable, [sys.executable, "-m", "aiowsync", "bench", *args_list])
     args = _parse(args_list)
+    if args.from_json:
+        with open(args.from_json) as f:
+            return _write(json.load(f), args.out)
 
-    from ._report import checks, markdown, plot
     from ._run import FULL_SAMPLES, QUICK_SAMPLES, Settings, run_sync
     from ._torchrl import torchrl_status
 
@@ -160,9 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         "settings": dataclasses.asdict(settings),
     }
     report["run"] = run_sync(settings)
+    return _write(report, args.out)
+
+
+def _write(report: dict[str, Any], out: str) -> int:
+    from ._report import checks, markdown, plot
+
     report["checks"] = checks(report)
-    os.makedirs(args.out, exist_ok=True)
-    paths = {k: os.path.join(args.out, f"bench.{k}") for k in ("json", "md", "png")}
+    os.makedirs(out, exist_ok=True)
+    paths = {k: os.path.join(out, f"bench.{k}") for k in ("json", "md", "png")}
     with open(paths["json"], "w") as f:
         json.dump(report, f, indent=1)
     text = markdown(report)

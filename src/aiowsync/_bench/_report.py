@@ -147,6 +147,18 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _tear_text(row: dict[str, Any]) -> str:
+    mixed, reads = _mixed(row), _reads(row)
+    if mixed is None:
+        return "-"
+    text = f"{mixed} / {reads}"
+    phases = ("send", "fill")
+    if mixed and row["kind"] == "torchrl":
+        split = {p: sum(m.get(p, 0) for m in row["tear"]["mixed"]) for p in phases}
+        text += f" (send {split['send']}, fill {split['fill']})"
+    return text
+
+
 def _ms(value: float | None) -> str:
     if value is None:
         return "-"
@@ -219,8 +231,7 @@ def markdown(report: dict[str, Any]) -> str:
             if ours and med and _median(ours):
                 speedup = f"{med / _median(ours):.1f}x"  # type: ignore[operator]
             sender, workers = _gap(row)
-            mixed, reads = _mixed(row), _reads(row)
-            tear = "-" if mixed is None else f"{mixed} / {reads}"
+            tear = _tear_text(row)
             name = f"**{row['name']}**" if row["kind"] == "aiowsync" else row["name"]
             lines.append(
                 f"{head} {name} | {_ms(med)} | {_ms(p90)} | {len(row['samples_s'])} "
