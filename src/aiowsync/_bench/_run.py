@@ -197,6 +197,8 @@ async def _cell(
             theirs += await _batch(
                 batch, model, n, [*ours, limit], samples, settings, out, progress, label
             )
+        # Processes of closed TorchRL trees may still be handing their memory back.
+        await asyncio.sleep(1.0 if batches else 0.0)
         for c in ours:
             progress.say(f"{label}: {c.name}: loop gaps, then readers during sends")
             await c.measure_gap(settings.gap_sends, settings.idle_s)
