@@ -117,17 +117,17 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
             "{:.2f}",
             False,
         )
-    bounds: tuple[tuple[str, float | None], ...] = (("shm", GAP_SLACK_S), ("dist", None))
-    for transport, bound in bounds:
+    slacks: tuple[tuple[str, float | None], ...] = (("shm", GAP_SLACK_S), ("dist", None))
+    for transport, slack in slacks:
         worst = _worst_gap(report, "1GiB", transport)
         what = (
             f"1GiB {transport}: aiowsync loop max gap during sends above idle (ms), worst process"
         )
-        if bound is None:  # no target: shown so that it is not hidden
+        if slack is None:  # no target: shown so that it is not hidden
             shown = "not measured" if worst is None else f"{worst * 1e3:.1f}"
             out.append({"check": what, "value": shown, "target": "none", "met": None})
         else:
-            check(what, None if worst is None else worst * 1e3, bound * 1e3, "{:.1f}", False)
+            check(what, None if worst is None else worst * 1e3, slack * 1e3, "{:.1f}", False)
     mixed = [
         m
         for c in _cells(report)
