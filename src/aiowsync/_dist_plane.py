@@ -512,7 +512,7 @@ class DistSenderPlane(SenderPlane):
             base = slot.flat.data_ptr()
             moves = [(base + starts[seg] + a, pointers[seg] + a, b - a) for seg, a, b in plan]
             if sum(n for _, _, n in moves) >= _PARALLEL_COPY_BYTES:
-                _parallel_copy([(d, s) for d, s, _ in moves], [n for _, _, n in moves])
+                _parallel_copy(moves, sum(n for _, _, n in moves))
             else:
                 _copy_share(moves)
         else:

@@ -264,20 +264,26 @@ def fused_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None
         return
     dst, src = list(dst), list(src)
     with torch.no_grad():
-        plain = [i for i, (d, s) in enumerate(zip(dst, src, strict=True)) if _plain_cpu(d, s)]
-        sizes = [dst[i].nbytes for i in plain]
-        if len(plain) < len(dst):
-            others = sorted(set(range(len(dst))) - set(plain))
+        moves: list[tuple[int, int, int]] = []
+        others: list[int] = []
+        total = 0
+        for i, (d, s) in enumerate(zip(dst, src, strict=True)):
+            if _plain_cpu(d, s):
+                n = d.nbytes
+                moves.append((d.data_ptr(), s.data_ptr(), n))
+                total += n
+            else:
+                others.append(i)
+        if others:
             torch._foreach_copy_([dst[i] for i in others], [src[i] for i in others])
-        if not plain:
+        if not moves:
             return
-        pointers = [(dst[i].data_ptr(), src[i].data_ptr()) for i in plain]
-        if sum(sizes) < _PARALLEL_COPY_BYTES:
+        if total < _PARALLEL_COPY_BYTES:
             # Small: memmoves in this thread. Waking torch's sleeping OpenMP team for each
             # tensor would cost more than the copy (a 1 MiB model: ~350 us against ~60 us).
-            _copy_share([(*p, n) for p, n in zip(pointers, sizes, strict=True)])
+            _copy_share(moves)
         else:
-            _parallel_copy(pointers, sizes)
+            _parallel_copy(moves, total)
 
 
 _PARALLEL_COPY_BYTES = 4 * 1024 * 1024
@@ -286,13 +292,14 @@ _copy_pool_lock = threading.Lock()
 
 
 def _plain_cpu(d: torch.Tensor, s: torch.Tensor) -> bool:
+    # Called for every tensor of every send: the cheapest attribute reads first.
     return (
-        d.device.type == "cpu"
-        and s.device.type == "cpu"
+        d.is_cpu
+        and s.is_cpu
         and d.dtype == s.dtype
-        and d.shape == s.shape
         and d.is_contiguous()
         and s.is_contiguous()
+        and d.shape == s.shape
         and not (s.is_conj() or s.is_neg() or d.is_conj() or d.is_neg())
     )
 
@@ -304,29 +311,44 @@ def _copy_share(moves: list[tuple[int, int, int]]) -> None:
         move(dst, src, n)
 
 
-def _parallel_copy(pointers: list[tuple[int, int]], sizes: list[int]) -> None:
+_SMALL_MOVE = 256 * 1024
+
+
+def _parallel_copy(moves: list[tuple[int, int, int]], total: int) -> None:
+    """``moves`` (dst, src, nbytes) spread over up to four threads, this one included.
+
+    Every memmove gives up the GIL and must take it back, so threads that each make many
+    small moves mostly wait for one another. This thread therefore takes every small move,
+    and the big ones are dealt out (largest first, to the least loaded share) to even out
+    the bytes; moves larger than a fair share are cut so that one big tensor still uses every
+    thread.
+    """
     global _copy_pool
     count = max(1, min(4, torch.get_num_threads()))
-    # Moves larger than a fair share are cut, so that one big tensor still uses every thread.
-    piece = max(1, -(-sum(sizes) // count))
-    moves: list[tuple[int, int, int]] = []
-    for (d, s), n in zip(pointers, sizes, strict=True):
-        for start in range(0, n, piece):
-            moves.append((d + start, s + start, min(piece, n - start)))
+    piece = max(1, -(-total // count))
     shares: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     load = [0] * count
-    for move in sorted(moves, key=lambda m: m[2], reverse=True):
+    big: list[tuple[int, int, int]] = []
+    for d, s, n in moves:
+        if n < _SMALL_MOVE:
+            shares[0].append((d, s, n))
+            load[0] += n
+            continue
+        for start in range(0, n, piece):
+            big.append((d + start, s + start, min(piece, n - start)))
+    for move in sorted(big, key=lambda m: m[2], reverse=True):
         k = load.index(min(load))
         shares[k].append(move)
         load[k] += move[2]
-    if count == 1:
+    busy = [share for share in shares[1:] if share]
+    if not busy:
         _copy_share(shares[0])
         return
     with _copy_pool_lock:
         if _copy_pool is None:
             _copy_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="aiowsync-copy")
         pool = _copy_pool
-    futures = [pool.submit(_copy_share, share) for share in shares[1:]]
+    futures = [pool.submit(_copy_share, share) for share in busy]
     _copy_share(shares[0])
     for future in futures:
         future.result()
