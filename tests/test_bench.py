@@ -59,11 +59,12 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
         assert cell["model_bytes"] == MIB and not cell["errors"]
         for row in cell["contenders"]:
             assert len(row["samples_s"]) == 3 and all(0 < s < 60 for s in row["samples_s"])
-            if row["kind"] != "aiowsync":
-                assert row["gap"] is None and row["tear"] is None
-                continue
             gap = row["gap"]
-            assert len(gap["workers_busy_s"]) == 2 and gap["sender_busy_s"] > 0
+            workers = 0 if row["name"] == "raw copy_" else 2
+            assert len(gap["workers_busy_s"]) == workers and gap["sender_busy_s"] > 0
+            if row["kind"] != "aiowsync":
+                assert row["tear"] is None  # no model on the workers to read
+                continue
             for reads, mixed in zip(row["tear"]["reads"], row["tear"]["mixed"], strict=True):
                 assert reads["loop"] > 0 and reads["guarded thread"] > 0
                 assert mixed == {"loop": 0, "guarded thread": 0}
@@ -72,6 +73,7 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
     text = (out / "bench.md").read_text()
     assert "| 1MiB | 2 | **aiowsync shm send()** |" in text
     assert "| 1MiB | 2 | raw gloo broadcast |" in text
+    assert "| 1MiB | 2 | raw copy_ |" in text
     assert "| aiowsync mixed reads, every cell | 0 | <= 0 | met |" in text
     if HAS_MATPLOTLIB:
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

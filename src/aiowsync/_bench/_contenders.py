@@ -48,16 +48,67 @@ class Contender:
         self.tear: dict[str, Any] | None = None
         self.notes: list[str] = []
         self.info: dict[str, Any] | None = None  # what setting it up reported
+        self.samples_outside: list[float] = []  # timed during the gap probe, not alternated
+        self.pool: WorkerPool | None = None  # the processes whose event loops receive, if any
+        self.ids: list[int] = []
+        self.timeout = 120.0
 
-    async def sample(self) -> float:
+    def prepare(self) -> None:
+        """Untimed work before each sample: the trainer's own (filling its weights)."""
+
+    async def timed(self) -> float:
+        """The timed part of one sample, in seconds."""
         raise NotImplementedError
 
+    async def sample(self) -> float:
+        self.prepare()
+        return await self.timed()
+
     async def measure_gap(self, sends: int, idle_s: float) -> None:
-        """Event-loop gaps while idle and during ``sends`` sends (nothing for the limits)."""
+        """Event-loop max gaps of this process and of the receiving workers, over an idle
+        window of ``idle_s`` seconds, then over ``sends`` samples (each one marked alone, so
+        that the untimed work between them does not count)."""
+        pool, ids = self.pool, self.ids if self.pool is not None else []
+        ticker = Ticker()
+        task = asyncio.create_task(ticker.run())
+
+        async def marks() -> list[float]:
+            if pool is None:
+                return []
+            return [m[1] for m in await pool.ask(ids, ("tick_mark",), "gap", self.timeout)]
+
+        try:
+            if pool is not None:
+                await pool.ask(ids, ("tick_start",), "ok", self.timeout)
+            ticker.mark()
+            await asyncio.sleep(idle_s)
+            idle = ticker.mark()[0]
+            idle_w = await marks()
+            busy, busy_w = 0.0, [0.0] * len(idle_w)
+            for _ in range(sends):
+                self.prepare()
+                await marks()
+                ticker.mark()
+                self.samples_outside.append(await self.timed())
+                # The interval that spans the sample's end closes at the ticker's next wake-up.
+                await asyncio.sleep(2 * ticker.period)
+                busy = max(busy, ticker.mark()[0])
+                busy_w = [max(b, g) for b, g in zip(busy_w, await marks(), strict=True)]
+            if pool is not None:
+                await pool.ask(ids, ("tick_stop",), "ok", self.timeout)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.gap = {
+            "sender_idle_s": idle,
+            "sender_busy_s": busy,
+            "workers_idle_s": idle_w,
+            "workers_busy_s": busy_w,
+        }
 
     async def measure_tear(self, sends: int, max_s: float) -> None:
         """Mixed reads on the workers during ``sends`` sends, or as many as ``max_s`` seconds
-        allow, at least one (nothing for the limits)."""
+        allow, at least one (nothing for the limits: no worker holds a model)."""
 
 
 # -- aiowsync -----------------------------------------------------------------------------------
@@ -87,7 +138,6 @@ class AiowsyncSession:
         else:
             self.scheme = DistributedWeightSyncScheme(backend="gloo", heartbeats=beats)
         self.scheme.init_on_sender(model=self.module, num_workers=n)
-        self.ticker = Ticker()
         self._joined = False
         self._entered = False
 
@@ -152,39 +202,13 @@ class AiowsyncSend(Contender):
         super().__init__(f"aiowsync {session.transport} {mode}", session.transport)
         self.session = session
         self.mode = mode
+        self.pool, self.ids, self.timeout = session.pool, session.ids, session.timeout
 
-    async def sample(self) -> float:
-        self.session.fill_next(self.mode)  # untimed: the trainer's own work
+    def prepare(self) -> None:
+        self.session.fill_next(self.mode)
+
+    async def timed(self) -> float:
         return await self.session.send(self.mode)
-
-    async def measure_gap(self, sends: int, idle_s: float) -> None:
-        s, pool, ids = self.session, self.session.pool, self.session.ids
-        task = asyncio.create_task(s.ticker.run())
-        try:
-            await pool.ask(ids, ("tick_start",), "ok", s.timeout)
-            s.ticker.mark()
-            await asyncio.sleep(idle_s)
-            idle = s.ticker.mark()[0]
-            idle_w = [m[1] for m in await pool.ask(ids, ("tick_mark",), "gap", s.timeout)]
-            busy, busy_w = 0.0, [0.0] * len(ids)
-            for _ in range(sends):
-                s.fill_next(self.mode)
-                await pool.ask(ids, ("tick_mark",), "gap", s.timeout)
-                s.ticker.mark()
-                await s.send(self.mode)
-                busy = max(busy, s.ticker.mark()[0])
-                marks = await pool.ask(ids, ("tick_mark",), "gap", s.timeout)
-                busy_w = [max(b, m[1]) for b, m in zip(busy_w, marks, strict=True)]
-            await pool.ask(ids, ("tick_stop",), "ok", s.timeout)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        self.gap = {
-            "sender_idle_s": idle,
-            "sender_busy_s": busy,
-            "workers_idle_s": idle_w,
-            "workers_busy_s": busy_w,
-        }
 
     async def measure_tear(self, sends: int, max_s: float) -> None:
         s = self.session
@@ -220,7 +244,7 @@ class RawCopy(Contender):
         self.src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
         self.dst = torch.zeros(nbytes, dtype=torch.uint8)
 
-    async def sample(self) -> float:
+    async def timed(self) -> float:
         t0 = time.perf_counter()
         self.dst.copy_(self.src)
         return time.perf_counter() - t0
@@ -240,23 +264,23 @@ class RawGloo(Contender):
         super().__init__("raw gloo broadcast", "dist")
         from torch._C._distributed_c10d import TCPStore
 
-        self.pool, self.ids = pool, ids
+        self.workers, self.pool, self.ids, self.timeout = pool, pool, ids, timeout
         self.opened = False
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.root = RawRoot(self.store, nbytes, timeout)
 
     async def open(self, rounds: int) -> None:
         self.opened = True  # from here on the receivers may hold a raw round to be waited for
-        await self.root.open(self.pool, self.ids, rounds)
+        await self.root.open(self.workers, self.ids, rounds)
 
-    async def sample(self) -> float:
+    async def timed(self) -> float:
         return await self.root.round()
 
     async def close(self) -> None:
         if not self.opened:
             return
         try:
-            wrong = await self.root.close(self.pool, self.ids)
+            wrong = await self.root.close(self.workers, self.ids)
             if wrong:
                 raise AssertionError(f"{wrong} raw gloo rounds delivered the wrong bytes")
         finally:
@@ -283,7 +307,7 @@ class TorchRLContender(Contender):
         self.tree = tree
         self.mode = mode
 
-    async def sample(self) -> float:
+    async def timed(self) -> float:
         out = await self.tree.call("sample", self.mode)
         return float(out["send_s"])
 

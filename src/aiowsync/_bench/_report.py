@@ -180,6 +180,8 @@ def _gap(row: dict[str, Any]) -> tuple[str, str]:
     if not gap:
         return "-", "-"
     sender = f"{gap['sender_idle_s'] * 1e3:.1f} / {gap['sender_busy_s'] * 1e3:.1f}"
+    if not gap["workers_busy_s"]:  # the raw copy has no workers
+        return sender, "-"
     workers = f"{max(gap['workers_idle_s']) * 1e3:.1f} / {max(gap['workers_busy_s']) * 1e3:.1f}"
     return sender, workers
 

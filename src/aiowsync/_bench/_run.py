@@ -192,14 +192,14 @@ async def _cell(
     try:
         await session.open()
         if isinstance(limit, RawGloo):
-            await limit.open(rounds=(1 + samples) * max(1, len(batches)))
+            await limit.open(rounds=(1 + samples) * max(1, len(batches)) + settings.gap_sends)
         for batch in batches or [[]]:
             theirs += await _batch(
                 batch, model, n, [*ours, limit], samples, settings, out, progress, label
             )
         # Processes of closed TorchRL trees may still be handing their memory back.
         await asyncio.sleep(1.0 if batches else 0.0)
-        for c in ours:
+        for c in (*ours, limit):
             progress.say(f"{label}: {c.name}: loop gaps, then readers during sends")
             await c.measure_gap(settings.gap_sends, settings.idle_s)
             await c.measure_tear(settings.tear_sends, settings.tear_max_s)
@@ -272,6 +272,7 @@ def _row(c: Contender) -> dict[str, Any]:
         "kind": c.kind,
         "transport": c.transport,
         "samples_s": c.samples,
+        "gap_samples_s": c.samples_outside,
         "gap": c.gap,
         "tear": c.tear,
         "notes": c.notes,

@@ -324,6 +324,7 @@ class _Sender:
                 with _watchdog(self.fault, f"{mode} gap send {self.k}", self.timeout):
                     await asyncio.to_thread(self._send, mode)
                 self.phase.value = 0
+                await asyncio.sleep(2 * ticker.period)  # close the interval spanning the end
                 busy = max(busy, ticker.mark()[0])
                 marks = _ask(self.conns, ("tick_mark",), self.timeout)
                 busy_w = [max(b, g[1]) for b, g in zip(busy_w, marks, strict=True)]
