@@ -72,7 +72,6 @@ import dataclasses
 import datetime
 import gc
 import json
-import pickle
 import platform
 import subprocess
 import sys
@@ -174,9 +173,8 @@ async def run_session(
     t_start = time.perf_counter()
     async with scheme:
         try:
-            blob = pickle.dumps(scheme)  # after `async with`: the address is bound
-            for i in ids:
-                pool.conns[i].send(("join", blob, model.spec))
+            for i in ids:  # after `async with`: the address the scheme carries is bound
+                pool.conns[i].send(("join", scheme, model.spec))
             joined = True
             await scheme.connect(timeout=timeout)
             for i in ids:

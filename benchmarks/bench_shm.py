@@ -72,7 +72,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import pickle
 import platform
 import statistics
 import sys
@@ -270,9 +269,8 @@ async def run_session(
 
     async with scheme:
         try:
-            blob = pickle.dumps(scheme)  # after `async with`: the address is bound
-            for i in ids:
-                pool.conns[i].send(("join", blob, model.spec))
+            for i in ids:  # after `async with`: the address the scheme carries is bound
+                pool.conns[i].send(("join", scheme, model.spec))
             joined = True
             t0 = time.perf_counter()
             await scheme.connect(timeout=300)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import pickle
 import time
 from typing import Any, ClassVar
 
@@ -144,9 +143,8 @@ class AiowsyncSession:
     async def open(self) -> None:
         await self.scheme.__aenter__()
         self._entered = True
-        blob = pickle.dumps(self.scheme)  # after entering: the address is bound
-        for i in self.ids:
-            self.pool.tell(i, ("join", blob, self.spec))
+        for i in self.ids:  # after entering: the address the scheme carries is bound
+            self.pool.tell(i, ("join", self.scheme, self.spec))
         self._joined = True
         await self.scheme.connect(timeout=self.timeout)
         for i in self.ids:

@@ -51,8 +51,9 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any, TextIO
 
-from ._models import Reader, build_model, fill, model_spec, spec_bytes
-from ._probe import ThreadTicker, Ticker
+from ._models import build_model, fill, model_spec, spec_bytes
+from ._probe import Ticker
+from ._torchrl_worker import Context, worker_main
 
 __all__ = ["SCHEMES", "TorchRLError", "TorchRLTree", "torchrl_status"]
 
@@ -78,78 +79,6 @@ def torchrl_status() -> tuple[str | None, str]:
         return None, f"torchrl failed to import ({type(exc).__name__}: {exc}): not measured"
     version = str(getattr(torchrl, "__version__", "?"))
     return version, f"torchrl {version}"
-
-
-class _Context:
-    """The least a TorchRL scheme needs from a collector: the model and one device per worker."""
-
-    def __init__(self, policy: Any, n_workers: int) -> None:
-        import torch
-
-        self.policy = policy
-        self.policy_device = [torch.device("cpu")] * n_workers
-
-
-# -- worker process -----------------------------------------------------------------------------
-
-
-def _worker_main(
-    conn: Connection, idx: int, scheme: Any, scheme_name: str, model: str, n: int, phase: Any
-) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    module = build_model(model_spec(model), lambda t: fill([t], -1))
-    holder = _Context(module, n)
-    if scheme_name == "distributed":  # ranks are 1-based there; the sender is rank 0
-        scheme.init_on_receiver(model_id="policy", context=holder, worker_idx=idx + 1)
-    else:
-        scheme.init_on_receiver(model_id="policy", model=module, worker_idx=idx)
-    scheme.connect()
-    reader = Reader(lambda: list(module.state_dict().values()), refresh=False)
-    ticker = ThreadTicker()
-    conn.send(("ready", sorted(reader.values()[0])))
-    reads, mixed, reading, until = [0, 0, 0], [0, 0, 0], False, 0.0
-    try:
-        while True:
-            if reading:
-                p0 = phase.value
-                bad = reader.mixed()
-                p = max(p0, phase.value)
-                reads[p] += 1
-                mixed[p] += bad
-                time.sleep(0)  # let TorchRL's receiver thread take the GIL between reads
-                reading = time.monotonic() < until
-                if not conn.poll():
-                    continue
-            elif not conn.poll(1.0):
-                continue
-            msg = conn.recv()
-            if msg[0] == "read":
-                reads, mixed, reading = [0, 0, 0], [0, 0, 0], True
-                until = time.monotonic() + msg[1]
-                conn.send(("ok",))
-            elif msg[0] == "stop":
-                reading = False
-                conn.send(("reads", reads, mixed))
-            elif msg[0] == "peek":
-                conn.send(("peek", sorted(reader.values()[0]), reader.mixed()))
-            elif msg[0] == "tick_start":
-                ticker.start()
-                conn.send(("ok",))
-            elif msg[0] == "tick_mark":
-                conn.send(("gap", ticker.mark()))
-            elif msg[0] == "tick_stop":
-                ticker.stop()
-                conn.send(("ok",))
-            elif msg[0] == "exit":
-                break
-    except (EOFError, OSError):
-        pass
-    finally:
-        ticker.close()
-        with contextlib.suppress(Exception):
-            scheme.shutdown()
 
 
 # -- sender process -----------------------------------------------------------------------------
@@ -195,7 +124,7 @@ def _loopback_env() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
 
 
-def _make_scheme(name: str, holder: _Context, n: int, ctx: Any, timeout: float) -> Any:
+def _make_scheme(name: str, holder: Context, n: int, ctx: Any, timeout: float) -> Any:
     from torchrl.weight_update import (
         DistributedWeightSyncScheme,
         MultiProcessWeightSyncScheme,
@@ -228,7 +157,7 @@ class _Sender:
 
         spec = model_spec(self.model)
         self.module = build_model(spec, lambda t: fill([t], 0))
-        holder = _Context(self.module, self.n)
+        holder = Context(self.module, self.n)
         if self.scheme_name == "distributed":
             _loopback_env()
         ctx = mp.get_context("spawn")
@@ -238,7 +167,7 @@ class _Sender:
         for i in range(self.n):
             mine, theirs = ctx.Pipe()
             args = (theirs, i, self.scheme, self.scheme_name, self.model, self.n, self.phase)
-            p = ctx.Process(target=_worker_main, args=args, daemon=True)
+            p = ctx.Process(target=worker_main, args=args, daemon=True)
             p.start()
             theirs.close()
             self.conns.append(mine)

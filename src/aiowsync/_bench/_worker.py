@@ -4,8 +4,9 @@ A worker lives for the whole benchmark and serves one scheme session after anoth
 torch is imported once per process, not once per case. It is driven by tuples over a
 ``multiprocessing`` pipe (see :class:`~aiowsync._bench._pool.WorkerPool` for the other end):
 
-``("join", pickled_scheme, spec)``
-    build a fresh model from ``spec`` (every page written), receive the pickled scheme,
+``("join", scheme, spec)``
+    build a fresh model from ``spec`` (every page written), take the scheme (it crosses the
+    pipe as its configuration and address, like any scheme handed to a spawned process),
     ``init_on_receiver``, ``async with``, ``connect``, ``gc.collect()``; answer ``("ready", ...)``
     and serve the session's commands until ``("leave",)``, then answer ``("left",)``.
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import pickle
 import threading
 import time
 import traceback
@@ -118,14 +118,13 @@ class _Readers:
             await asyncio.to_thread(self._thread.join, 10.0)
 
 
-async def _session(conn: Connection, worker_idx: int, blob: bytes, spec: Spec) -> None:
+async def _session(conn: Connection, worker_idx: int, scheme: Any, spec: Spec) -> None:
     # Start from a trimmed heap, so that memory freed by earlier sessions neither counts nor
     # gets silently reused by this session's model.
     gc.collect()
     malloc_trim()
     baseline = private_memory()
     model = build_model(spec, poison_init)
-    scheme = pickle.loads(blob)
     scheme.init_on_receiver(model=model, worker_idx=worker_idx)
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[Sequence[Any]] = asyncio.Queue()
