@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from .. import DistributedWeightSyncScheme, Heartbeats, SharedMemWeightSyncScheme
-from ._models import Spec, build_model, fill, fingerprint, random_init
+from ._models import SendSources, Spec, build_model, fill, fingerprint, random_init
 from ._pool import WorkerPool
 from ._probe import Ticker
 from ._rawgloo import RawRoot
@@ -127,8 +127,7 @@ class AiowsyncSession:
         self.ids = list(range(n))
         self.timeout = timeout
         torch.manual_seed(0)
-        self.module = build_model(spec, random_init)
-        self.weights: Any = None
+        self.sources = SendSources(build_model(spec, random_init))
         self.k = 0
         beats = Heartbeats(interval=0.5, missed=10)  # busy 2-core machine: slow beats are normal
         self.scheme: SharedMemWeightSyncScheme | DistributedWeightSyncScheme
@@ -136,7 +135,7 @@ class AiowsyncSession:
             self.scheme = SharedMemWeightSyncScheme(heartbeats=beats)
         else:
             self.scheme = DistributedWeightSyncScheme(backend="gloo", heartbeats=beats)
-        self.scheme.init_on_sender(model=self.module, num_workers=n)
+        self.scheme.init_on_sender(model=self.sources.module, num_workers=n)
         self._joined = False
         self._entered = False
 
@@ -150,32 +149,23 @@ class AiowsyncSession:
         for i in self.ids:
             await self.pool.expect(i, "ready", timeout=self.timeout)
 
-    def targets(self, mode: str) -> list[torch.Tensor]:
-        if mode == "send()":
-            return list(self.module.state_dict().values())
-        if self.weights is None:
-            from tensordict import TensorDict
-
-            self.weights = TensorDict.from_module(self.module).data.clone()
-        return list(self.weights.values(True, True))
-
     def fill_next(self, mode: str) -> None:
         self.k += 1
-        fill(self.targets(mode), self.k)
+        fill(self.sources.targets(mode), self.k)
 
     async def send(self, mode: str) -> float:
         t0 = time.perf_counter()
         if mode == "send()":
             await self.scheme.send(timeout=self.timeout)
         else:
-            await self.scheme.send(self.weights, timeout=self.timeout)
+            await self.scheme.send(self.sources.weights, timeout=self.timeout)
         return time.perf_counter() - t0
 
     async def verify(self) -> None:
         """Every worker holds exactly the sender's model at a new version."""
         self.fill_next("send()")
         await self.send("send()")
-        expected = fingerprint(self.module)
+        expected = fingerprint(self.sources.module)
         version = self.scheme.version
         checks = await self.pool.ask(self.ids, ("check", version), "check", self.timeout)
         bad = [i for i, c in zip(self.ids, checks, strict=True) if c[2] != expected]
@@ -189,7 +179,7 @@ class AiowsyncSession:
         finally:
             if self._entered:
                 await self.scheme.__aexit__(None, None, None)
-            del self.module, self.weights
+            del self.sources
             gc.collect()
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "MIB",
     "MODELS",
     "Reader",
+    "SendSources",
     "Spec",
     "build_model",
     "few_large_spec",
@@ -229,3 +230,26 @@ class Reader:
         if len(nums) > 1 or len(bits) > 1:
             return True
         return bool(nums and bits) and bits != {bool(int(next(iter(nums))) & 1)}
+
+
+class SendSources:
+    """What a benchmark sender sends: its model (``send()``), or a ``TensorDict`` clone of the
+    model's weights (``send(weights)``), made on first use."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._weights: Any = None
+
+    @property
+    def weights(self) -> Any:
+        if self._weights is None:
+            from tensordict import TensorDict
+
+            self._weights = TensorDict.from_module(self.module).data.clone()
+        return self._weights
+
+    def targets(self, mode: str) -> list[torch.Tensor]:
+        """The tensors that ``mode`` sends, in the order a fill writes them."""
+        if mode == "send()":
+            return list(self.module.state_dict().values())
+        return list(self.weights.values(True, True))

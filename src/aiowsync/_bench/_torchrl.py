@@ -51,7 +51,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any, TextIO
 
-from ._models import build_model, fill, model_spec, spec_bytes
+from ._models import SendSources, build_model, fill, model_spec, spec_bytes
 from ._probe import Ticker
 from ._torchrl_worker import Context, worker_main
 
@@ -148,7 +148,6 @@ class _Sender:
         self.scheme_name, self.model, self.n = scheme_name, model, n
         self.timeout, self.fault = timeout, fault
         self.k = 0  # the last number every element was filled with and sent
-        self.weights: Any = None
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
 
@@ -156,8 +155,8 @@ class _Sender:
         import torch
 
         spec = model_spec(self.model)
-        self.module = build_model(spec, lambda t: fill([t], 0))
-        holder = Context(self.module, self.n)
+        self.sources = SendSources(build_model(spec, lambda t: fill([t], 0)))
+        holder = Context(self.sources.module, self.n)
         if self.scheme_name == "distributed":
             _loopback_env()
         ctx = mp.get_context("spawn")
@@ -178,7 +177,7 @@ class _Sender:
             ready = [self._recv(c) for c in self.conns]
         connect_s = time.perf_counter() - t0
         # Alias probe: a worker that reads what the sender writes without a send shares its memory.
-        fill(self._targets("send()"), 1)
+        fill(self.sources.targets("send()"), 1)
         time.sleep(0.05)
         peeks = _ask(self.conns, ("peek",), self.timeout)
         return {
@@ -195,26 +194,17 @@ class _Sender:
             raise TimeoutError(f"no answer from a TorchRL worker within {self.timeout} s")
         return conn.recv()  # type: ignore[no-any-return]
 
-    def _targets(self, mode: str) -> list[Any]:
-        if mode == "send()":
-            return list(self.module.state_dict().values())
-        if self.weights is None:
-            from tensordict import TensorDict
-
-            self.weights = TensorDict.from_module(self.module).data.clone()
-        return list(self.weights.values(True, True))
-
     def _send(self, mode: str) -> None:
         if mode == "send()":
             self.scheme.send()
         else:
-            self.scheme.send(self.weights)
+            self.scheme.send(self.sources.weights)
 
     def fill_next(self, mode: str) -> float:
         self.phase.value = 2
         t0 = time.perf_counter()
         self.k += 1
-        fill(self._targets(mode), self.k)
+        fill(self.sources.targets(mode), self.k)
         self.phase.value = 1
         return time.perf_counter() - t0
 
