@@ -222,3 +222,11 @@ async def test_torchrl_tree_sends_and_counts_reads() -> None:
     finally:
         await tree.close()
     assert tree._proc is None
+
+
+def test_p90_lies_between_the_median_and_the_largest_sample() -> None:
+    from aiowsync._bench._report import _percentile
+
+    assert _percentile([2.0, 1.0], 0.9) == pytest.approx(1.9)
+    assert _percentile([5.0], 0.9) == 5.0
+    assert _percentile([float(i) for i in range(11)], 0.9) == pytest.approx(9.0)

@@ -20,6 +20,15 @@ LIMIT = {"shm": "raw copy_", "dist": "raw gloo broadcast"}
 GAP_SLACK_S = 0.010
 
 
+def _percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile, interpolated between the two nearest samples."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
 def _median(row: dict[str, Any]) -> float | None:
     return statistics.median(row["samples_s"]) if row["samples_s"] else None
 
@@ -231,11 +240,7 @@ def markdown(report: dict[str, Any]) -> str:
         limit = rows.get(LIMIT[cell["transport"]])
         for row in cell["contenders"]:
             med = _median(row)
-            p90 = (
-                sorted(row["samples_s"])[int(0.9 * (len(row["samples_s"]) - 1))]
-                if row["samples_s"]
-                else None
-            )
+            p90 = _percentile(row["samples_s"], 0.9) if row["samples_s"] else None
             base = _median(limit) if limit else None
             vs_limit = f"{med / base:.2f}x" if med and base and row is not limit else ""
             speedup = ""
