@@ -318,10 +318,10 @@ def _parallel_copy(moves: list[tuple[int, int, int]], total: int) -> None:
     """``moves`` (dst, src, nbytes) spread over up to four threads, this one included.
 
     Every memmove gives up the GIL and must take it back, so threads that each make many
-    small moves mostly wait for one another. This thread therefore takes every small move,
-    and the big ones are dealt out (largest first, to the least loaded share) to even out
-    the bytes; moves larger than a fair share are cut so that one big tensor still uses every
-    thread.
+    small moves mostly wait for one another. This thread therefore takes the small moves,
+    smallest first, up to its fair share of the bytes; the rest are dealt out (largest first,
+    to the least loaded share) to even out the bytes, and moves larger than a fair share are
+    cut so that one big tensor still uses every thread.
     """
     global _copy_pool
     count = max(1, min(4, torch.get_num_threads()))
@@ -329,8 +329,8 @@ def _parallel_copy(moves: list[tuple[int, int, int]], total: int) -> None:
     shares: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     load = [0] * count
     big: list[tuple[int, int, int]] = []
-    for d, s, n in moves:
-        if n < _SMALL_MOVE:
+    for d, s, n in sorted(moves, key=lambda m: m[2]):
+        if n < _SMALL_MOVE and load[0] + n <= piece:
             shares[0].append((d, s, n))
             load[0] += n
             continue
