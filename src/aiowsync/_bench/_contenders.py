@@ -30,7 +30,6 @@ __all__ = [
     "RawCopy",
     "RawGloo",
     "TorchRLContender",
-    "verify_tree",
 ]
 
 
@@ -67,7 +66,7 @@ class Contender:
         """Event-loop max gaps of this process and of the receiving workers, over an idle
         window of ``idle_s`` seconds, then over ``sends`` samples (each one marked alone, so
         that the untimed work between them does not count)."""
-        pool, ids = self.pool, self.ids if self.pool is not None else []
+        pool, ids = self.pool, self.ids
         ticker = Ticker()
         task = asyncio.create_task(ticker.run())
 
@@ -299,6 +298,12 @@ class TorchRLContender(Contender):
         out = await self.tree.call("sample", self.mode)
         return float(out["send_s"])
 
+    async def verify(self) -> None:
+        """Note it when the workers do not hold the last number sent."""
+        out = await self.tree.call("verify")
+        if not out["ok"]:
+            self.notes.append(f"workers held {out['seen']}, expected {out['expected']}")
+
     async def measure_gap(self, sends: int, idle_s: float) -> None:
         self.gap = await self.tree.call(
             "gap", self.mode, sends, idle_s, timeout=self.tree.timeout * (sends + 1)
@@ -310,9 +315,3 @@ class TorchRLContender(Contender):
         if not out["verify"]["ok"]:
             self.notes.append(f"after tearing rounds the workers held {out['verify']['seen']}")
         self.tear = {"reads": out["reads"], "mixed": out["mixed"], "sends": out["sends"]}
-
-
-async def verify_tree(contender: TorchRLContender) -> None:
-    out = await contender.tree.call("verify")
-    if not out["ok"]:
-        contender.notes.append(f"workers held {out['seen']}, expected {out['expected']}")

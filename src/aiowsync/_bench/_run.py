@@ -19,7 +19,6 @@ from ._contenders import (
     RawCopy,
     RawGloo,
     TorchRLContender,
-    verify_tree,
 )
 from ._models import MIB, model_spec, spec_bytes
 from ._pool import WorkerPool
@@ -252,7 +251,7 @@ async def _batch(
             last = " | ".join(f"{c.name} {c.samples[-1] * 1e3:.1f}" for c in everyone)
             progress.say(f"{label}: round {r + 1}/{samples} ms: {last}", force=False)
         for contender in theirs:
-            await verify_tree(contender)
+            await contender.verify()
             progress.say(f"{label}: {contender.name}: loop gaps, then readers during sends")
             await contender.measure_gap(settings.gap_sends, settings.idle_s)
             await contender.measure_tear(settings.tear_sends, settings.tear_max_s)

@@ -414,24 +414,20 @@ class TorchRLTree:
 
     async def close(self) -> None:
         proc, conn = self._proc, self._conn
-        self._proc = self._conn = None
         if proc is None:
             return
         try:
             if conn is not None and proc.is_alive():
                 with contextlib.suppress(OSError, TorchRLError):
-                    self._conn = conn
                     await self.call("close", timeout=30)
             await asyncio.to_thread(proc.join, self.timeout)
         finally:
-            self._conn = None
-            if proc.is_alive() and proc.pid is not None:
+            self._proc = self._conn = None
+            if proc.pid is not None:  # whatever is left of the tree: a hung sender, its workers
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
+            if proc.is_alive():
                 proc.join(10)
-            elif proc.pid is not None:  # its workers, should any outlive it
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
             if conn is not None:
                 conn.close()
             with contextlib.suppress(OSError):
