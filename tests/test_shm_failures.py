@@ -495,6 +495,14 @@ async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(layers
                 now = [p.data_ptr() for p in m.parameters()]
                 assert (now != pointers) != window
                 pointers = now
+            receiver = r._receiver
+            assert receiver is not None
+            # The window stays bound, so its per-tensor views were dropped after the first bind.
+            assert (receiver._live is not None and not receiver._live.views) == window
+        # Closed: the model keeps the last version, now in memory of its own (the window was
+        # released), whichever the mode.
+        assert same(m, src)
+        assert [p.data_ptr() for p in m.parameters()] != pointers
 
 
 async def test_a_closed_receiver_keeps_its_weights_in_private_memory() -> None:

@@ -358,11 +358,10 @@ def bind_views(targets: Mapping[str, torch.Tensor], views: Mapping[str, torch.Te
     """Make every target tensor (a module's parameters and buffers) use the matching view.
 
     The tensor objects keep their identity (optimizers and hooks keep working); only their
-    storage changes. Nothing is copied.
+    storage changes. Nothing is copied. (Assigning ``.data`` is allowed in any grad mode.)
     """
-    with torch.no_grad():
-        for key, t in targets.items():
-            t.data = views[key]
+    for key, t in targets.items():
+        t.data = views[key]
 
 
 def module_targets(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -59,6 +59,9 @@ class Staged:
     views: dict[str, torch.Tensor]
     source: str = ""
     """Where it lives (the slot path for shared memory)."""
+    bind_once: bool = False
+    """The model stays bound to these views across versions (a window): once bound, the views
+    are dropped, since they would only cost memory (about a kilobyte per tensor)."""
 
 
 class SenderPlane(abc.ABC):
@@ -300,7 +303,7 @@ class SharedMemReceiverPlane(ReceiverPlane):
                 log.info("no slot window (%s); switches re-bind each tensor", exc)
             else:
                 parts = layout.split(self._window.tensor)
-                self._window_staged = Staged(parts, layout.views(parts), "window")
+                self._window_staged = Staged(parts, layout.views(parts), "window", bind_once=True)
 
     def show(self, staged: Staged) -> Staged:
         if self._window is None or self._window_staged is None:

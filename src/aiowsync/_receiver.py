@@ -43,6 +43,7 @@ from ._protocol import (
     Update,
     Welcome,
 )
+from ._signal import Signal
 
 __all__ = ["ApplyMode", "Hook", "ReceiverCore"]
 
@@ -87,7 +88,7 @@ class ReceiverCore:
         self.protocol_errors = 0
         self.version = -1
         self._bye: str | None = None
-        self._changed = anyio.Event()
+        self._changed = Signal()
         self._private: list[Staged] = []
         self._live: Staged | None = None
         self._live_private = -1
@@ -110,8 +111,7 @@ class ReceiverCore:
         return self.protocol_errors + (0 if channel is None else channel.dropped)
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        self._changed.notify()
 
     async def wait_for_version(self, version: int, timeout: float) -> int:
         try:
@@ -197,7 +197,10 @@ class ReceiverCore:
         was_alive = True
         while self._bye is None:
             try:
-                await self._step(timeout=self._beats.interval)
+                if await self._step(timeout=self._beats.interval) is not None:
+                    # An update just came over this connection: it is up, and was_alive
+                    # still tells whether an outage was seen before it.
+                    continue
             except WeightSyncTimeout:
                 pass
             channel = self._channel
@@ -279,16 +282,19 @@ class ReceiverCore:
             )
         except Exception as exc:  # a user hook may raise anything; the sender must hear of it
             answer = Nack(worker_idx=self.worker_idx, version=version, error=_text(exc))
-        with anyio.CancelScope(shield=True):
-            await self._answer(answer)
+        await self._answer(answer)
         return answer
 
     async def _answer(self, answer: Ack | Nack) -> None:
+        """Send ``answer``; once begun, not even cancellation stops it."""
         channel = self._channel
         if channel is None:
             return
         self._conn.send(answer)
-        await channel.send(answer, timeout=self._timeouts.control)
+        if channel.send_nowait(answer):
+            return
+        with anyio.CancelScope(shield=True):
+            await channel.send(answer, timeout=self._timeouts.control)
 
     async def _apply(self, version: int, params: Mapping[str, ParamValue]) -> None:
         if self._plane.blocking_fetch:
@@ -319,7 +325,9 @@ class ReceiverCore:
         if self.apply_mode == "swap" and not private:
             staged = self._plane.show(staged)
         if staged is not self._live:
-            bind_views(self._targets, staged.views)
+            bind_views(self._targets, staged.views or self.layout.views(staged.buffers))
+            if staged.bind_once:
+                staged.views.clear()
         self._live = staged
         self.version = version
         self._notify()

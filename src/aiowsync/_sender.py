@@ -49,6 +49,7 @@ from ._protocol import (
     Welcome,
 )
 from ._shm_slots import pid_alive
+from ._signal import Signal
 
 __all__ = ["SendResult", "SenderCore"]
 
@@ -95,19 +96,18 @@ class _Peer:
 class _Pending:
     version: int
     waiting: set[int]
-    done: anyio.Event = field(default_factory=anyio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
     acked: set[int] = field(default_factory=set)
     nacks: dict[int, str] = field(default_factory=dict)
     retryable: set[int] = field(default_factory=set)
     lost: set[int] = field(default_factory=set)
-    changed: anyio.Event = field(default_factory=anyio.Event)
+    changed: Signal = field(default_factory=Signal)
 
     def settle(self, worker: int) -> None:
         self.waiting.discard(worker)
         if not self.waiting:
             self.done.set()
-        self.changed.set()
-        self.changed = anyio.Event()
+        self.changed.notify()
 
     def reopen(self, workers: list[int]) -> None:
         """``workers`` get another attempt: their failed answers no longer count."""
@@ -116,7 +116,7 @@ class _Pending:
             self.retryable.discard(worker)
             self.waiting.add(worker)
         if self.done.is_set():
-            self.done = anyio.Event()
+            self.done = asyncio.Event()
 
 
 class SenderCore:
@@ -147,12 +147,13 @@ class SenderCore:
         self._retired: list[_Peer] = []
         self._by_routing: dict[PeerId, _Peer] = {}
         self._pending: dict[int, _Pending] = {}
-        self._send_lock = anyio.Lock()
+        # FIFO; taken without a checkpoint when free (one loop pass less per send).
+        self._send_lock = anyio.Lock(fast_acquire=True)
         self._tasks: anyio.abc.TaskGroup | None = None
         # Transfers of successive versions run one after another, even past a cancelled send.
         self._last_transfer = threading.Event()
         self._last_transfer.set()
-        self._changed = anyio.Event()
+        self._changed = Signal()
         self.version = 0
         self.dropped = 0
 
@@ -193,7 +194,7 @@ class SenderCore:
                 pending.lost |= set(pending.waiting)
                 pending.waiting.clear()
                 pending.done.set()
-                pending.changed.set()
+                pending.changed.notify()
             self._plane.close()
 
     # -- status -------------------------------------------------------------------------------
@@ -216,8 +217,7 @@ class SenderCore:
             ) from None
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        self._changed.notify()
 
     # -- background task ----------------------------------------------------------------------
 

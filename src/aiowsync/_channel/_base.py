@@ -70,6 +70,10 @@ class ReceiverChannel(_Counting, abc.ABC):
     @abc.abstractmethod
     async def send(self, message: Message, *, timeout: float | None) -> None: ...
 
+    def send_nowait(self, message: Message) -> bool:
+        """Queue ``message`` only if that needs no wait; False when :meth:`send` must be used."""
+        return False
+
     @abc.abstractmethod
     async def recv(self, *, timeout: float | None) -> Message:
         """Next valid message; raises :class:`WeightSyncTimeout` at the deadline, losing nothing."""

@@ -35,6 +35,7 @@ _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
 _DOWN_EVENTS = (
     zmq.EVENT_DISCONNECTED
     | zmq.EVENT_CLOSED
@@ -73,9 +74,11 @@ class _ZmqEnd:
     """Wait-then-read helpers over one plain zmq socket driven by the running event loop.
 
     The socket's file descriptor is registered with the loop once. It only signals that the
-    socket's state *may* have changed, so every wake-up, send and receive is followed by a look
-    at ``zmq.EVENTS``, and waiters re-check after each operation. Nothing is read while waiting,
-    so a wait cancelled by a deadline loses no message.
+    socket's state *may* have changed. A receive therefore first tries a non-blocking read: a
+    read that finds nothing has also drained the socket's pending commands, so the descriptor
+    is quiet until something new happens, and the receive waits for it. Every send and receive
+    wakes the other waiters to re-check, since it may have consumed the signal they needed.
+    Nothing is read while waiting, so a wait cancelled by a deadline loses no message.
     """
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], kind: int) -> None:
@@ -97,24 +100,28 @@ class _ZmqEnd:
         return bool(self._sock.getsockopt(_EVENTS) & event)  # type: ignore[operator]
 
     async def _wait(self, event: int, deadline: float) -> None:
+        while not self._ready(event):
+            await self._signalled(deadline)
+
+    async def _signalled(self, deadline: float) -> None:
+        """Wait until the descriptor fires, another operation ran, or ``deadline`` passed."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
             loop.add_reader(self._fd, self._wake)
             self._loop = loop
-        while not self._ready(event):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            fut: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(fut)
-            timer = None if math.isinf(remaining) else loop.call_later(remaining, self._wake)
-            try:
-                await fut
-            finally:
-                if timer is not None:
-                    timer.cancel()
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(fut)
+        timer = None if math.isinf(remaining) else loop.call_later(remaining, self._wake)
+        try:
+            await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if fut in self._waiters:
+                self._waiters.remove(fut)
 
     async def _send_frames(self, frames: list[bytes], timeout: float | None) -> None:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
@@ -144,14 +151,16 @@ class _ZmqEnd:
             if frames is not None:
                 return frames
             try:
-                await self._wait(_POLLIN, deadline)
+                await self._signalled(deadline)
             except TimeoutError:
                 raise timeout_error("message", timeout) from None
 
     def _recv_frames_nowait(self) -> list[bytes] | None:
-        if not self._ready(_POLLIN):
-            return None
+        if self._sock.closed:
+            raise TransportError("channel is closed")
         try:
+            # With nothing to read, zmq processes the socket's pending commands before it
+            # gives up, which also resets the descriptor that _signalled() waits on.
             return self._sock.recv_multipart(_NOBLOCK)
         except zmq.Again:
             return None
@@ -212,7 +221,26 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def send(self, peer: PeerId, message: Message, *, timeout: float | None) -> None:
-        await self._send_frames([peer, encode(message)], timeout)
+        frame = encode(message)
+        if self._sock.closed:
+            raise TransportError("channel is closed")
+        try:
+            # The common case in two plain calls (send_multipart builds flag enums per frame).
+            # A ROUTER refuses a message at its first frame or not at all.
+            self._sock.send(peer, _NOBLOCK | _SNDMORE)
+        except zmq.Again:
+            self._after_io()
+            await self._send_frames([peer, frame], timeout)
+            return
+        except zmq.ZMQError as exc:
+            self._after_io()
+            raise TransportError(f"send failed: {exc}") from None
+        try:
+            self._sock.send(frame, _NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"send failed: {exc}") from None
+        finally:
+            self._after_io()
 
     async def recv(self, *, timeout: float | None) -> tuple[PeerId, Message]:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
@@ -285,6 +313,17 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
 
     async def send(self, message: Message, *, timeout: float | None) -> None:
         await self._send_frames([encode(message)], timeout)
+
+    def send_nowait(self, message: Message) -> bool:
+        try:
+            self._sock.send(encode(message), _NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            raise TransportError(f"send failed: {exc}") from None
+        finally:
+            self._after_io()
+        return True
 
     async def recv(self, *, timeout: float | None) -> Message:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)

@@ -45,6 +45,8 @@ class State(enum.Enum):
 
 _FROM_RECEIVER: Final = frozenset({Hello, Ack, Nack})
 _FROM_SENDER: Final = frozenset({Welcome, Refuse, Update})
+_NAMED: Final = (Hello, Ack, Nack)
+_ANSWERS: Final = (Ack, Nack)
 
 _Table = dict[tuple[Role, State], dict[type[Message], State]]
 
@@ -99,6 +101,8 @@ class Connection:
 
     __slots__ = (
         "_acked",
+        "_allowed",
+        "_allowed_in",
         "_attempt",
         "_error",
         "_outstanding",
@@ -119,6 +123,9 @@ class Connection:
         # can skip (updates sent to a subset of workers), so "<= latest" is not enough.
         self._outstanding: set[int] = set()
         self._error: str | None = None
+        # The row of TRANSITIONS for the state it was looked up in (enum hashing is slow).
+        self._allowed_in: State | None = None
+        self._allowed: dict[type[Message], State] = {}
 
     @property
     def latest_update(self) -> int:
@@ -148,8 +155,10 @@ class Connection:
             is_receiver = self.role is Role.RECEIVER
             if by_receiver != (sent_by_me == is_receiver):
                 self._fail(f"{kind.__name__} cannot travel that way for a {self.role.value}")
-        allowed = TRANSITIONS[(self.role, self.state)]
-        next_state = allowed.get(kind)
+        if self._allowed_in is not self.state:
+            self._allowed_in = self.state
+            self._allowed = TRANSITIONS[(self.role, self.state)]
+        next_state = self._allowed.get(kind)
         if next_state is None:
             self._fail(f"{kind.__name__} is not allowed in state {self.state.value}")
         self._check_fields(message)
@@ -158,7 +167,7 @@ class Connection:
         self.state = next_state
 
     def _check_fields(self, message: Message) -> None:
-        named = isinstance(message, Hello | Ack | Nack) and self.worker_idx is not None
+        named = isinstance(message, _NAMED) and self.worker_idx is not None
         if named and message.worker_idx != self.worker_idx:  # type: ignore[union-attr]
             self._fail(f"message names worker {message.worker_idx}, expected {self.worker_idx}")  # type: ignore[union-attr]
         if isinstance(message, Hello) and self.worker_idx is None:
@@ -179,7 +188,7 @@ class Connection:
             self._sent_versions = message.version
             self._attempt = message.attempt
             self._outstanding.add(message.version)
-        elif isinstance(message, Ack | Nack):
+        elif isinstance(message, _ANSWERS):
             if message.version not in self._outstanding:
                 self._fail(f"answer for version {message.version}, which was never sent")
             if isinstance(message, Ack):
