@@ -312,6 +312,10 @@ def _copy_share(moves: list[tuple[int, int, int]]) -> None:
 
 
 _SMALL_MOVE = 256 * 1024
+_MAX_MOVE = 64 * 1024 * 1024
+"""No single memmove is longer. glibc copies much longer ones (190 MiB and up here) with
+non-temporal stores: faster, but during 1 GiB sends the other processes' event loops then
+stalled up to 20-30 ms, against a few ms with moves of this size (docs/decisions.md, 21)."""
 
 
 def _parallel_copy(moves: list[tuple[int, int, int]], total: int) -> None:
@@ -320,17 +324,18 @@ def _parallel_copy(moves: list[tuple[int, int, int]], total: int) -> None:
     Every memmove gives up the GIL and must take it back, so threads that each make many
     small moves mostly wait for one another. This thread therefore takes the small moves,
     smallest first, up to its fair share of the bytes; the rest are dealt out (largest first,
-    to the least loaded share) to even out the bytes, and moves larger than a fair share are
-    cut so that one big tensor still uses every thread.
+    to the least loaded share) to even out the bytes, and moves larger than a fair share (or
+    than ``_MAX_MOVE``) are cut so that one big tensor still uses every thread.
     """
     global _copy_pool
     count = max(1, min(4, torch.get_num_threads()))
-    piece = max(1, -(-total // count))
+    fair = max(1, -(-total // count))
+    piece = min(fair, _MAX_MOVE)
     shares: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
     load = [0] * count
     big: list[tuple[int, int, int]] = []
     for d, s, n in sorted(moves, key=lambda m: m[2]):
-        if n < _SMALL_MOVE and load[0] + n <= piece:
+        if n < _SMALL_MOVE and load[0] + n <= fair:
             shares[0].append((d, s, n))
             load[0] += n
             continue

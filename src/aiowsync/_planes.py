@@ -228,10 +228,8 @@ class SharedMemSenderPlane(SenderPlane):
     def write(self, slot: int, source: Source) -> None:
         s = self._slots[slot]
         if source.buffers is not None:
-            # Whole buffers: fused_copy cuts each into one share per thread. Smaller pieces
-            # would be worse: glibc's memmove switches to non-temporal stores only for large
-            # copies (190 MiB here), which are then faster and evict less of the other
-            # processes' caches.
+            # Whole buffers: fused_copy cuts them into one share per thread and into moves
+            # of at most 64 MiB (see _MAX_MOVE in _layout).
             fused_copy(self.layout.split(s.file.tensor), list(source.buffers))
         elif source.tensors is not None:
             keys = self.layout.keys
