@@ -160,7 +160,6 @@ class ReceiverPlane(abc.ABC):
     def close(self) -> None: ...
 
 
-
 @dataclass(slots=True)
 class _Slot:
     file: SlotFile
