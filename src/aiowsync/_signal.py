@@ -24,6 +24,11 @@ class Signal:
     def __init__(self) -> None:
         self._waiters: list[asyncio.Future[None]] = []
 
+    @property
+    def waiting(self) -> bool:
+        """True while some task waits."""
+        return bool(self._waiters)
+
     def notify(self) -> None:
         waiters, self._waiters = self._waiters, []
         for fut in waiters:

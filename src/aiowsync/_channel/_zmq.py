@@ -24,6 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 from .._auth import CurveKeys, CurveServer, check_server_keys, client_options
 from .._exceptions import TransportError, WeightSyncTimeout
 from .._protocol import Heartbeat, Message, encode
+from .._signal import Signal
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
 
 __all__ = ["ZmqChannelFactory", "is_loopback_address"]
@@ -86,13 +87,10 @@ class _ZmqEnd:
         self._sock: zmq.Socket[bytes] = ctx.socket(kind)
         self._fd = int(self._sock.getsockopt(zmq.FD))
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: list[asyncio.Future[None]] = []
+        self._changed = Signal()
 
     def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        self._changed.notify()
 
     def _ready(self, event: int) -> bool:
         if self._sock.closed:
@@ -112,16 +110,12 @@ class _ZmqEnd:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append(fut)
         timer = None if math.isinf(remaining) else loop.call_later(remaining, self._wake)
         try:
-            await fut
+            await self._changed.wait()
         finally:
             if timer is not None:
                 timer.cancel()
-            if fut in self._waiters:
-                self._waiters.remove(fut)
 
     async def _send_frames(self, frames: list[bytes], timeout: float | None) -> None:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
@@ -171,7 +165,7 @@ class _ZmqEnd:
 
     def _after_io(self) -> None:
         # An operation may consume the fd's edge that another waiter needed: let them re-check.
-        if self._waiters and self._loop is not None:
+        if self._changed.waiting and self._loop is not None:
             self._loop.call_soon(self._wake)
 
     def _close_socket(self) -> None:
@@ -179,11 +173,9 @@ class _ZmqEnd:
             return
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
-        waiters, self._waiters = self._waiters, []
         self._sock.close(linger=0)
-        for fut in waiters:
-            if not fut.done():
-                fut.set_exception(TransportError("channel is closed"))
+        # Waiters wake, look at the socket again, and raise TransportError: it is closed.
+        self._changed.notify()
 
 
 class ZmqSenderChannel(_ZmqEnd, SenderChannel):
