@@ -136,6 +136,9 @@ class SenderCore:
         self._channels = channels
         self._plane = plane
         self.layout = layout
+        # Small copies are staged on the loop: cheaper than the hop to a worker thread, and too
+        # short to stall it. Planes with transfers only take note of the source there.
+        self._stages_inline = layout.total_bytes <= INLINE_COPY_BYTES or plane.transfers
         self.num_workers = num_workers
         self.model_id = model_id
         self._bind = bind
@@ -522,8 +525,11 @@ class SenderCore:
         deadline = None if timeout is None else time.monotonic() + timeout
         stage_limit = self._timeouts.transfer if timeout is None else timeout
         move_by = time.monotonic() + stage_limit
+        # Only waiting for the lock or for a staging thread can overrun the deadline; a small
+        # send that finds the lock free never suspends before its announcements go out.
+        may_wait = self._send_lock.locked() or not self._stages_inline
         try:
-            with anyio.fail_after(stage_limit):
+            with anyio.fail_after(stage_limit) if may_wait else contextlib.nullcontext():
                 await self._send_lock.acquire()
                 try:
                     self.check_targets(targets)
@@ -589,9 +595,7 @@ class SenderCore:
             self._plane.write(slot, source())
 
         try:
-            if self.layout.total_bytes <= INLINE_COPY_BYTES or self._plane.transfers:
-                # Cheaper than the hop to a worker thread, and too short to stall the loop
-                # (planes with transfers only take note of the source here).
+            if self._stages_inline:
                 stage()
             else:
                 await anyio.to_thread.run_sync(stage)
@@ -603,39 +607,61 @@ class SenderCore:
         if channel is None:
             raise WeightSyncError("the sender shut down while this version was being staged")
         # From here on the version exists: announce it to every target even if cancelled.
-        with anyio.CancelScope(shield=True):
-            version = self.version + 1
-            params = self._plane.publish(slot, version)
-            self.version = version
-            pending = _Pending(version, set(targets))
-            self._pending[version] = pending
-            members = [self._peers[w] for w in targets if not self._peers[w].lost]
-            route = None
-            if self._plane.transfers and members:
-                route = self._plane.route([(p.worker_idx, p.session) for p in members], version)
-                left = max(0.001, move_by - time.monotonic())
-                params = {**params, **self._plane.route_params(route, left)}
-            update = Update(version=version, params=params)
-            for worker in targets:
-                peer = self._peers[worker]
-                if peer.lost:
-                    pending.lost.add(worker)
-                    pending.settle(worker)
-                    continue
-                await self._announce(channel, peer, update)
-            if not targets:
-                pending.done.set()
+        # Nothing below suspends unless a socket cannot take an update at once, and those
+        # announcements are shielded.
+        version = self.version + 1
+        params = self._plane.publish(slot, version)
+        self.version = version
+        pending = _Pending(version, set(targets))
+        self._pending[version] = pending
+        members = [self._peers[w] for w in targets if not self._peers[w].lost]
+        route = None
+        if self._plane.transfers and members:
+            route = self._plane.route([(p.worker_idx, p.session) for p in members], version)
+            left = max(0.001, move_by - time.monotonic())
+            params = {**params, **self._plane.route_params(route, left)}
+        update = Update(version=version, params=params)
+        blocked: list[_Peer] = []
+        for worker in targets:
+            peer = self._peers[worker]
+            if peer.lost:
+                pending.lost.add(worker)
+                pending.settle(worker)
+            elif not self._announce_nowait(channel, peer, update):
+                blocked.append(peer)
+        if blocked:
+            with anyio.CancelScope(shield=True):
+                for peer in blocked:
+                    await self._announce_rest(channel, peer, update)
+        if not targets:
+            pending.done.set()
         return version, pending, stage_s, route
 
     async def _announce(self, channel: SenderChannel, peer: _Peer, update: Update) -> None:
+        if not self._announce_nowait(channel, peer, update):
+            await self._announce_rest(channel, peer, update)
+
+    def _announce_nowait(self, channel: SenderChannel, peer: _Peer, update: Update) -> bool:
+        """Record ``update`` as sent to ``peer`` and queue it; False if the socket has no room
+        right now (then :meth:`_announce_rest` must finish the job)."""
         try:
             peer.conn.send(update)
             peer.inflight.add(update.version)
+            return channel.send_nowait(peer.routing, update)
+        except WeightSyncError as exc:
+            self._announce_failed(peer, exc)
+            return True
+
+    async def _announce_rest(self, channel: SenderChannel, peer: _Peer, update: Update) -> None:
+        try:
             await channel.send(peer.routing, update, timeout=self._timeouts.control)
         except WeightSyncError as exc:
-            if isinstance(exc, TransportError):
-                self._connection_closed(peer)
-            self._mark_lost(peer, f"update could not be sent: {exc}")
+            self._announce_failed(peer, exc)
+
+    def _announce_failed(self, peer: _Peer, exc: WeightSyncError) -> None:
+        if isinstance(exc, TransportError):
+            self._connection_closed(peer)
+        self._mark_lost(peer, f"update could not be sent: {exc}")
 
     async def _deliver(self, version: int, pending: _Pending, route: Any, move_by: float) -> None:
         """Move ``version`` to its targets; retry those whose transfer failed.

@@ -48,6 +48,13 @@ class SenderChannel(_Counting, abc.ABC):
     async def send(self, peer: PeerId, message: Message, *, timeout: float | None) -> None:
         """Send to one peer; raises :class:`TransportError` if the peer is gone."""
 
+    def send_nowait(self, peer: PeerId, message: Message) -> bool:
+        """Queue ``message`` only if that needs no wait; False when :meth:`send` must be used.
+
+        Raises :class:`TransportError` if the peer is gone.
+        """
+        return False
+
     @abc.abstractmethod
     async def recv(self, *, timeout: float | None) -> tuple[PeerId, Message]:
         """Next valid message and its peer id; raises :class:`WeightSyncTimeout` at the deadline.

@@ -213,26 +213,25 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def send(self, peer: PeerId, message: Message, *, timeout: float | None) -> None:
+        if not self.send_nowait(peer, message):
+            await self._send_frames([peer, encode(message)], timeout)
+
+    def send_nowait(self, peer: PeerId, message: Message) -> bool:
         frame = encode(message)
         if self._sock.closed:
             raise TransportError("channel is closed")
         try:
-            # The common case in two plain calls (send_multipart builds flag enums per frame).
-            # A ROUTER refuses a message at its first frame or not at all.
+            # Two plain calls (send_multipart builds flag enums for every frame). A ROUTER
+            # refuses a message at its first frame or not at all.
             self._sock.send(peer, _NOBLOCK | _SNDMORE)
-        except zmq.Again:
-            self._after_io()
-            await self._send_frames([peer, frame], timeout)
-            return
-        except zmq.ZMQError as exc:
-            self._after_io()
-            raise TransportError(f"send failed: {exc}") from None
-        try:
             self._sock.send(frame, _NOBLOCK)
+        except zmq.Again:
+            return False
         except zmq.ZMQError as exc:
             raise TransportError(f"send failed: {exc}") from None
         finally:
             self._after_io()
+        return True
 
     async def recv(self, *, timeout: float | None) -> tuple[PeerId, Message]:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
