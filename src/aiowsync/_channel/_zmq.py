@@ -117,18 +117,29 @@ class _ZmqEnd:
             if timer is not None:
                 timer.cancel()
 
+    def _try_send(self, *frames: bytes) -> bool:
+        """Queue one message of ``frames`` if the socket takes it now; False if it has no room.
+
+        Plain calls, since ``send_multipart`` builds flag enums for every frame. A ROUTER
+        refuses a message at its first frame or not at all, so False never leaves half of one.
+        """
+        if self._sock.closed:
+            raise TransportError("channel is closed")
+        try:
+            for frame in frames[:-1]:
+                self._sock.send(frame, _NOBLOCK | _SNDMORE)
+            self._sock.send(frames[-1], _NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            raise TransportError(f"send failed: {exc}") from None
+        finally:
+            self._after_io()
+        return True
+
     async def _send_frames(self, frames: list[bytes], timeout: float | None) -> None:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
-        while True:
-            try:
-                self._sock.send_multipart(frames, _NOBLOCK)
-                return
-            except zmq.Again:
-                pass
-            except zmq.ZMQError as exc:
-                raise TransportError(f"send failed: {exc}") from None
-            finally:
-                self._after_io()
+        while not self._try_send(*frames):
             if self._ready(_POLLOUT):
                 # The socket has room but this peer's queue is full (a ROUTER queues per peer):
                 # that peer has stopped reading, and no event will say when it resumes.
@@ -213,25 +224,10 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def send(self, peer: PeerId, message: Message, *, timeout: float | None) -> None:
-        if not self.send_nowait(peer, message):
-            await self._send_frames([peer, encode(message)], timeout)
+        await self._send_frames([peer, encode(message)], timeout)
 
     def send_nowait(self, peer: PeerId, message: Message) -> bool:
-        frame = encode(message)
-        if self._sock.closed:
-            raise TransportError("channel is closed")
-        try:
-            # Two plain calls (send_multipart builds flag enums for every frame). A ROUTER
-            # refuses a message at its first frame or not at all.
-            self._sock.send(peer, _NOBLOCK | _SNDMORE)
-            self._sock.send(frame, _NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:
-            raise TransportError(f"send failed: {exc}") from None
-        finally:
-            self._after_io()
-        return True
+        return self._try_send(peer, encode(message))
 
     async def recv(self, *, timeout: float | None) -> tuple[PeerId, Message]:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
@@ -306,15 +302,7 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         await self._send_frames([encode(message)], timeout)
 
     def send_nowait(self, message: Message) -> bool:
-        try:
-            self._sock.send(encode(message), _NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:
-            raise TransportError(f"send failed: {exc}") from None
-        finally:
-            self._after_io()
-        return True
+        return self._try_send(encode(message))
 
     async def recv(self, *, timeout: float | None) -> Message:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
