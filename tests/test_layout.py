@@ -455,3 +455,78 @@ def test_fused_copy_of_a_large_mixed_list_copies_every_byte() -> None:
     assert sum(t.nbytes for t in dst) > 4 * 1024 * 1024  # large enough for the threaded path
     fused_copy(dst, src)
     assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+
+
+def _mixed_weights(seed: int, count: int = 400) -> dict[str, torch.Tensor]:
+    """Tensors of every common dtype, odd byte sizes, scalars and empties: > 4 MiB in all."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.int64, torch.bool, torch.bfloat16, torch.float16, torch.uint8]
+    out: dict[str, torch.Tensor] = {}
+    for i in range(count):
+        dtype = dtypes[i % len(dtypes)]
+        n = int(torch.randint(1, 30000, (1,), generator=g))
+        shape: tuple[int, ...] = () if i % 37 == 0 else (n,) if i % 3 else (n // 7 + 1, 7)
+        if i % 53 == 0:
+            shape = (0, 5)
+        out[f"t{i:03d}"] = (torch.randn(shape, generator=g) * 100).to(dtype)
+    out["big"] = torch.randn(3 * 1024 * 1024, generator=g)  # one tensor larger than a share
+    return out
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 2 * 1024 * 1024])
+def test_gather_copy_fills_every_tensor_and_reuses_its_plan(bucket_bytes: int | None) -> None:
+    from aiowsync._layout import GatherCopy, _gather_pool
+
+    if _gather_pool() is None:
+        pytest.skip("torch does not run on OpenMP here")
+    weights = _mixed_weights(1)
+    layout = Layout.from_weights(weights, bucket_bytes=bucket_bytes)
+    assert layout.total_bytes > 4 * 1024 * 1024
+    gather = GatherCopy(layout)
+    dst = [torch.full((n,), 0xAB, dtype=torch.uint8) for n in layout.buffer_sizes]
+    src = [weights[k] for k in layout.keys]
+    for round_ in range(4):
+        for t in src:
+            if t.dtype == torch.bool:
+                t.logical_not_()
+            else:
+                t.add_(1)
+        assert gather.copy(dst, src)
+        views = layout.views(dst)
+        assert all(torch.equal(views[k], weights[k]) for k in layout.keys), round_
+        # The plan is kept from the second call with the same sources on.
+        assert bool(gather._plans) == (round_ >= 1)
+    # A source that moved (new storage, same values) is followed, and the old plan dropped.
+    key = layout.keys[5]
+    weights[key] = weights[key].clone() + 3
+    src = [weights[k] for k in layout.keys]
+    assert gather.copy(dst, src)
+    assert not gather._plans
+    views = layout.views(dst)
+    assert all(torch.equal(views[k], weights[k]) for k in layout.keys)
+    gather.clear()
+    assert not gather._plans
+
+
+def test_gather_copy_declines_what_it_cannot_copy_as_bytes() -> None:
+    from aiowsync._layout import GatherCopy
+
+    weights = _mixed_weights(2, count=60)
+    layout = Layout.from_weights(weights)
+    gather = GatherCopy(layout)
+    dst = layout.allocate()
+    src = [weights[k] for k in layout.keys]
+    # A strided (non-contiguous) source and a conjugate view are left to fused_copy.
+    strided = [*src]
+    strided[layout.keys.index("big")] = torch.randn(2 * 3 * 1024 * 1024)[::2]
+    assert not gather.copy(dst, strided)
+    z = torch.randn(8, dtype=torch.complex64).conj()
+    assert z.is_conj()
+    lay_c = Layout.from_weights({**weights, "z": z})
+    src_c = [{**weights, "z": z}[k] for k in lay_c.keys]
+    assert not GatherCopy(lay_c).copy(lay_c.allocate(), src_c)
+    # Small models are not worth the threads.
+    small = {"a": torch.ones(10)}
+    lay_s = Layout.from_weights(small)
+    assert not GatherCopy(lay_s).copy(lay_s.allocate(), [small["a"]])
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in dst)

@@ -111,8 +111,10 @@ async def _trainer(args: argparse.Namespace) -> int:
     procs = []
     meter = _StallMeter()
     latencies: list[float] = []
-    print(f"aiowsync demo: {nbytes / 2**20:.1f} MiB model, {args.workers} workers, "
-          f"{args.sends} sends over shared memory")
+    print(
+        f"aiowsync demo: {nbytes / 2**20:.1f} MiB model, {args.workers} workers, "
+        f"{args.sends} sends over shared memory"
+    )
     async with scheme:
         try:
             for i in range(args.workers):
@@ -123,17 +125,21 @@ async def _trainer(args: argparse.Namespace) -> int:
             print(f"  {args.workers} workers connected at {scheme.address}, all on version 0")
             ticker = asyncio.create_task(meter.run())
             for step in range(1, args.sends + 1):
+
                 def train_step() -> None:
                     with torch.no_grad():
                         for p in model.parameters():
                             p.add_(torch.randn_like(p), alpha=1e-3)
+
                 await asyncio.to_thread(train_step)
                 expected[step] = await asyncio.to_thread(_digest, model)
                 result = await scheme.send(timeout=30)
                 latencies.append(result.seconds)
                 if step % max(1, args.sends // 10) == 0 or step == args.sends:
-                    print(f"  sent version {result.version:4d} to workers "
-                          f"{list(result.worker_ids)} in {result.seconds * 1e3:6.2f} ms")
+                    print(
+                        f"  sent version {result.version:4d} to workers "
+                        f"{list(result.worker_ids)} in {result.seconds * 1e3:6.2f} ms"
+                    )
                 await asyncio.sleep(args.interval)
             ticker.cancel()
         finally:
@@ -182,8 +188,9 @@ def _summary(
             continue
         _, _, version, stats, gap = reports[i]
         ok = ok and bad == 0 and version == args.sends
-        print(f"| {i} | {version} | {stats['switches']} | {len(rows)} | {bad} | "
-              f"{gap * 1e3:.1f} ms |")
+        print(
+            f"| {i} | {version} | {stats['switches']} | {len(rows)} | {bad} | {gap * 1e3:.1f} ms |"
+        )
     print()
     print(f"send latency: p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(lat)} sends")
     print(f"trainer event loop max stall: {trainer_gap * 1e3:.1f} ms")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
-from ._layout import Layout, fused_copy
+from ._layout import GatherCopy, Layout, fused_copy
 from ._protocol import ParamValue
 from ._shm_slots import SlotFile, remove_stale_slots
 from ._shm_window import SlotWindow, windows_supported
@@ -165,6 +165,7 @@ class _Slot:
     file: SlotFile
     version: int | None = None
     busy: bool = False
+    parts: list[torch.Tensor] = field(default_factory=list)
     views: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -188,6 +189,7 @@ class SharedMemSenderPlane(SenderPlane):
 
     def setup(self, layout: Layout) -> None:
         self.layout = layout
+        self._gather = GatherCopy(layout)
         remove_stale_slots()
         try:
             for _ in range(self.num_slots):
@@ -199,7 +201,8 @@ class SharedMemSenderPlane(SenderPlane):
     def _add_slot(self) -> _Slot:
         file = SlotFile.create(len(self._slots), self.layout.total_bytes, self._token)
         slot = _Slot(file)
-        slot.views = self.layout.views(self.layout.split(file.tensor))
+        slot.parts = self.layout.split(file.tensor)
+        slot.views = self.layout.views(slot.parts)
         self._slots.append(slot)
         return slot
 
@@ -229,10 +232,12 @@ class SharedMemSenderPlane(SenderPlane):
         if source.buffers is not None:
             # Whole buffers: fused_copy cuts them into one share per thread and into moves
             # of at most 64 MiB (see _MAX_MOVE in _layout).
-            fused_copy(self.layout.split(s.file.tensor), list(source.buffers))
+            fused_copy(s.parts, list(source.buffers))
         elif source.tensors is not None:
-            keys = self.layout.keys
-            fused_copy([s.views[k] for k in keys], [source.tensors[k] for k in keys])
+            keys, tensors = self.layout.keys, source.tensors
+            src = [tensors[k] for k in keys]
+            if not self._gather.copy(s.parts, src):
+                fused_copy([s.views[k] for k in keys], src)
         else:
             raise ValueError("empty source")
 
@@ -257,6 +262,8 @@ class SharedMemSenderPlane(SenderPlane):
 
     def close(self) -> None:
         self._closed = True
+        if hasattr(self, "_gather"):
+            self._gather.clear()
         for s in self._slots:
             s.file.unlink()
 

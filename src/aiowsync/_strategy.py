@@ -94,9 +94,7 @@ def _check_same(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]
     for k in sorted(dst.keys() & src.keys()):
         a, b = dst[k], src[k]
         if a.shape != b.shape or a.dtype != b.dtype:
-            problems.append(
-                f"{k}: expected {a.dtype}{list(a.shape)}, got {b.dtype}{list(b.shape)}"
-            )
+            problems.append(f"{k}: expected {a.dtype}{list(a.shape)}, got {b.dtype}{list(b.shape)}")
     if problems:
         raise LayoutMismatchError(problems)
 
