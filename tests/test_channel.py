@@ -276,6 +276,29 @@ async def test_timed_out_receive_then_next_message_arrives(factory: ChannelFacto
         assert await receiver.recv(timeout=WAIT) == Update(version=1)
 
 
+async def test_waiters_with_different_deadlines_each_time_out_on_their_own(
+    factory: ChannelFactory,
+) -> None:
+    """One timer serves every waiter of a socket: a short wait that starts while a long one
+    is pending still ends on time, and the long one still gets the next message."""
+    async with channels(factory) as (sender, [receiver]):
+        [peer] = await introduce(sender, [receiver])
+        long_wait = asyncio.ensure_future(receiver.recv(timeout=4.0))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(aiowsync.WeightSyncTimeout):
+            await receiver.recv(timeout=0.2)
+        assert 0.15 <= time.monotonic() - started < 1.5
+        assert not long_wait.done()
+        await sender.send(peer, Update(version=1), timeout=WAIT)
+        assert await asyncio.wait_for(long_wait, WAIT) == Update(version=1)
+        # And a long wait started after a short one timed out still times out, later.
+        started = time.monotonic()
+        with pytest.raises(aiowsync.WeightSyncTimeout):
+            await receiver.recv(timeout=0.3)
+        assert 0.25 <= time.monotonic() - started < 2.0
+
+
 # -- closing --------------------------------------------------------------------------------
 
 

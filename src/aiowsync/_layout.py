@@ -387,6 +387,9 @@ class GatherCopy:
         self._previous: tuple[int, ...] | None = None
         """Source pointers of the previous call (no reference to the tensors is held)."""
         self._zeros = torch.zeros(layout.alignment, dtype=torch.uint8)
+        # Lazy conjugate and negative views exist only for complex tensors (sources match the
+        # layout's dtypes), so only complex layouts pay for that check on every call.
+        self._lazy_views = any(spec.dtype.is_complex for spec in layout.specs)
 
     def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> bool:
         """Copy ``src`` (one tensor per layout key, in layout order, already checked against
@@ -396,7 +399,7 @@ class GatherCopy:
         if self.layout.total_bytes < _PARALLEL_COPY_BYTES or len(src) != len(self.layout.specs):
             return False
         pool = _gather_pool()
-        if pool is None or not _all_plain(src):
+        if pool is None or not _all_plain(src, self._lazy_views):
             return False
         key = tuple(map(_data_ptr, src))
         if key != self._kept:
@@ -494,12 +497,11 @@ _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
 
 
-def _all_plain(tensors: Sequence[torch.Tensor]) -> bool:
+def _all_plain(tensors: Sequence[torch.Tensor], lazy_views: bool = True) -> bool:
     """Contiguous, and their memory holds their values (no lazy conjugate or negation)."""
-    return (
-        all(map(_is_contiguous, tensors))
-        and not any(map(torch.Tensor.is_conj, tensors))
-        and not any(map(torch.Tensor.is_neg, tensors))
+    return all(map(_is_contiguous, tensors)) and not (
+        lazy_views
+        and (any(map(torch.Tensor.is_conj, tensors)) or any(map(torch.Tensor.is_neg, tensors)))
     )
 
 

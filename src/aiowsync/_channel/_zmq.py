@@ -75,10 +75,11 @@ class _ZmqEnd:
     """Wait-then-read helpers over one plain zmq socket driven by the running event loop.
 
     The socket's file descriptor is registered with the loop once. It only signals that the
-    socket's state *may* have changed. A receive therefore first tries a non-blocking read: a
-    read that finds nothing has also drained the socket's pending commands, so the descriptor
-    is quiet until something new happens, and the receive waits for it. Every send and receive
-    wakes the other waiters to re-check, since it may have consumed the signal they needed.
+    socket's state *may* have changed. A receive therefore first reads the socket's state
+    (``zmq.EVENTS``), which also drains its pending commands so that the descriptor is quiet
+    until something new happens, and reads without blocking only when a message is there.
+    Every send and receive wakes the other waiters to re-check, since it may have consumed the
+    signal they needed.
     Nothing is read while waiting, so a wait cancelled by a deadline loses no message.
     """
 
@@ -88,11 +89,21 @@ class _ZmqEnd:
         self._fd = int(self._sock.getsockopt(zmq.FD))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed = Signal()
+        # One deadline timer for all waiters, armed for the earliest deadline not yet passed
+        # (a timer per wait cost more than the wait on this path).
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
 
     def _wake(self) -> None:
         self._changed.notify()
 
+    def _on_timer(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        self._changed.notify()
+
     def _ready(self, event: int) -> bool:
+        """Whether the socket can do ``event`` now (reading its state also resets the
+        descriptor's signal, like a read that finds nothing)."""
         if self._sock.closed:
             raise TransportError("channel is closed")
         return bool(self._sock.getsockopt(_EVENTS) & event)  # type: ignore[operator]
@@ -102,7 +113,10 @@ class _ZmqEnd:
             await self._signalled(deadline)
 
     async def _signalled(self, deadline: float) -> None:
-        """Wait until the descriptor fires, another operation ran, or ``deadline`` passed."""
+        """Wait until the descriptor fires, another operation ran, or ``deadline`` passed.
+
+        May also return early (another waiter's deadline): callers check and wait again.
+        """
         loop = asyncio.get_running_loop()
         if self._loop is None:
             loop.add_reader(self._fd, self._wake)
@@ -110,12 +124,11 @@ class _ZmqEnd:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError
-        timer = None if math.isinf(remaining) else loop.call_later(remaining, self._wake)
-        try:
-            await self._changed.wait()
-        finally:
-            if timer is not None:
-                timer.cancel()
+        if deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_at = loop.call_later(remaining, self._on_timer), deadline
+        await self._changed.wait()
 
     def _try_send(self, *frames: bytes) -> bool:
         """Queue one message of ``frames`` if the socket takes it now; False if it has no room.
@@ -152,9 +165,12 @@ class _ZmqEnd:
     async def _recv_frames(self, timeout: float | None) -> list[bytes]:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
         while True:
-            frames = self._recv_frames_nowait()
-            if frames is not None:
-                return frames
+            # Look before reading: a read that finds nothing costs an exception, and most
+            # wake-ups of the descriptor (say, after our own send) bring nothing to read.
+            if self._ready(_POLLIN):
+                frames = self._recv_frames_nowait()
+                if frames is not None:
+                    return frames
             try:
                 await self._signalled(deadline)
             except TimeoutError:
@@ -182,6 +198,9 @@ class _ZmqEnd:
     def _close_socket(self) -> None:
         if self._sock.closed:
             return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
         self._sock.close(linger=0)
@@ -238,7 +257,7 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
                 return got
 
     def recv_nowait(self) -> tuple[PeerId, Message] | None:
-        while (frames := self._recv_frames_nowait()) is not None:
+        while self._ready(_POLLIN) and (frames := self._recv_frames_nowait()) is not None:
             got = self._accept(frames)
             if got is not None:
                 return got
