@@ -118,6 +118,16 @@ MEMORY_JUDGED_FROM = 64 * MIB
 # -- statistics ---------------------------------------------------------------------------------
 
 
+def steal_ms() -> float:
+    """CPU time the hypervisor took from this virtual machine so far, all CPUs, in ms."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     s = sorted(values)
     pos = (len(s) - 1) * q / 100
@@ -174,17 +184,18 @@ async def gap_phase(
     """
     ticker = w.Ticker()
     task = asyncio.create_task(ticker.run())
+    steal: dict[str, float] = {}
     try:
         await pool.ask(ids, ("tick_start",), "ok")
         await asyncio.sleep(0.3)  # let everything settle
         ticker.mark()
         await pool.ask(ids, ("tick_mark",), "gap")
-        t0 = time.perf_counter()
+        t0, s0 = time.perf_counter(), steal_ms()
         await asyncio.sleep(idle_s)
         idle_window = time.perf_counter() - t0
         idle_sender = ticker.mark()
         idle_workers = await pool.ask(ids, ("tick_mark",), "gap")
-        t0 = time.perf_counter()
+        t0, s1 = time.perf_counter(), steal_ms()
         spans = []
         for _ in range(sends):
             start = time.perf_counter()
@@ -193,10 +204,12 @@ async def gap_phase(
         busy_window = time.perf_counter() - t0
         busy_sender = ticker.mark()
         busy_workers = await pool.ask(ids, ("tick_mark",), "gap")
+        s2 = steal_ms()
         for _ in range(sends):
             await asyncio.to_thread(raw_copy)
         raw_sender = ticker.mark()
         raw_workers = await pool.ask(ids, ("tick_mark",), "gap")
+        steal = {"idle": s1 - s0, "busy": s2 - s1, "control": steal_ms() - s2}
         await pool.ask(ids, ("tick_stop",), "ok")
     finally:
         task.cancel()
@@ -226,10 +239,16 @@ async def gap_phase(
             "target_met": busy_ms <= idle_ms + GAP_SLACK_MS,
         }
 
+    # Did every process stop in one common instant? Then the machine (not one event loop)
+    # stopped: all ends are on one clock (perf_counter is CLOCK_MONOTONIC).
+    longest = [busy_sender, *(b[1:] for b in busy_workers)]
+    common = min(end for _, _, end in longest) - max(end - gap for gap, _, end in longest)
     return {
         "idle_window_s": idle_window,
         "busy_window_s": busy_window,
         "sends": sends,
+        "steal_ms": steal,
+        "all_stopped_together_ms": max(0.0, common) * 1e3,
         "sender": entry(idle_sender, busy_sender, raw_sender),
         "workers": [
             entry(i[1:], b[1:], r[1:])
@@ -507,6 +526,11 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{g['sender']['busy_max_gap_ms']:.1f}"
                 f" ({g['sender']['raw_copy_thread_max_gap_ms']:.1f}); workers {worker_txt}  "
                 f"{'met' if ok else 'MISSED'}"
+            )
+            print(
+                f"    CPU stolen by the host (ms, all CPUs): idle {g['steal_ms']['idle']:.0f}, "
+                f"sends {g['steal_ms']['busy']:.0f}, control {g['steal_ms']['control']:.0f}; "
+                f"every process stopped together for {g['all_stopped_together_ms']:.1f} ms"
             )
             if not ok:
                 sides = [("sender", g["sender"])] + [

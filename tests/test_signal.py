@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from aiowsync._signal import Signal
+from aiowsync._signal import Flag, Signal
 
 
 async def test_notify_wakes_every_task_waiting_at_that_moment() -> None:
@@ -43,3 +43,22 @@ async def test_a_cancelled_waiter_leaves_nothing_behind_and_others_still_wake() 
     signal.notify()
     await asyncio.wait_for(stays, 1)
     assert not signal._waiters
+
+
+async def test_flag_wait_returns_when_set_or_at_its_time_limit() -> None:
+    flag = Flag()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await flag.wait(0.05) is False
+    assert loop.time() - started >= 0.04
+    loop.call_later(0.01, flag.set)
+    assert await flag.wait(5.0) is True
+    assert await flag.wait(0) is True  # already set: no wait at all
+    flag.clear()
+    assert not flag.is_set()
+    waiter = asyncio.ensure_future(flag.wait(5.0))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert not flag._waiters  # a cancelled wait leaves nothing behind

@@ -49,7 +49,7 @@ from ._protocol import (
     Welcome,
 )
 from ._shm_slots import pid_alive
-from ._signal import Signal
+from ._signal import Flag, Signal
 
 __all__ = ["SendResult", "SenderCore"]
 
@@ -96,7 +96,7 @@ class _Peer:
 class _Pending:
     version: int
     waiting: set[int]
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    done: Flag = field(default_factory=Flag)
     acked: set[int] = field(default_factory=set)
     nacks: dict[int, str] = field(default_factory=dict)
     retryable: set[int] = field(default_factory=set)
@@ -115,8 +115,8 @@ class _Pending:
             self.nacks.pop(worker, None)
             self.retryable.discard(worker)
             self.waiting.add(worker)
-        if self.done.is_set():
-            self.done = asyncio.Event()
+        if self.waiting:
+            self.done.clear()
 
 
 class SenderCore:
@@ -511,9 +511,12 @@ class SenderCore:
             return pinned
         self._retired = [p for p in self._retired if not self._peer_gone(p)]
         for peer in [*self._peers.values(), *self._retired]:
+            acked = peer.conn.acked_version
+            if acked in pinned and peer.inflight <= pinned:
+                continue  # pins nothing more: no need to ask whether its process lives
             if self._peer_gone(peer):
                 continue
-            pinned.add(peer.conn.acked_version)
+            pinned.add(acked)
             pinned |= peer.inflight
         return pinned
 
@@ -558,8 +561,7 @@ class SenderCore:
                 finally:
                     self._send_lock.release()
             wait = self._timeouts.ack if deadline is None else max(0.0, deadline - time.monotonic())
-            with anyio.move_on_after(wait):
-                await pending.done.wait()
+            await pending.done.wait(wait)
         finally:
             self._pending.pop(version, None)
         elapsed = time.perf_counter() - started

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-__all__ = ["Signal"]
+__all__ = ["Flag", "Signal"]
 
 
 class Signal:
@@ -45,3 +45,54 @@ class Signal:
                 fut.cancel()
             if fut in self._waiters:
                 self._waiters.remove(fut)
+
+
+class Flag:
+    """A flag tasks of one loop can wait on, with a time limit that costs one timer.
+
+    Like ``asyncio.Event``, but ``wait(timeout)`` needs no cancel scope around it: the
+    sender waits on one of these for every send's acknowledgements.
+    """
+
+    __slots__ = ("_set", "_waiters")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the flag is set or ``timeout`` seconds passed; whether it is set."""
+        if self._set:
+            return True
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(fut)
+        timer = None if timeout is None else loop.call_later(timeout, _expire, fut)
+        try:
+            await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if not fut.done():
+                fut.cancel()
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+        return self._set
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
