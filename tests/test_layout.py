@@ -495,15 +495,27 @@ def test_gather_copy_fills_every_tensor_and_reuses_its_plan(bucket_bytes: int | 
         views = layout.views(dst)
         assert all(torch.equal(views[k], weights[k]) for k in layout.keys), round_
         # The plan is kept from the second call with the same sources on.
-        assert bool(gather._plans) == (round_ >= 1)
-    # A source that moved (new storage, same values) is followed, and the old plan dropped.
+        assert len(gather._plans) == (1 if round_ >= 1 else 0)
+    # A source that moved (new storage, same values) is followed.
     key = layout.keys[5]
     weights[key] = weights[key].clone() + 3
-    src = [weights[k] for k in layout.keys]
-    assert gather.copy(dst, src)
-    assert not gather._plans
+    moved = [weights[k] for k in layout.keys]
+    assert gather.copy(dst, moved)
     views = layout.views(dst)
     assert all(torch.equal(views[k], weights[k]) for k in layout.keys)
+    # Alternating two source sets keeps a plan for each; a third one is kept in place of
+    # the oldest, and a source set passed once is never kept.
+    assert gather.copy(dst, src) and gather.copy(dst, moved)
+    assert len(gather._plans) == 2
+    third = [t.clone() for t in moved]
+    for _ in range(3):
+        assert gather.copy(dst, third) and gather.copy(dst, moved)
+    assert len(gather._plans) == 2 and len(gather._kept) == 2
+    once = [t.clone() for t in moved]
+    assert gather.copy(dst, once)
+    views = layout.views(dst)
+    assert all(torch.equal(views[k], t) for k, t in zip(layout.keys, once, strict=True))
+    assert all(p[0] != tuple(t.data_ptr() for t in once) for p in gather._plans)
     gather.clear()
     assert not gather._plans
 
