@@ -628,9 +628,10 @@ def _omp_functions() -> tuple[Callable[[int], None], Callable[[], int]] | None:
 
 
 def _forget_pools_in_child() -> None:
-    # A forked child has none of the parent's threads.
-    global _copy_pool, _gather, _gather_checked
+    # A forked child has none of the parent's threads, and a lock one of them held stays held.
+    global _copy_pool, _copy_pool_lock, _gather, _gather_checked
     _copy_pool, _gather, _gather_checked = None, None, False
+    _copy_pool_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
