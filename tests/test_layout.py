@@ -518,6 +518,9 @@ def test_gather_copy_fills_every_tensor_and_reuses_its_plan(bucket_bytes: int | 
     assert all(p[0] != tuple(t.data_ptr() for t in once) for p in gather._plans)
     gather.clear()
     assert not gather._plans
+    # Sources said to come back (a model's own tensors) are kept from the first call on.
+    assert gather.copy(dst, src, keep=True)
+    assert len(gather._plans) == 1
 
 
 def test_gather_copy_declines_what_it_cannot_copy_as_bytes() -> None:

@@ -413,11 +413,16 @@ class GatherCopy:
         # layout's dtypes), so only complex layouts pay for that check on every call.
         self._lazy_views = any(spec.dtype.is_complex for spec in layout.specs)
 
-    def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> bool:
+    def copy(
+        self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, keep: bool = False
+    ) -> bool:
         """Copy ``src`` (one tensor per layout key, in layout order, already checked against
         the layout) into the byte buffers ``dst``. Returns False, having copied nothing, when
         this way does not apply: a small model, sources that are not plain contiguous CPU
-        tensors, or no single-threaded torch threads on this platform."""
+        tensors, or no single-threaded torch threads on this platform.
+
+        ``keep`` says the sources will come back (a model's own tensors): their plan is kept
+        from this first call on."""
         if self.layout.total_bytes < _PARALLEL_COPY_BYTES or len(src) != len(self.layout.specs):
             return False
         pool = _gather_pool()
@@ -430,7 +435,7 @@ class GatherCopy:
             if not all(t.is_cpu for t in src):
                 return False
             shares = self._plan(dst, src, pool.threads)
-            if key in self._kept or key in self._recent:
+            if keep or key in self._kept or key in self._recent:
                 self._keep(key, dst_key, shares)
         if not self._recent or self._recent[-1] != key:
             self._recent.append(key)

@@ -49,6 +49,9 @@ class Source:
 
     buffers: tuple[torch.Tensor, ...] | None = None
     tensors: Mapping[str, torch.Tensor] | None = None
+    model: bool = False
+    """The tensors are the sender's own model's: they come back on every send, so what is
+    prepared to copy them is worth keeping from the first send on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +239,7 @@ class SharedMemSenderPlane(SenderPlane):
         elif source.tensors is not None:
             keys, tensors = self.layout.keys, source.tensors
             src = [tensors[k] for k in keys]
-            if not self._gather.copy(s.parts, src):
+            if not self._gather.copy(s.parts, src, keep=source.model):
                 fused_copy([s.views[k] for k in keys], src)
         else:
             raise ValueError("empty source")

@@ -413,7 +413,7 @@ class WeightSyncScheme(abc.ABC):
             if not watch.same_specs():
                 watch.refresh()
                 self._layout.check(watch.tensors)
-            return Source(tensors=watch.tensors)
+            return Source(tensors=watch.tensors, model=True)
         if weights is None:
             weights = self._model if self._model is not None else self._weights
         elif self._context is not None and isinstance(weights, str):
