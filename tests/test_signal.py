@@ -61,4 +61,4 @@ async def test_flag_wait_returns_when_set_or_at_its_time_limit() -> None:
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
-    assert not flag._waiters  # a cancelled wait leaves nothing behind
+    assert not flag._signal.waiting  # a cancelled wait leaves nothing behind

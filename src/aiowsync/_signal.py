@@ -35,48 +35,8 @@ class Signal:
             if not fut.done():
                 fut.set_result(None)
 
-    async def wait(self) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        finally:
-            if not fut.done():
-                fut.cancel()
-            if fut in self._waiters:
-                self._waiters.remove(fut)
-
-
-class Flag:
-    """A flag tasks of one loop can wait on, with a time limit that costs one timer.
-
-    Like ``asyncio.Event``, but ``wait(timeout)`` needs no cancel scope around it: the
-    sender waits on one of these for every send's acknowledgements.
-    """
-
-    __slots__ = ("_set", "_waiters")
-
-    def __init__(self) -> None:
-        self._set = False
-        self._waiters: list[asyncio.Future[None]] = []
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def set(self) -> None:
-        self._set = True
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    def clear(self) -> None:
-        self._set = False
-
-    async def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the flag is set or ``timeout`` seconds passed; whether it is set."""
-        if self._set:
-            return True
+    async def wait(self, timeout: float | None = None) -> None:
+        """Wait for the next ``notify()``, or at most ``timeout`` seconds (one timer)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append(fut)
@@ -90,6 +50,35 @@ class Flag:
                 fut.cancel()
             if fut in self._waiters:
                 self._waiters.remove(fut)
+
+
+class Flag:
+    """A flag tasks of one loop can wait on, with a time limit that costs one timer.
+
+    Like ``asyncio.Event``, but ``wait(timeout)`` needs no cancel scope around it: the
+    sender waits on one of these for every send's acknowledgements.
+    """
+
+    __slots__ = ("_set", "_signal")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._signal = Signal()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        self._signal.notify()
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the flag is set or ``timeout`` seconds passed; whether it is set."""
+        if not self._set:
+            await self._signal.wait(timeout)
         return self._set
 
 
