@@ -502,6 +502,32 @@ async def test_peer_alive_turns_false_after_the_sender_closes(factory: ChannelFa
     assert not receiver.peer_alive
 
 
+async def test_a_renewed_connection_is_counted_even_when_nobody_looked_in_between() -> None:
+    # A drop and a reconnection that both happen between two looks leave peer_alive True at
+    # both looks; only the count tells the receiver that it must announce itself again.
+    factory = ZmqChannelFactory()
+    sender = factory.bind("tcp://127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    receiver = factory.connect(sender.address, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    second: SenderChannel | None = None
+    try:
+        await introduce(sender, [receiver])
+        assert await eventually(lambda: receiver.peer_alive)
+        assert receiver.connections == 1
+        address = sender.address
+        sender.close()
+        second = factory.bind(address, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+        await receiver.send(hello(0), timeout=WAIT)
+        _, message = await second.recv(timeout=WAIT)
+        assert message == hello(0)
+        assert receiver.peer_alive
+        assert receiver.connections == 2
+    finally:
+        receiver.close()
+        sender.close()
+        if second is not None:
+            second.close()
+
+
 # -- binding --------------------------------------------------------------------------------
 
 

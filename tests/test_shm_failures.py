@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import pickle
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -551,3 +552,31 @@ async def test_replaced_or_rebound_parameters_are_still_sent_right(rehome: bool)
         with pytest.raises(aiowsync.LayoutMismatchError, match=r"2\.bias"):
             await sender.send(timeout=5)
         assert r.version == 3
+
+
+@pytest.mark.parametrize("pull", [False, True])
+async def test_a_worker_whose_connection_was_renewed_is_taken_back(pull: bool) -> None:
+    # The sender gave up on the worker (as after a stop longer than the heartbeat timeout) and
+    # the worker's connection dropped and came back while its loop was not looking: the worker
+    # must still announce itself on the renewed connection, and then get updates again.
+    src, mirror = model(0), model(1)
+    async with pair(src, mirror, background=not pull) as (sender, r):
+        core, receiver = sender._sender, r._receiver
+        assert core is not None and receiver is not None and receiver._channel is not None
+        core._mark_lost(core._peers[0], "given up on by the test")
+        assert core.lost_workers() == {0}
+        sock = receiver._channel._sock  # type: ignore[attr-defined]
+        sock.disconnect(sender.address)
+        sock.connect(sender.address)
+        time.sleep(0.5)  # the loop blocked: the drop and the reconnection happen unobserved
+        pulls = [] if not pull else [asyncio.create_task(r.receive(timeout=10))]
+        for _ in range(100):
+            if not core.lost_workers():
+                break
+            await asyncio.sleep(0.05)
+        assert core.lost_workers() == set()
+        bump(src)
+        assert (await sender.send(timeout=5)).worker_ids == (0,)
+        if pulls:
+            assert await pulls[0] == 1
+        assert r.version == 1 and same(mirror, src)

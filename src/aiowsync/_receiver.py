@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import inspect
@@ -92,6 +91,7 @@ class ReceiverCore:
         self._private: list[Staged] = []
         self._live: Staged | None = None
         self._live_private = -1
+        self._connections_seen = 0
         if apply_mode == "copy":
             device = next(iter(self._targets.values())).device if self._targets else "cpu"
             for _ in range(2):
@@ -136,6 +136,7 @@ class ReceiverCore:
                 # The sender judges this worker's liveness from the welcome on, and bringing
                 # a big model up to date can take longer than its patience: beat already.
                 channel.start_heartbeat(self._heartbeat, welcome.heartbeat_interval)
+                self._connections_seen = channel.connections
                 self._plane.setup(self.layout, welcome.params, swap=self.apply_mode == "swap")
                 answer = await self._apply_and_answer(welcome.version, welcome.params)
         except TimeoutError:
@@ -194,22 +195,34 @@ class ReceiverCore:
     ) -> None:
         """Background task: apply every update as it comes."""
         task_status.started()
-        was_alive = True
         while self._bye is None:
             try:
                 if await self._step(timeout=self._beats.interval) is not None:
-                    # An update just came over this connection: it is up, and was_alive
-                    # still tells whether an outage was seen before it.
                     continue
             except WeightSyncTimeout:
                 pass
-            channel = self._channel
-            alive = channel is not None and channel.peer_alive
-            if alive and not was_alive:
-                # Reconnected after an outage: tell the sender on this very connection.
-                with contextlib.suppress(WeightSyncError):
-                    await channel.send(self._heartbeat(), timeout=0)  # type: ignore[union-attr]
-            was_alive = alive
+            await self._announce_reconnection()
+
+    async def _announce_reconnection(self) -> None:
+        """After the connection to the sender was renewed, beat once on it.
+
+        The sender gives up on a worker that stayed silent too long (a stopped process, a
+        network outage) and drops its connection; the beat thread's own connection cannot
+        tell it that updates reach this worker again, a beat on the main connection does.
+        Renewals are counted rather than watched for as down-then-up, since a drop and a
+        reconnection can both happen between two looks.
+        """
+        channel = self._channel
+        if channel is None or not channel.peer_alive:
+            return
+        count = channel.connections
+        if count == self._connections_seen:
+            return
+        try:
+            await channel.send(self._heartbeat(), timeout=0)
+        except WeightSyncError:
+            return  # not queued: the next look tries again
+        self._connections_seen = count
 
     async def receive(self, timeout: float) -> int | None:
         """Pull mode: apply the next update if one arrives within ``timeout``; its version."""
@@ -218,8 +231,12 @@ class ReceiverCore:
         before = self.version
         with anyio.move_on_after(timeout):
             while self._bye is None and self.version == before:
-                if await self._step(timeout=None) is not None:
-                    return self.version
+                await self._announce_reconnection()
+                try:
+                    if await self._step(timeout=self._beats.interval) is not None:
+                        return self.version
+                except WeightSyncTimeout:
+                    pass
         return None
 
     async def _step(self, timeout: float | None) -> int | None:

@@ -94,6 +94,15 @@ class ReceiverChannel(_Counting, abc.ABC):
     def peer_alive(self) -> bool:
         """False once the transport saw the sender go away (process death, missed pings)."""
 
+    @property
+    def connections(self) -> int:
+        """How many times the transport connection to the sender came up so far.
+
+        A drop and a reconnection can both happen between two looks at :attr:`peer_alive`;
+        a change of this count still shows that the connection was renewed.
+        """
+        return 1 if self.peer_alive else 0
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

@@ -305,6 +305,7 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         self._monitor_owner = self._sock.get_monitor_socket(events)
         self._monitor: zmq.Socket[bytes] = self._monitor_owner
         self._alive = False
+        self._connections = 0
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
         try:
@@ -342,13 +343,24 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
     def peer_alive(self) -> bool:
         if self.closed:
             return False
+        self._read_monitor()
+        return self._alive
+
+    @property
+    def connections(self) -> int:
+        if not self.closed:
+            self._read_monitor()
+        return self._connections
+
+    def _read_monitor(self) -> None:
         while True:
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except (zmq.Again, zmq.ZMQError):
-                return self._alive
+                return
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._alive = True
+                self._connections += 1
             elif event["event"] & _DOWN_EVENTS:
                 self._alive = False
 
