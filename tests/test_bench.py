@@ -52,13 +52,16 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
     ]
     names = [[r["name"] for r in c["contenders"]] for c in cells]
     assert names == [
-        ["aiowsync shm send()", "aiowsync shm send(weights)", "raw copy_"],
+        ["aiowsync shm send()", "aiowsync shm send(weights)", "raw copy_", "raw zmq round trip"],
         ["aiowsync dist send()", "raw gloo broadcast"],
     ]
     for cell in cells:
         assert cell["model_bytes"] == MIB and not cell["errors"]
         for row in cell["contenders"]:
             assert len(row["samples_s"]) == 3 and all(0 < s < 60 for s in row["samples_s"])
+            if row["kind"] == "floor":  # timed only: no gaps, no model to read
+                assert row["gap"] is None and row["tear"] is None
+                continue
             gap = row["gap"]
             workers = 0 if row["name"] == "raw copy_" else 2
             assert len(gap["workers_busy_s"]) == workers and gap["sender_busy_s"] > 0
@@ -74,6 +77,7 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
     assert "| 1MiB | 2 | **aiowsync shm send()** |" in text
     assert "| 1MiB | 2 | raw gloo broadcast |" in text
     assert "| 1MiB | 2 | raw copy_ |" in text
+    assert "| 1MiB | 2 | raw zmq round trip |" in text
     assert "| aiowsync mixed reads, every cell | 0 | <= 0 | met |" in text
     if HAS_MATPLOTLIB:
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -153,11 +157,20 @@ def _report(ours_ms: float, theirs_ms: float, their_mixed: int) -> dict[str, Any
     too_big = [{"contender": "every dist contender", "reason": "needs ~27 GiB"}]
     skipped = {"model": "1GiB", "model_bytes": GIB, "tensors": 4, "workers": 8,
                "transport": "dist", "contenders": [], "errors": [], "skipped": too_big}  # fmt: skip
+    small = {
+        "model": "1MiB", "model_bytes": MIB, "tensors": 4, "workers": 4,
+        "transport": "shm", "skipped": [], "errors": [],
+        "contenders": [
+            _row("aiowsync shm send()", "aiowsync", [ours_ms / 30] * 3, mixed=0),
+            _row("raw copy_", "limit", [0.3] * 3),
+            _row("raw zmq round trip", "floor", [0.9, 1.1, 1.0]),
+        ],
+    }  # fmt: skip
     failed = {"model": "64MiB", "workers": 1, "transport": "shm", "failed": "Trace\nBoom: x"}
     env = {"command": "aiowsync bench", "date": "2026-11-30", "cpus": 2, "mem_gib": 24,
            "python": "3.11", "torch": "2.13.0", "tensordict": "0.14.3", "aiowsync": "0.1.0",
            "torchrl_status": "torchrl 0.14.1", "load_start": [0.5, 0.5, 0.5]}  # fmt: skip
-    report = {"env": env, "run": {"cells": [cell, skipped, failed], "seconds": 60,
+    report = {"env": env, "run": {"cells": [cell, small, skipped, failed], "seconds": 60,
                                   "load_end": [1.0, 1.0, 1.0]}}  # fmt: skip
     report["checks"] = checks(report)
     return report
@@ -174,6 +187,10 @@ def test_checks_judge_this_runs_ratios(tmp_path: Path) -> None:
     assert _check(good, "256MiB x4: aiowsync shm send(weights) / raw copy_")["met"] is True
     assert _check(good, "1000t-64MiB x4: TorchRL")["met"] is None  # not in this run
     assert _check(good, "aiowsync mixed reads")["met"] is True
+    # 1 MiB: 36 / 30 = 1.2 ms, shown beside the same cell's raw zmq round trip
+    one = _check(good, "1MiB x4: aiowsync shm send() p50")
+    assert one["met"] is False and one["value"] == "1.20 (raw zmq round trip: 1.00)"
+    assert _check(good, "1MiB x4: aiowsync shm send(weights) p50")["met"] is None
 
     bad = _report(ours_ms=45.0, theirs_ms=120.0, their_mixed=7)
     assert _check(bad, "256MiB x4: TorchRL SharedMem send(weights)")["met"] is False
@@ -183,6 +200,8 @@ def test_checks_judge_this_runs_ratios(tmp_path: Path) -> None:
     assert "| 256MiB | 4 | **aiowsync shm send(weights)** | 36.0 |" in text
     assert "| 1.20x |" in text  # 36 / 30 against the raw copy
     assert "| 3.3x |" in text  # TorchRL's row: how much faster aiowsync was
+    # the floor is not a limit: no ratio to the raw copy on its row
+    assert "| 1MiB | 4 | raw zmq round trip | 1.000 | 1.080 | 3 |  |  |" in text
     assert "| 7 / 100 (send 7, fill 0) |" in text  # its mixed reads, by the sender's phase
     assert "every dist contender: skipped, needs ~27 GiB" in text
     assert "shm: FAILED (Boom: x)" in text

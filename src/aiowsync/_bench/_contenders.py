@@ -15,6 +15,7 @@ import time
 from typing import Any, ClassVar
 
 import torch
+import zmq
 
 from .. import DistributedWeightSyncScheme, Heartbeats, SharedMemWeightSyncScheme
 from ._models import SendSources, Spec, build_model, fill, fingerprint, random_init
@@ -29,6 +30,7 @@ __all__ = [
     "Contender",
     "RawCopy",
     "RawGloo",
+    "RawZmq",
     "TorchRLContender",
 ]
 
@@ -273,6 +275,67 @@ class RawGloo(Contender):
         finally:
             self.root.drop()
             del self.store
+
+
+class RawZmq(Contender):
+    """The control plane's floor: a small message from a ZeroMQ ROUTER on this loop to each
+    of the same worker processes, echoed by a DEALER on each worker's event loop, until every
+    echo is back. No weights move: it is what any ZeroMQ-signalled update costs at least on
+    this machine, in the same alternation as the other contenders."""
+
+    kind = "floor"
+    MESSAGE = b"x" * 64  # about the size of an update instruction
+
+    def __init__(self, pool: WorkerPool, ids: list[int], timeout: float) -> None:
+        super().__init__("raw zmq round trip", "shm")
+        self.workers, self.pool, self.ids, self.timeout = pool, pool, ids, timeout
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.bind("tcp://127.0.0.1:0")
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._opened = False
+
+    async def open(self) -> None:
+        self._opened = True
+        self._readable = asyncio.Event()
+        self._fd = int(self._sock.getsockopt(zmq.FD))
+        asyncio.get_running_loop().add_reader(self._fd, self._readable.set)
+        await self.workers.ask(self.ids, ("echo_start", self.address), "ok", self.timeout)
+        # Each worker says hello once connected; after that, sends to it are routable.
+        pending = set(self.ids)
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            frames = await self._recv(deadline)
+            pending.discard(int(frames[0]))
+
+    async def _recv(self, deadline: float) -> list[bytes]:
+        sock = self._sock
+        while not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self._readable.clear()
+            await asyncio.wait_for(self._readable.wait(), max(0.0, deadline - time.monotonic()))
+        return sock.recv_multipart(zmq.NOBLOCK)
+
+    async def timed(self) -> float:
+        deadline = time.monotonic() + self.timeout
+        t0 = time.perf_counter()
+        for i in self.ids:
+            self._sock.send_multipart([str(i).encode(), self.MESSAGE], zmq.NOBLOCK)
+        for _ in self.ids:
+            frames = await self._recv(deadline)
+            if frames[1] != self.MESSAGE:
+                raise AssertionError(f"worker {frames[0]!r} echoed something else")
+        return time.perf_counter() - t0
+
+    async def close(self) -> None:
+        try:
+            if self._opened:
+                asyncio.get_running_loop().remove_reader(self._fd)
+                await self.workers.ask(self.ids, ("echo_stop",), "ok", self.timeout)
+        finally:
+            self._sock.close(linger=0)
+            self._ctx.term()
 
 
 # -- TorchRL ------------------------------------------------------------------------------------

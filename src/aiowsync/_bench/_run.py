@@ -18,6 +18,7 @@ from ._contenders import (
     Contender,
     RawCopy,
     RawGloo,
+    RawZmq,
     TorchRLContender,
 )
 from ._models import MIB, model_spec, spec_bytes
@@ -182,9 +183,11 @@ async def _cell(
     session = AiowsyncSession(transport, pool, spec, n, settings.timeout)
     ours: list[Contender] = [AiowsyncSend(session, "send()")]
     limit: RawCopy | RawGloo
+    floors: list[RawZmq] = []
     if transport == "shm":
         ours.append(AiowsyncSend(session, "send(weights)"))
         limit = RawCopy(nbytes)
+        floors.append(RawZmq(pool, session.ids, settings.timeout))
     else:
         limit = RawGloo(pool, session.ids, nbytes, settings.timeout)
     theirs: list[Contender] = []
@@ -192,9 +195,11 @@ async def _cell(
         await session.open()
         if isinstance(limit, RawGloo):
             await limit.open(rounds=(1 + samples) * max(1, len(batches)) + settings.gap_sends)
+        for floor in floors:
+            await floor.open()
         for batch in batches or [[]]:
             theirs += await _batch(
-                batch, model, n, [*ours, limit], samples, settings, out, progress, label
+                batch, model, n, [*ours, limit, *floors], samples, settings, out, progress, label
             )
         # Processes of closed TorchRL trees may still be handing their memory back.
         await asyncio.sleep(1.0 if batches else 0.0)
@@ -205,13 +210,15 @@ async def _cell(
         await session.verify()
     finally:
         try:
+            for floor in floors:
+                await floor.close()
             if isinstance(limit, RawGloo):
                 await limit.close()
             else:
                 limit.close()
         finally:
             await session.close()
-    out["contenders"] = [_row(c) for c in (*ours, limit, *theirs)]
+    out["contenders"] = [_row(c) for c in (*ours, limit, *floors, *theirs)]
     return out
 
 

@@ -21,6 +21,10 @@ In a session:
   ``("ok",)``) starts :func:`~aiowsync._bench._rawgloo.raw_receive` in a thread beside the
   scheme's receiver; ``("raw_wait", timeout)`` answers ``("raw_done", stats)`` once it ended.
 
+``("echo_start", address)`` (answer ``("ok",)``) connects a ZeroMQ DEALER to the raw zmq
+round trip's ROUTER at ``address`` and echoes every message it gets, on the event loop;
+``("echo_stop",)`` closes it.
+
 ``("exit",)`` (between sessions) ends the process. Any failure is answered with
 ``("error", traceback_text)``.
 """
@@ -38,6 +42,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+import zmq
 from torch import nn
 
 from ._models import Reader, Spec, build_model, fingerprint, poison_init
@@ -70,6 +75,32 @@ def worker_main(conn: Connection, worker_idx: int) -> None:
             gc.collect()
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         return
+
+
+class _Echo:
+    """The worker's end of the raw zmq round trip: echoes every message on the event loop."""
+
+    def __init__(self, worker_idx: int, address: str) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTING_ID, str(worker_idx).encode())
+        self._sock.connect(address)
+        self._sock.send(b"hello")
+        self._fd = int(self._sock.getsockopt(zmq.FD))
+        asyncio.get_running_loop().add_reader(self._fd, self._echo)
+        # The descriptor only signals changes seen after the last look at EVENTS: look once.
+        self._echo()
+
+    def _echo(self) -> None:
+        sock = self._sock
+        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            sock.send(sock.recv(zmq.NOBLOCK), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._fd)
+        self._sock.close(linger=0)
+        self._ctx.term()
 
 
 class _Readers:
@@ -141,6 +172,7 @@ async def _session(conn: Connection, worker_idx: int, scheme: Any, spec: Spec) -
     tick_task: asyncio.Task[None] | None = None
     raw_task: asyncio.Future[dict[str, Any]] | None = None
     readers: _Readers | None = None
+    echo: _Echo | None = None
     async with scheme:
         t0 = time.perf_counter()
         await scheme.connect(timeout=180)
@@ -177,6 +209,16 @@ async def _session(conn: Connection, worker_idx: int, scheme: Any, spec: Spec) -
                     await readers.stop()
                     conn.send(("reads", readers.reads, readers.mixed))
                     readers = None
+                elif kind == "echo_start":
+                    if echo is not None:
+                        echo.close()
+                    echo = _Echo(worker_idx, msg[1])
+                    conn.send(("ok",))
+                elif kind == "echo_stop":
+                    if echo is not None:
+                        echo.close()
+                        echo = None
+                    conn.send(("ok",))
                 elif kind == "mem":
                     gc.collect()
                     before = private_memory()
@@ -213,6 +255,8 @@ async def _session(conn: Connection, worker_idx: int, scheme: Any, spec: Spec) -
                     conn.send(("error", f"worker {worker_idx}: unknown command {kind!r}"))
         finally:
             loop.remove_reader(fd)
+            if echo is not None:
+                echo.close()
             if readers is not None:
                 await readers.stop()
             if tick_task is not None:
