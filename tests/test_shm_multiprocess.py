@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -230,3 +231,34 @@ async def test_frozen_worker_is_not_waited_for_and_its_slot_is_never_rewritten()
         assert {idx: (e[2], e[3]) for idx, e in last.items()} == dict.fromkeys(
             range(3), (5, digest(model))
         )
+
+
+async def test_workers_closing_together_are_seen_leaving_not_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Workers that close at the same moment each say goodbye and go. The sender may find
+    # their goodbyes queued behind one another and their sockets already gone; it must read
+    # the goodbyes before a heartbeat to a vanished socket makes it call them lost.
+    model = make_model("small")
+    beats = aiowsync.Heartbeats(interval=0.1, missed=40)
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=beats)
+    scheme.init_on_sender(model=model, num_workers=3)
+    caplog.set_level(logging.INFO, logger="aiowsync.sender")
+    with workers() as w:
+        async with scheme:
+            for i in range(3):
+                w.start(i, "small", scheme=scheme)
+            await connect_all(scheme, w, 3)
+            w.stop.set()
+            time.sleep(1.5)  # the loop blocked: the goodbyes queue up, the sockets go away
+            done = await asyncio.to_thread(w.collect, "done", 3)
+            assert sorted(e[1] for e in done) == [0, 1, 2]
+            assert scheme._sender is not None
+            for _ in range(100):
+                if scheme._sender.lost_workers() == {0, 1, 2}:
+                    break
+                await asyncio.sleep(0.05)
+            assert scheme._sender.lost_workers() == {0, 1, 2}
+    said = [r.getMessage() for r in caplog.records if r.name == "aiowsync.sender"]
+    assert [m for m in said if "lost" in m and "said goodbye" not in m] == []
+    assert sum("said goodbye" in m for m in said) == 3

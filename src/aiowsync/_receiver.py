@@ -52,6 +52,11 @@ ApplyMode: TypeAlias = Literal["swap", "copy"]
 Hook: TypeAlias = Callable[[int], "Awaitable[None] | None"]
 
 
+_BYE_FLUSH_S = 0.1
+"""How long closing may wait for a queued goodbye to leave (it takes microseconds when the
+sender is there)."""
+
+
 class ReceiverCore:
     def __init__(
         self,
@@ -363,14 +368,18 @@ class ReceiverCore:
             return
         with anyio.CancelScope(shield=True):
             await self._detach()
+        said_bye = False
         with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
             if self._bye is None and channel.peer_alive:
                 try:
                     self._conn.send(Bye(reason="receiver closing"))
                     await channel.send(Bye(reason="receiver closing"), timeout=0.2)
+                    said_bye = True
                 except (WeightSyncError, ProtocolError):
                     pass
-        self._close_channel()
+        # A goodbye only queued would be dropped by an immediate close, and the sender would
+        # take this worker for lost instead of gone.
+        self._close_channel(flush=_BYE_FLUSH_S if said_bye else 0.0)
 
     async def _detach(self) -> None:
         """Swap mode: give the model a private copy of its weights before saying goodbye.
@@ -389,10 +398,10 @@ class ReceiverCore:
             lambda: self._commit(self.version, own, private=True), timeout=self._timeouts.ack
         )
 
-    def _close_channel(self) -> None:
+    def _close_channel(self, *, flush: float = 0.0) -> None:
         channel, self._channel = self._channel, None
         if channel is not None:
-            channel.close()
+            channel.close(flush=flush)
         self._plane.close()
         self._notify()
 

@@ -243,17 +243,15 @@ class SenderCore:
                 now = time.monotonic()
                 if now >= next_beat:
                     next_beat = now + self._beats.interval
-                    await self._check_liveness(channel)
+                    # Read what is queued first: a goodbye waiting there must not be taken
+                    # for a lost connection when the beat finds the worker's socket gone.
+                    while (got := channel.recv_nowait()) is not None:
+                        await self._dispatch(*got)
+                    self._check_liveness()
                     await self._beat(channel)
 
-    async def _check_liveness(self, channel: SenderChannel) -> None:
-        late = [p for p in self._peers.values() if not p.lost and self._is_late(p)]
-        if not late:
-            return
-        # The loop may have been busy: read what is already queued before judging anyone.
-        while (got := channel.recv_nowait()) is not None:
-            await self._dispatch(*got)
-        for peer in late:
+    def _check_liveness(self) -> None:
+        for peer in list(self._peers.values()):
             if not peer.lost and self._is_late(peer):
                 self._mark_lost(peer, f"no heartbeat for {self._beats.timeout:g} s")
 

@@ -104,7 +104,9 @@ class ReceiverChannel(_Counting, abc.ABC):
         return 1 if self.peer_alive else 0
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self, *, flush: float = 0.0) -> None:
+        """Close. Idempotent. With ``flush``, messages already queued (a goodbye) get up to
+        that many seconds to leave first; the call blocks that long at most."""
 
 
 class ChannelFactory(abc.ABC):

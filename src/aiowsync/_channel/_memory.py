@@ -133,7 +133,8 @@ class MemoryReceiverChannel(ReceiverChannel):
         self._beat_thread = threading.Thread(target=run, name="aiowsync-heartbeat", daemon=True)
         self._beat_thread.start()
 
-    def close(self) -> None:
+    def close(self, *, flush: float = 0.0) -> None:
+        del flush  # delivery is immediate: nothing is ever left queued
         if not self.closed:
             self.closed = True
             self.inbox.put_nowait(_CLOSED)

@@ -195,7 +195,7 @@ class _ZmqEnd:
         if self._changed.waiting and self._loop is not None:
             self._loop.call_soon(self._wake)
 
-    def _close_socket(self) -> None:
+    def _close_socket(self, linger_ms: int = 0) -> None:
         if self._sock.closed:
             return
         if self._timer is not None:
@@ -203,7 +203,7 @@ class _ZmqEnd:
             self._timer, self._timer_at = None, math.inf
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
-        self._sock.close(linger=0)
+        self._sock.close(linger=linger_ms)
         # Waiters wake, look at the socket again, and raise TransportError: it is closed.
         self._changed.notify()
 
@@ -393,7 +393,7 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         finally:
             sock.close(linger=0)
 
-    def close(self) -> None:
+    def close(self, *, flush: float = 0.0) -> None:
         if self.closed:
             return
         self.closed = True
@@ -402,7 +402,8 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
             self._beat_thread.join(timeout=5)
         self._sock.disable_monitor()
         self._monitor_owner.close(linger=0)
-        self._close_socket()
+        # Terminating the context waits for the socket's linger: the goodbye leaves first.
+        self._close_socket(_ms(flush) if flush > 0 else 0)
         self._ctx.term()
 
 
