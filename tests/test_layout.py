@@ -545,3 +545,15 @@ def test_gather_copy_declines_what_it_cannot_copy_as_bytes() -> None:
     lay_s = Layout.from_weights(small)
     assert not GatherCopy(lay_s).copy(lay_s.allocate(), [small["a"]])
     assert all(torch.equal(b, torch.zeros_like(b)) for b in dst)
+
+
+def test_flattening_a_tensordict_names_nested_leaves_and_refuses_non_tensors() -> None:
+    grad = torch.ones(3, requires_grad=True)
+    td = TensorDict({"a": {"b": torch.zeros(2), "c": {"d": grad}}, "e": torch.ones(1)}, [])
+    flat = flatten_weights(td)
+    assert list(flat) == ["a.b", "a.c.d", "e"]
+    assert not flat["a.c.d"].requires_grad and flat["a.c.d"].data_ptr() == grad.data_ptr()
+    assert flat["e"] is td["e"]
+    td["a", "note"] = "not weights"
+    with pytest.raises(TypeError, match=r"'a\.note' is a .*, not a tensor"):
+        flatten_weights(td)

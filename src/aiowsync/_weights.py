@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
@@ -23,9 +24,16 @@ def flatten_weights(weights: WeightsLike) -> dict[str, torch.Tensor]:
         return {k: t.detach() if t.requires_grad else t for k, t in flat.items()}
     if type(weights) is TensorDict:
         # A plain TensorDict: its nested-dict form is about 3x quicker to walk than
-        # ``items(include_nested=True)`` (1000 leaves: 0.6 ms against 1.2 ms).
-        out: dict[str, torch.Tensor] = {}
-        _flatten_mapping(weights.to_dict(), "", out)
+        # ``items(include_nested=True)``, and its keys need no checking (TensorDict keys are
+        # strings), so the walk does nothing per leaf but name it; the leaves are checked in
+        # one pass after (1000 leaves: 0.6 ms in all, against 1.2 ms).
+        out: dict[str, Any] = {}
+        _flatten_plain(weights.to_dict(), "", out)
+        if not all(map(_is_tensor, out.values())):
+            name, bad = next((k, v) for k, v in out.items() if not isinstance(v, torch.Tensor))
+            raise TypeError(f"weights entry {name!r} is a {type(bad).__name__}, not a tensor")
+        if any(map(_requires_grad, out.values())):
+            out = {k: t.detach() if t.requires_grad else t for k, t in out.items()}
         return out
     if isinstance(weights, TensorDictBase):
         out = {}
@@ -43,6 +51,21 @@ def flatten_weights(weights: WeightsLike) -> dict[str, torch.Tensor]:
         "weights must be an nn.Module, a TensorDictBase or a state_dict mapping of str to "
         f"tensors, got {type(weights).__name__}"
     )
+
+
+def _flatten_plain(m: dict[str, Any], prefix: str, out: dict[str, Any]) -> None:
+    for key, value in m.items():
+        if type(value) is dict:
+            _flatten_plain(value, prefix + key + ".", out)
+        else:
+            out[prefix + key] = value
+
+
+def _is_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _flatten_mapping(m: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:
