@@ -580,3 +580,24 @@ async def test_a_worker_whose_connection_was_renewed_is_taken_back(pull: bool) -
         if pulls:
             assert await pulls[0] == 1
         assert r.version == 1 and same(mirror, src)
+
+
+async def test_a_worker_given_up_on_whose_connection_stayed_up_is_taken_back() -> None:
+    # The sender gave up on the worker (its loop and beat thread stalled past the heartbeat
+    # timeout, as under a long call that holds the interpreter lock) while its ZeroMQ thread
+    # kept the connection up: no renewal to announce. Its beats resume, and the sender finds
+    # the main connection still routable and takes it back.
+    src, mirror = model(0), model(1)
+    async with pair(src, mirror) as (sender, r):
+        core = sender._sender
+        assert core is not None
+        core._mark_lost(core._peers[0], "given up on by the test")
+        assert core.lost_workers() == {0}
+        for _ in range(100):
+            if not core.lost_workers():
+                break
+            await asyncio.sleep(0.05)
+        assert core.lost_workers() == set()
+        bump(src)
+        assert (await sender.send(timeout=5)).worker_ids == (0,)
+        assert r.version == 1 and same(mirror, src)

@@ -272,6 +272,22 @@ class SenderCore:
             except WeightSyncError:
                 pass
 
+    def _routable(self, peer: _Peer) -> bool:
+        """Whether a beat to ``peer``'s main connection is taken at once.
+
+        A ROUTER refuses a message for a connection it does not have, so a beat taken means
+        that connection exists: never dropped (the worker's event loop and beat thread were
+        stalled while its ZeroMQ thread kept the connection up) or renewed since.
+        """
+        channel = self._channel
+        if channel is None:
+            return False
+        beat = Heartbeat(worker_idx=SENDER_INDEX, session=peer.session, version=self.version)
+        try:
+            return channel.send_nowait(peer.routing, beat)
+        except WeightSyncError:
+            return False
+
     def _mark_lost(self, peer: _Peer, why: str, *, level: int = logging.WARNING) -> None:
         if not peer.lost:
             log.log(level, "worker %d lost: %s", peer.worker_idx, why)
@@ -311,10 +327,11 @@ class SenderCore:
                 self._drop(f"heartbeat for an unknown session from worker {message.worker_idx}")
                 return
             peer.last_seen = time.monotonic()
-            # Beats from the receiver's beat thread keep it fresh; only a beat on its main
-            # connection proves that updates reach it again.
+            # Beats from the receiver's beat thread keep it fresh and show that its process
+            # runs; updates reach it again only if its main connection is there too: a beat
+            # on that connection shows it, and so does a probe on it that the socket routes.
             revivable = not peer.gone and peer.conn.state not in _DEAD_STATES
-            if peer.lost and revivable and routing == peer.routing:
+            if peer.lost and revivable and (routing == peer.routing or self._routable(peer)):
                 log.info("worker %d is back", peer.worker_idx)
                 peer.lost = False
                 self._notify()
