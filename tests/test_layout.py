@@ -515,7 +515,19 @@ def test_gather_copy_fills_every_tensor_and_reuses_its_plan(bucket_bytes: int | 
     assert gather.copy(dst, once)
     views = layout.views(dst)
     assert all(torch.equal(views[k], t) for k, t in zip(layout.keys, once, strict=True))
-    assert all(p[0] != tuple(t.data_ptr() for t in once) for p in gather._plans)
+    assert tuple(t.data_ptr() for t in once) not in gather._plans
+    # Another destination (a sender's next slot) reuses the plan of its sources: only the
+    # output ranges are cut for it.
+    plan = gather._plans[tuple(t.data_ptr() for t in moved)]
+    other = [torch.zeros(n, dtype=torch.uint8) for n in layout.buffer_sizes]
+    assert gather.copy(other, moved) and gather.copy(dst, moved)
+    assert gather._plans[tuple(t.data_ptr() for t in moved)] is plan
+    assert len(plan.destinations) == 2
+    for buffers in (other, dst):
+        views = layout.views(buffers)
+        assert all(torch.equal(views[k], weights[k]) for k in layout.keys)
+    with pytest.raises(ValueError, match=r"expected \d+ buffers"):
+        gather.copy([*other, other[0]], moved)
     gather.clear()
     assert not gather._plans
     # Sources said to come back (a model's own tensors) are kept from the first call on.

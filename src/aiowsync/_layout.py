@@ -17,7 +17,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -378,6 +378,8 @@ def _parallel_copy(moves: list[tuple[int, int, int]], total: int) -> None:
 
 _KEPT_SOURCES = 2
 """Source sets whose copy plans a :class:`GatherCopy` keeps."""
+_KEPT_DESTINATIONS = 8
+"""Destinations whose output ranges a plan keeps (a sender's slots; more are rare)."""
 
 
 class GatherCopy:
@@ -393,17 +395,18 @@ class GatherCopy:
     (alignment padding) are filled from a small zero tensor.
 
     The pieces are views of the sources, which take about 2 us each to make; they are kept
-    (a *plan* per destination) while the same source tensors come back, as a model's do on
-    every send, and rebuilt when any source moved. Plans are kept only for source sets seen
-    before among the last few calls, so weights passed once are not kept alive by a plan, and
-    for at most :data:`_KEPT_SOURCES` source sets (a sender that alternates its model and one
-    copy of its weights keeps both).
+    (a *plan* per source set) while the same source tensors come back, as a model's do on
+    every send, and rebuilt when any source moved. A plan serves every destination (each
+    slot of a sender): only its few output ranges are cut per destination, and kept too.
+    Plans are kept only for source sets seen before among the last few calls, so weights
+    passed once are not kept alive by a plan, and for at most :data:`_KEPT_SOURCES` source
+    sets (a sender that alternates its model and one copy of its weights keeps both).
     """
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        self._plans: dict[tuple[tuple[int, ...], tuple[int, ...]], list[list[_Run]]] = {}
-        """Kept plans by (source pointers, destination pointers)."""
+        self._plans: dict[tuple[int, ...], _Plan] = {}
+        """Kept plans by source pointers."""
         self._kept: list[tuple[int, ...]] = []
         """Source pointers whose plans are kept, oldest first."""
         self._recent: collections.deque[tuple[int, ...]] = collections.deque(maxlen=4)
@@ -428,17 +431,19 @@ class GatherCopy:
         pool = _gather_pool()
         if pool is None or not _all_plain(src, self._lazy_views):
             return False
+        if len(dst) != len(self.layout.buffer_sizes):
+            raise ValueError(f"expected {len(self.layout.buffer_sizes)} buffers, got {len(dst)}")
         key = tuple(map(_data_ptr, src))
-        dst_key = tuple(map(_data_ptr, dst))
-        shares = self._plans.get((key, dst_key))
-        if shares is None:
+        plan = self._plans.get(key)
+        if plan is None:
             if not all(t.is_cpu for t in src):
                 return False
-            shares = self._plan(dst, src, pool.threads)
+            plan = self._plan(src, pool.threads)
             if keep or key in self._kept or key in self._recent:
-                self._keep(key, dst_key, shares)
+                self._keep(key, plan)
         if not self._recent or self._recent[-1] != key:
             self._recent.append(key)
+        shares = plan.for_destination(dst)
         futures = [pool.executor.submit(_gather_share, share) for share in shares[1:]]
         try:
             with _serial_torch(pool):
@@ -448,16 +453,12 @@ class GatherCopy:
                 future.result()
         return True
 
-    def _keep(
-        self, key: tuple[int, ...], dst_key: tuple[int, ...], shares: list[list[_Run]]
-    ) -> None:
+    def _keep(self, key: tuple[int, ...], plan: _Plan) -> None:
         if key not in self._kept:
             self._kept.append(key)
             if len(self._kept) > _KEPT_SOURCES:
-                gone = self._kept.pop(0)
-                for plan_key in [k for k in self._plans if k[0] == gone]:
-                    del self._plans[plan_key]
-        self._plans[(key, dst_key)] = shares
+                self._plans.pop(self._kept.pop(0), None)
+        self._plans[key] = plan
 
     def clear(self) -> None:
         """Drop every plan (and with them the views of sources and destinations they hold)."""
@@ -465,15 +466,11 @@ class GatherCopy:
         self._kept.clear()
         self._recent.clear()
 
-    def _plan(
-        self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], count: int
-    ) -> list[list[_Run]]:
+    def _plan(self, src: Sequence[torch.Tensor], count: int) -> _Plan:
         layout = self.layout
-        if len(dst) != len(layout.buffer_sizes):
-            raise ValueError(f"expected {len(layout.buffer_sizes)} buffers, got {len(dst)}")
         # (buffer, start, piece): the bytes of every buffer up to its last tensor, in order.
         segments: list[tuple[int, int, torch.Tensor]] = []
-        ends = [0] * len(dst)
+        ends = [0] * len(layout.buffer_sizes)
         with torch.no_grad():
             for spec, t in zip(layout.specs, src, strict=True):
                 if t.nbytes != spec.nbytes:
@@ -507,10 +504,7 @@ class GatherCopy:
                 if room == 0:
                     # The last share takes whatever rounding left over.
                     share, room = share + 1, (fair if share + 2 < count else total)
-        for runs in shares:
-            for run in runs:
-                run.out = dst[run.buffer][run.start : run.end]
-        return [runs for runs in shares if runs]
+        return _Plan([runs for runs in shares if runs])
 
 
 @dataclass(slots=True, eq=False)
@@ -522,12 +516,37 @@ class _Run:
     start: int
     end: int
     pieces: list[torch.Tensor]
-    out: torch.Tensor | None = None
 
 
-def _gather_share(runs: list[_Run]) -> None:
-    for run in runs:
-        torch.cat(run.pieces, out=run.out)
+_Share = list[tuple[list[torch.Tensor], torch.Tensor]]
+"""One thread's work: (pieces, the output range they fill) pairs."""
+
+
+@dataclass(slots=True, eq=False)
+class _Plan:
+    """The pieces of one source set, cut into shares, and their output ranges per destination
+    (by the destination buffers' pointers; a sender has a few slots, each met again and
+    again)."""
+
+    shares: list[list[_Run]]
+    destinations: dict[tuple[int, ...], list[_Share]] = field(default_factory=dict)
+
+    def for_destination(self, dst: Sequence[torch.Tensor]) -> list[_Share]:
+        key = tuple(map(_data_ptr, dst))
+        cut = self.destinations.get(key)
+        if cut is None:
+            if len(self.destinations) >= _KEPT_DESTINATIONS:
+                self.destinations.clear()
+            cut = [
+                [(r.pieces, dst[r.buffer][r.start : r.end]) for r in runs] for runs in self.shares
+            ]
+            self.destinations[key] = cut
+        return cut
+
+
+def _gather_share(share: _Share) -> None:
+    for pieces, out in share:
+        torch.cat(pieces, out=out)
 
 
 _data_ptr = torch.Tensor.data_ptr
