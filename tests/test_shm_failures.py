@@ -12,6 +12,7 @@ import os
 import pickle
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -554,6 +555,15 @@ async def test_replaced_or_rebound_parameters_are_still_sent_right(rehome: bool)
         assert r.version == 3
 
 
+async def taken_back(core: Any) -> None:
+    """Wait until the sender ``core`` counts no worker as lost (5 s at most)."""
+    for _ in range(100):
+        if not core.lost_workers():
+            return
+        await asyncio.sleep(0.05)
+    assert core.lost_workers() == set()
+
+
 @pytest.mark.parametrize("pull", [False, True])
 async def test_a_worker_whose_connection_was_renewed_is_taken_back(pull: bool) -> None:
     # The sender gave up on the worker (as after a stop longer than the heartbeat timeout) and
@@ -570,11 +580,7 @@ async def test_a_worker_whose_connection_was_renewed_is_taken_back(pull: bool) -
         sock.connect(sender.address)
         time.sleep(0.5)  # the loop blocked: the drop and the reconnection happen unobserved
         pulls = [] if not pull else [asyncio.create_task(r.receive(timeout=10))]
-        for _ in range(100):
-            if not core.lost_workers():
-                break
-            await asyncio.sleep(0.05)
-        assert core.lost_workers() == set()
+        await taken_back(core)
         bump(src)
         assert (await sender.send(timeout=5)).worker_ids == (0,)
         if pulls:
@@ -593,11 +599,7 @@ async def test_a_worker_given_up_on_whose_connection_stayed_up_is_taken_back() -
         assert core is not None
         core._mark_lost(core._peers[0], "given up on by the test")
         assert core.lost_workers() == {0}
-        for _ in range(100):
-            if not core.lost_workers():
-                break
-            await asyncio.sleep(0.05)
-        assert core.lost_workers() == set()
+        await taken_back(core)
         bump(src)
         assert (await sender.send(timeout=5)).worker_ids == (0,)
         assert r.version == 1 and same(mirror, src)
