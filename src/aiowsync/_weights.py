@@ -30,7 +30,7 @@ def flatten_weights(weights: WeightsLike) -> dict[str, torch.Tensor]:
         out: dict[str, Any] = {}
         _flatten_plain(weights.to_dict(), "", out)
         if not all(map(_is_tensor, out.values())):
-            name, bad = next((k, v) for k, v in out.items() if not isinstance(v, torch.Tensor))
+            name, bad = next((k, v) for k, v in out.items() if not _is_tensor(v))
             raise TypeError(f"weights entry {name!r} is a {type(bad).__name__}, not a tensor")
         if any(map(_requires_grad, out.values())):
             out = {k: t.detach() if t.requires_grad else t for k, t in out.items()}
