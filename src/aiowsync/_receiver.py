@@ -42,6 +42,7 @@ from ._protocol import (
     Update,
     Welcome,
 )
+from ._shield import to_the_end
 from ._signal import Signal
 
 __all__ = ["ApplyMode", "Hook", "ReceiverCore"]
@@ -96,6 +97,8 @@ class ReceiverCore:
         self._private: list[Staged] = []
         self._live: Staged | None = None
         self._live_private = -1
+        self._detached = False
+        """The model reads no shared memory any more (set by :meth:`_detach`)."""
         self._connections_seen = 0
         if apply_mode == "copy":
             device = next(iter(self._targets.values())).device if self._targets else "cpu"
@@ -145,17 +148,17 @@ class ReceiverCore:
                 self._plane.setup(self.layout, welcome.params, swap=self.apply_mode == "swap")
                 answer = await self._apply_and_answer(welcome.version, welcome.params)
         except TimeoutError:
-            self._close_channel()
+            await self._abandon()
             raise WeightSyncTimeout(
                 f"worker {self.worker_idx}: no answer from the sender at {self.address} "
                 f"within {timeout:g} s",
                 [self.worker_idx],
             ) from None
         except BaseException:
-            self._close_channel()
+            await self._abandon()
             raise
         if isinstance(answer, Nack):
-            self._close_channel()
+            await self._abandon()
             raise ConnectError(
                 f"worker {self.worker_idx} could not apply version {welcome.version}: "
                 f"{answer.error}"
@@ -242,7 +245,8 @@ class ReceiverCore:
                         return self.version
                 except WeightSyncTimeout:
                     pass
-        return None
+        # An update applied whose answer could not be sent still counts.
+        return self.version if self.version != before else None
 
     async def _step(self, timeout: float | None) -> int | None:
         channel = self._channel
@@ -273,8 +277,7 @@ class ReceiverCore:
             # deadline fires meanwhile; in background mode only shutdown cancels, and then the
             # sender is told.
             if self.shield_updates:
-                with anyio.CancelScope(shield=True):
-                    await self._apply_and_answer(message.version, message.params)
+                await to_the_end(self._apply_and_answer(message.version, message.params))
             else:
                 await self._apply_and_answer(message.version, message.params)
             return message.version
@@ -315,8 +318,7 @@ class ReceiverCore:
         self._conn.send(answer)
         if channel.send_nowait(answer):
             return
-        with anyio.CancelScope(shield=True):
-            await channel.send(answer, timeout=self._timeouts.control)
+        await to_the_end(channel.send(answer, timeout=self._timeouts.control))
 
     async def _apply(self, version: int, params: Mapping[str, ParamValue]) -> None:
         if self._plane.blocking_fetch:
@@ -326,17 +328,26 @@ class ReceiverCore:
             )
         else:
             staged = self._plane.fetch(params)
+        index = -1
         if self.apply_mode == "copy":
             index = 1 - self._live_private if self._live_private >= 0 else 0
             target = self._private[index]
-            # The spare copy may still be read by nothing: the model points at the other one.
-            await anyio.to_thread.run_sync(_copy_buffers, target.buffers, staged.buffers)
-            staged = target
-            self._live_private = index
-        try:
-            await self.guard.switch(
-                lambda: self._commit(version, staged), timeout=self._timeouts.ack
+            # The spare copy is read by nothing: the model points at the other one. The copy
+            # ends before this returns, even if cancelled, so two never overlap in it.
+            await to_the_end(
+                anyio.to_thread.run_sync(_copy_buffers, target.buffers, staged.buffers)
             )
+            staged = target
+
+        def commit() -> None:
+            self._commit(version, staged)
+            if index >= 0:
+                # Only now is the other buffer the spare: after a switch that did not happen,
+                # the model still reads the old one, which the next copy must not touch.
+                self._live_private = index
+
+        try:
+            await self.guard.switch(commit, timeout=self._timeouts.ack)
         except TimeoutError:
             raise WeightSyncTimeout(
                 f"readers held the read guard for {self._timeouts.ack:g} s; version {version} "
@@ -366,20 +377,48 @@ class ReceiverCore:
         channel = self._channel
         if channel is None:
             return
-        with anyio.CancelScope(shield=True):
-            await self._detach()
         said_bye = False
+        try:
+            await self._detach_or_warn()
+            # A model still reading shared memory must keep its pins: no goodbye then, and the
+            # sender keeps them until this process is gone.
+            if self._detached:
+                said_bye = await self._say_bye(channel)
+        finally:
+            # A goodbye only queued would be dropped by an immediate close, and the sender would
+            # take this worker for lost instead of gone.
+            self._close_channel(flush=_BYE_FLUSH_S if said_bye else 0.0)
+
+    async def _say_bye(self, channel: ReceiverChannel) -> bool:
         with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
             if self._bye is None and channel.peer_alive:
                 try:
                     self._conn.send(Bye(reason="receiver closing"))
                     await channel.send(Bye(reason="receiver closing"), timeout=0.2)
-                    said_bye = True
+                    return True
                 except (WeightSyncError, ProtocolError):
                     pass
-        # A goodbye only queued would be dropped by an immediate close, and the sender would
-        # take this worker for lost instead of gone.
-        self._close_channel(flush=_BYE_FLUSH_S if said_bye else 0.0)
+        return False
+
+    async def _abandon(self) -> None:
+        """After a failed ``connect()``: stop reading shared memory, close the channel."""
+        try:
+            await self._detach_or_warn()
+        finally:
+            self._close_channel()
+
+    async def _detach_or_warn(self) -> None:
+        """:meth:`_detach`, run to its end even if cancelled; a failure is logged, and the
+        model then keeps reading the shared memory it was on."""
+        try:
+            await to_the_end(self._detach())
+        except Exception as exc:
+            log.warning(
+                "worker %d: could not give the model weights of its own (%s); it keeps "
+                "reading shared memory, which stays mapped and pinned until this process ends",
+                self.worker_idx,
+                _text(exc),
+            )
 
     async def _detach(self) -> None:
         """Swap mode: give the model a private copy of its weights before saying goodbye.
@@ -387,8 +426,10 @@ class ReceiverCore:
         After the goodbye the sender may reuse the slot this model reads, and the model
         outlives the scheme; so it keeps the same values in memory of its own.
         """
+        self._detached = False
         live = self._live
         if self.apply_mode != "swap" or live is None or not self._plane.shares_sender_memory:
+            self._detached = True
             return
         device = live.buffers[0].device if live.buffers else torch.device("cpu")
         private = self.layout.allocate(device)
@@ -397,12 +438,15 @@ class ReceiverCore:
         await self.guard.switch(
             lambda: self._commit(self.version, own, private=True), timeout=self._timeouts.ack
         )
+        self._detached = True
 
     def _close_channel(self, *, flush: float = 0.0) -> None:
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close(flush=flush)
-        self._plane.close()
+        if self._detached:
+            # Otherwise the model still reads the plane's mappings: they stay.
+            self._plane.close()
         self._notify()
 
 

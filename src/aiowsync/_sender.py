@@ -48,6 +48,7 @@ from ._protocol import (
     Update,
     Welcome,
 )
+from ._shield import to_the_end
 from ._shm_slots import pid_alive
 from ._signal import Flag, Signal
 
@@ -571,8 +572,7 @@ class SenderCore:
                     if self._plane.transfers:
                         # However this ended (even cancelled), the version is read from the
                         # caller's weights now, never after send() stopped waiting.
-                        with anyio.CancelScope(shield=True):
-                            await anyio.to_thread.run_sync(self._plane.seal, version)
+                        await to_the_end(anyio.to_thread.run_sync(self._plane.seal, version))
                 finally:
                     self._send_lock.release()
             wait = self._timeouts.ack if deadline is None else max(0.0, deadline - time.monotonic())
@@ -615,7 +615,13 @@ class SenderCore:
             if self._stages_inline:
                 stage()
             else:
-                await anyio.to_thread.run_sync(stage)
+                # The slot goes back only once its copy has ended, however this send is
+                # cancelled: a copy still running would write into the next send's version.
+                await to_the_end(anyio.to_thread.run_sync(stage))
+                if time.monotonic() >= move_by:
+                    # The copy cannot be interrupted, so its deadline is checked here: a version
+                    # staged too late is never announced.
+                    raise TimeoutError
         except BaseException:
             self._plane.release(slot)
             raise
@@ -631,32 +637,40 @@ class SenderCore:
         self.version = version
         pending = _Pending(version, set(targets))
         self._pending[version] = pending
-        members = [self._peers[w] for w in targets if not self._peers[w].lost]
-        route = None
-        if self._plane.transfers and members:
-            route = self._plane.route([(p.worker_idx, p.session) for p in members], version)
-            left = max(0.001, move_by - time.monotonic())
-            params = {**params, **self._plane.route_params(route, left)}
-        update = Update(version=version, params=params)
-        blocked: list[_Peer] = []
-        for worker in targets:
-            peer = self._peers[worker]
-            if peer.lost:
-                pending.lost.add(worker)
-                pending.settle(worker)
-            elif not self._announce_nowait(channel, peer, update):
-                blocked.append(peer)
-        if blocked:
-            with anyio.CancelScope(shield=True):
-                for peer in blocked:
-                    await self._announce_rest(channel, peer, update)
-        if not targets:
-            pending.done.set()
+        try:
+            members = [self._peers[w] for w in targets if not self._peers[w].lost]
+            route = None
+            if self._plane.transfers and members:
+                route = self._plane.route([(p.worker_idx, p.session) for p in members], version)
+                left = max(0.001, move_by - time.monotonic())
+                params = {**params, **self._plane.route_params(route, left)}
+            update = Update(version=version, params=params)
+            blocked: list[_Peer] = []
+            for worker in targets:
+                peer = self._peers[worker]
+                if peer.lost:
+                    pending.lost.add(worker)
+                    pending.settle(worker)
+                elif not self._announce_nowait(channel, peer, update):
+                    blocked.append(peer)
+            if blocked:
+                await to_the_end(self._announce_all(channel, blocked, update, queued=True))
+            if not targets:
+                pending.done.set()
+        except BaseException:
+            # Cancelled or failed after the version was taken: nobody will wait for it.
+            self._pending.pop(version, None)
+            raise
         return version, pending, stage_s, route
 
-    async def _announce(self, channel: SenderChannel, peer: _Peer, update: Update) -> None:
-        if not self._announce_nowait(channel, peer, update):
-            await self._announce_rest(channel, peer, update)
+    async def _announce_all(
+        self, channel: SenderChannel, peers: list[_Peer], update: Update, *, queued: bool = False
+    ) -> None:
+        """Announce ``update`` to ``peers``; ``queued``: already recorded by
+        :meth:`_announce_nowait`, which found no room."""
+        for peer in peers:
+            if queued or not self._announce_nowait(channel, peer, update):
+                await self._announce_rest(channel, peer, update)
 
     def _announce_nowait(self, channel: SenderChannel, peer: _Peer, update: Update) -> bool:
         """Record ``update`` as sent to ``peer`` and queue it; False if the socket has no room
@@ -733,9 +747,7 @@ class SenderCore:
                 version=version, attempt=attempt, params=self._plane.route_params(route, left)
             )
             pending.reopen([p.worker_idx for p in retry])
-            with anyio.CancelScope(shield=True):
-                for peer in retry:
-                    await self._announce(channel, peer, update)
+            await to_the_end(self._announce_all(channel, retry, update))
 
     async def _chained(self, version: int, route: Any, move_by: float) -> None:
         """Transfer in a thread, once the previous chained transfer has finished."""
