@@ -775,3 +775,54 @@ async def test_pull_receive_reports_an_update_applied_even_if_its_answer_failed(
         assert r.version == 1 and same(mirror, src)
         with pytest.raises(aiowsync.WeightSyncTimeout):
             await task
+
+
+_SMALL_SHM_SENDER = """
+import asyncio, sys
+import torch
+from torch import nn
+import aiowsync
+from aiowsync import _shm_slots
+from pathlib import Path
+_shm_slots.SHM_DIR = Path(sys.argv[1])
+
+async def main():
+    sender = aiowsync.SharedMemWeightSyncScheme()
+    sender.init_on_sender(model=nn.Linear(1024, 2048), num_workers=1)  # 8 MiB
+    try:
+        async with sender:
+            print("started")
+    except aiowsync.TransportError as exc:
+        print("refused:", exc)
+
+asyncio.run(main())
+"""
+
+
+def test_a_full_shm_file_system_is_a_clear_error_not_a_crash(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "shm"
+    small.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=1777", "tmpfs", str(small)],
+        capture_output=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", _SMALL_SHM_SENDER, str(small)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        # Before: the copy into the slot died of SIGBUS (returncode -7).
+        assert run.returncode == 0, run.stderr
+        assert "refused:" in run.stdout and "shm-size" in run.stdout, run.stdout
+        assert os.listdir(small) == []  # nothing left behind
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

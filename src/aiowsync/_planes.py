@@ -232,6 +232,7 @@ class SharedMemSenderPlane(SenderPlane):
 
     def write(self, slot: int, source: Source) -> None:
         s = self._slots[slot]
+        s.file.back()
         if source.buffers is not None:
             # Whole buffers: fused_copy cuts them into one share per thread and into moves
             # of at most 64 MiB (see _MAX_MOVE in _layout).

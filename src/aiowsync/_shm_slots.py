@@ -8,6 +8,7 @@ files, so every new sender first removes the files of senders whose process no l
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -63,17 +64,31 @@ def _map(path: str, nbytes: int, flags: int) -> torch.Tensor:
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
         raise TransportError(f"cannot open shared-memory slot {path}: {exc}") from None
+    created = bool(flags & os.O_CREAT)
     try:
-        if flags & os.O_CREAT:
+        if created:
             os.ftruncate(fd, max(nbytes, 1))
         elif os.fstat(fd).st_size < nbytes:
             raise TransportError(f"shared-memory slot {path} is smaller than {nbytes} bytes")
         mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        if created:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise TransportError(f"cannot map shared-memory slot {path}: {exc}") from None
     finally:
         os.close(fd)
     # The tensor holds the only reference to the mapping; it is unmapped when the last view
     # of it (including a model's parameters) is gone.
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+
+
+def _free_bytes(directory: str) -> int | str:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return "unknown"
+    return st.f_bavail * st.f_frsize
 
 
 class SlotFile:
@@ -84,6 +99,34 @@ class SlotFile:
         self.nbytes = nbytes
         self.tensor = tensor
         self.owner = owner
+        self._backed = not owner
+
+    def back(self) -> None:
+        """Give every page of the file its memory now (once; blocking, so from a thread).
+
+        A file in /dev/shm gets its pages as they are first written; when the file system is
+        full (a container's /dev/shm is 64 MiB unless raised), that write kills the process
+        with SIGBUS. Allocating up front turns it into a :class:`TransportError` instead.
+        """
+        if self._backed:
+            return
+        fallocate = getattr(os, "posix_fallocate", None)
+        if fallocate is not None:
+            try:
+                fd = os.open(self.path, os.O_RDWR)
+                try:
+                    fallocate(fd, 0, max(self.nbytes, 1))
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    free = _free_bytes(os.path.dirname(self.path))
+                    raise TransportError(
+                        f"cannot allocate {self.nbytes} bytes for shared-memory slot {self.path}"
+                        f" ({exc.strerror}; {free} bytes free there). In a container, raise its"
+                        " shared-memory size (docker run --shm-size=...)."
+                    ) from None
+        self._backed = True
 
     @classmethod
     def create(cls, index: int, nbytes: int, token: str | None = None) -> SlotFile:
