@@ -45,3 +45,22 @@ def test_receiver_takes_the_same_constructor_arguments_as_the_sender() -> None:
         address="tcp://127.0.0.1:1", num_slots=3, model_id="critic"
     )
     assert (a.num_slots, a.model_id) == (b.num_slots, b.model_id)
+
+
+def test_every_public_class_method_and_property_is_documented() -> None:
+    missing = []
+    for name in aiowsync.__all__:
+        obj = getattr(aiowsync, name)
+        if not inspect.isclass(obj):
+            continue
+        if not inspect.getdoc(obj):
+            missing.append(name)
+        for attr, member in vars(obj).items():
+            if attr.startswith("_"):
+                continue
+            documentable = isinstance(
+                member, property | staticmethod | classmethod
+            ) or inspect.isfunction(member)
+            if documentable and not inspect.getdoc(member):
+                missing.append(f"{name}.{attr}")
+    assert missing == []

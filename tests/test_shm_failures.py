@@ -826,3 +826,48 @@ def test_a_full_shm_file_system_is_a_clear_error_not_a_crash(tmp_path: Any) -> N
         assert os.listdir(small) == []  # nothing left behind
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+async def test_the_address_is_known_after_init_on_sender_and_kept_across_sessions() -> None:
+    # DESIGN section 6: scheme.address is read between init_on_sender() and `async with`.
+    src = model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=2)
+    address = sender.address
+    assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":0")
+    by_pickle = pickle.loads(pickle.dumps(sender))  # carries the same address
+    by_address = aiowsync.SharedMemWeightSyncScheme(address=address)
+    for _session in range(2):
+        mirrors = [model(1), model(2)]
+        by_pickle.init_on_receiver(model=mirrors[0], worker_idx=0)
+        by_address.init_on_receiver(model=mirrors[1], worker_idx=1)
+        async with sender, by_pickle, by_address:
+            assert sender.address == address
+            await asyncio.gather(
+                sender.connect(timeout=10),
+                by_pickle.connect(timeout=10),
+                by_address.connect(timeout=10),
+            )
+            bump(src)
+            result = await sender.send(timeout=5)
+            assert result.worker_ids == (0, 1) and all(same(m, src) for m in mirrors)
+        # A later session serves on the same address; receivers are made afresh.
+        by_pickle = pickle.loads(pickle.dumps(sender))
+        by_address = aiowsync.SharedMemWeightSyncScheme(address=address)
+
+
+def test_an_address_read_but_never_served_is_released() -> None:
+    import gc
+
+    sender = aiowsync.SharedMemWeightSyncScheme()
+    sender.init_on_sender(model=model(0), num_workers=1)
+    address = sender.address
+    del sender
+    gc.collect()
+    # The port is free again: a new sender binds exactly it (no ResourceWarning either,
+    # warnings being errors in this suite).
+    again = aiowsync.SharedMemWeightSyncScheme(bind=address)
+    again.init_on_sender(model=model(0), num_workers=1)
+    assert again.address == address
+    del again
+    gc.collect()

@@ -289,3 +289,12 @@ def test_unsupported_weights_raise_type_error_and_write_nothing() -> None:
         with pytest.raises(TypeError):
             WeightStrategy().apply_weights(model, bad)
     assert_values(model, before)
+
+
+@pytest.mark.parametrize("how", ["model", "weights"])
+def test_scheme_extracts_the_weights_of_a_tensordict_it_was_given(how: str) -> None:
+    td = TensorDict({"w": torch.arange(4.0), "b": torch.ones(2)}, batch_size=[])
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(**{how: td}, num_workers=1)  # type: ignore[arg-type]
+    out = scheme.extract_weights()
+    assert torch.equal(out["w"], torch.arange(4.0)) and torch.equal(out["b"], torch.ones(2))

@@ -3,6 +3,7 @@
 from ._auth import CurveKeys
 from ._channel import ChannelFactory, MemoryChannelFactory, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
+from ._dist_plane import Backend
 from ._distributed import DistributedWeightSyncScheme
 from ._exceptions import (
     ConnectError,
@@ -19,10 +20,12 @@ from ._exceptions import (
 )
 from ._guard import ReadGuard
 from ._layout import Layout, TensorSpec
+from ._receiver import Hook
 from ._scheme import WeightSyncScheme
 from ._sender import SendResult
 from ._shared_mem import SharedMemWeightSyncScheme
 from ._strategy import StrategyName, WeightStrategy
+from ._weights import WeightsLike
 
 __version__ = "0.1.0"
 
@@ -42,10 +45,13 @@ __all__ = [
     "Heartbeats",
     "Timeouts",
     # weights
+    "Backend",
+    "Hook",
     "Layout",
     "StrategyName",
     "TensorSpec",
     "WeightStrategy",
+    "WeightsLike",
     # errors
     "ConnectError",
     "LayoutMismatchError",

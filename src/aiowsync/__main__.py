@@ -8,9 +8,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
-        print("usage: aiowsync demo [--workers N] [--sends N] [--width W] [--depth D]")
-        print("       aiowsync bench [--quick] [--models M,...] [--workers N,...] [--out DIR]")
-        print("       aiowsync demo --help | aiowsync bench --help")
+        print("usage: aiowsync demo [--workers N] [--sends N] [--width W] [--depth D] [options]")
+        print("       aiowsync bench [--quick] [--models M,...] [--workers N,...] [options]")
+        print("       aiowsync demo --help | aiowsync bench --help   (every option)")
         return 0 if args else 2
     if args[0] == "demo":
         from ._demo import main as demo

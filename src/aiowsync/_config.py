@@ -17,9 +17,13 @@ class Timeouts:
     """Deadlines, in seconds, for each phase of the protocol.
 
     Attributes:
-        handshake: a receiver's hello until welcome, and the sender's wait for the initial acks
-            when ``connect()`` is given no timeout.
-        ack: a ``send()`` waits this long for the targeted workers' acks when given no timeout.
+        handshake: ``connect()`` given no timeout, on either side: a receiver's whole connect
+            (hello, welcome and applying the current version), the sender's wait until every
+            worker holds version 0; also how long the sender helps a joining worker catch up.
+        ack: a ``send()`` waits this long for the targeted workers' acks when given no timeout;
+            also the default of ``wait_for_version()`` and ``receive()``, and on a receiver
+            the longest a switch waits for readers to leave the read guard and the longest its
+            hooks may run.
         transfer: staging a version (the bulk copy or the collective) must finish within this.
         control: one control message must find room to be sent within this.
     """
@@ -52,4 +56,5 @@ class Heartbeats:
 
     @property
     def timeout(self) -> float:
+        """Seconds of silence after which a peer is declared lost."""
         return self.interval * self.missed

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 __all__ = [
     "ConnectError",
     "LayoutMismatchError",
+    "LostDuringSendError",
     "NotConnectedError",
     "ProtocolError",
     "RefusedError",

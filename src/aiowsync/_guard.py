@@ -35,15 +35,18 @@ class ReadGuard:
 
     @property
     def readers(self) -> int:
+        """How many readers hold the guard now."""
         return self._readers
 
     def acquire(self) -> None:
+        """Hold the guard (blocking; from a thread). Waits only while a switch is being made."""
         with self._cond:
             while self._switching:
                 self._cond.wait()
             self._readers += 1
 
     def release(self) -> None:
+        """Let go of the guard; the last reader out lets a waiting switch proceed."""
         with self._cond:
             if self._readers <= 0:
                 raise RuntimeError("read guard released more times than acquired")

@@ -55,6 +55,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         n = 1
         for d in self.shape:
             n *= d
@@ -62,9 +63,11 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of data (no padding)."""
         return self.numel * self.dtype.itemsize
 
     def describe(self) -> str:
+        """dtype and shape, as in error messages (``float32[4, 16]``)."""
         return f"{_dtype_name(self.dtype)}{list(self.shape)}"
 
 
@@ -137,6 +140,7 @@ class Layout:
         alignment: int = DEFAULT_ALIGNMENT,
         bucket_bytes: int | None = None,
     ) -> Layout:
+        """The layout described by ``descs`` (as a receiver's hello carries them)."""
         return cls(
             ((d.key, _dtype_from_name(d.dtype), d.shape) for d in descs),
             alignment=alignment,
@@ -144,6 +148,7 @@ class Layout:
         )
 
     def descs(self) -> tuple[TensorDesc, ...]:
+        """The rows as they travel in a hello: key, dtype name, shape."""
         return tuple(TensorDesc(s.key, _dtype_name(s.dtype), s.shape) for s in self.specs)
 
     # -- identity -----------------------------------------------------------------------------
@@ -156,6 +161,7 @@ class Layout:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all flat buffers, alignment padding included."""
         return sum(self.buffer_sizes)
 
     @property

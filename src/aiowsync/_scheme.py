@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -14,7 +15,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from ._channel import ChannelFactory, ZmqChannelFactory
+from ._channel import ChannelFactory, SenderChannel, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
 from ._guard import ReadGuard
 from ._layout import Layout, module_targets, rehome
@@ -111,6 +112,9 @@ class WeightSyncScheme(abc.ABC):
         self._hooks: list[Hook] = []
         self._guard = ReadGuard()
         self._connected = False
+        self._bound: tuple[SenderChannel, weakref.finalize[Any, Any]] | None = None
+        """A control socket bound before ``async with`` (reading ``address``), and its
+        closer."""
 
     # -- pickling: configuration and address only ---------------------------------------------
 
@@ -129,8 +133,8 @@ class WeightSyncScheme(abc.ABC):
     def __getstate__(self) -> dict[str, Any]:
         state = {name: getattr(self, name) for name in self._CONFIG}
         state["_strategy"] = self._strategy.extract_as
-        if self._sender is not None and self._sender._channel is not None:
-            state["_address"] = self._sender.address
+        if self._role == "sender":
+            state["_address"] = self.address  # binds now if nothing is bound yet
         state.update(self._extra_config())
         return state
 
@@ -157,31 +161,60 @@ class WeightSyncScheme(abc.ABC):
 
     @property
     def strategy(self) -> WeightStrategy:
+        """The weight format helper behind ``extract_weights`` and ``apply_weights``."""
         return self._strategy
 
     @property
     def address(self) -> str:
-        """The sender's bound control address (on a receiver: the address it connects to)."""
+        """The sender's bound control address (on a receiver: the address it connects to).
+
+        On a sender it can be read as soon as ``init_on_sender()`` returned: the control socket
+        is then bound at once (an ephemeral port is chosen if ``bind`` names port 0), and
+        ``async with`` serves on it. The address stays the same for later ``async with``
+        sessions of the same object.
+        """
         if self._sender is not None and self._sender._channel is not None:
             return self._sender.address
+        if self._address is None and self._role == "sender":
+            self._bind_early()
         if self._address is None:
-            raise RuntimeError("no address yet: enter the sender's `async with scheme` first")
+            raise RuntimeError(
+                "no address: call init_on_sender() first, or give a receiver address="
+            )
         return self._address
+
+    def _bind_early(self) -> None:
+        channel = self.channels.bind(self.bind, heartbeat_timeout=self.heartbeats.timeout)
+        self._address = channel.address
+        # Closed by the sender it is handed to, or when this object goes unused.
+        self._bound = channel, weakref.finalize(self, channel.close)
+
+    def _take_bound(self) -> SenderChannel | None:
+        bound, self._bound = self._bound, None
+        if bound is None:
+            return None
+        channel, finalizer = bound
+        finalizer.detach()
+        return channel
 
     @property
     def initialized_on_sender(self) -> bool:
+        """Whether ``init_on_sender()`` was called."""
         return self._role == "sender"
 
     @property
     def initialized_on_receiver(self) -> bool:
+        """Whether ``init_on_receiver()`` was called."""
         return self._role == "receiver"
 
     @property
     def model(self) -> Any:
+        """The model or weights given to ``init_on_*`` (``None`` before)."""
         return self._model
 
     @property
     def context(self) -> Any:
+        """The ``context=`` given to ``init_on_*``, if any."""
         return self._context
 
     @property
@@ -363,7 +396,8 @@ class WeightSyncScheme(abc.ABC):
             layout=self._layout,
             num_workers=self.num_workers,
             model_id=self.model_id,
-            bind=self.bind,
+            # Later sessions keep the address that was handed out.
+            bind=self._address if self._address is not None else self.bind,
             timeouts=self.timeouts,
             heartbeats=self.heartbeats,
             same_host=self._same_host,
@@ -376,7 +410,7 @@ class WeightSyncScheme(abc.ABC):
         if isinstance(self._model, nn.Module):
             self._watch = ModelWatch(self._model)
             self._homed_pointers = self._watch.pointers
-        await sender.start(self._snapshot_source(None))
+        await sender.start(self._snapshot_source(None), channel=self._take_bound())
         self._sender = sender
         await self._start_background(tg, sender.serve)
 
@@ -485,6 +519,11 @@ class WeightSyncScheme(abc.ABC):
             WeightSyncTimeout: a targeted worker did not acknowledge by the deadline.
             RemoteApplyError: a worker failed to apply the version (its error text included).
             LayoutMismatchError: ``weights`` do not match the layout (nothing was written).
+            WeightSyncError: every shared-memory slot holds a version still in use, or the
+                sender shut down while the version was being staged.
+            TransportError: a new slot could not be created (``/dev/shm`` full).
+            ValueError: ``worker_ids`` out of range, repeated or empty.
+            RuntimeError: called outside ``async with``, or on a receiver.
 
         Concurrent calls are served one at a time in call order.
         """
@@ -509,7 +548,10 @@ class WeightSyncScheme(abc.ABC):
 
     def extract_weights(self, source: WeightsLike | None = None) -> Any:
         """The weights of ``source`` (default: the sender's model) in the strategy's format."""
-        src = source if source is not None else (self._model or self._weights)
+        src = source
+        if src is None:
+            # Not `or`: a TensorDict refuses to be read as a boolean.
+            src = self._model if self._model is not None else self._weights
         if src is None:
             raise RuntimeError("no model to extract weights from")
         return self._strategy.extract_weights(src)

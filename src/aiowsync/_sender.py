@@ -169,17 +169,25 @@ class SenderCore:
             raise RuntimeError("the sender is not started")
         return self._channel.address
 
-    async def start(self, initial: Source) -> None:
-        """Bind, create the slots and stage version 0."""
-        self._plane.setup(self.layout)
+    async def start(self, initial: Source, *, channel: SenderChannel | None = None) -> None:
+        """Create the slots, stage version 0 and bind (or serve on ``channel``, already
+        bound; it is closed if this fails)."""
         try:
-            slot = self._plane.reserve(set())
-            await anyio.to_thread.run_sync(self._plane.write, slot, initial)
-            self._plane.publish(slot, 0)
-            await anyio.to_thread.run_sync(self._plane.seal, 0)
-            self._channel = self._channels.bind(self._bind, heartbeat_timeout=self._beats.timeout)
+            self._plane.setup(self.layout)
+            try:
+                slot = self._plane.reserve(set())
+                await anyio.to_thread.run_sync(self._plane.write, slot, initial)
+                self._plane.publish(slot, 0)
+                await anyio.to_thread.run_sync(self._plane.seal, 0)
+                if channel is None:
+                    channel = self._channels.bind(self._bind, heartbeat_timeout=self._beats.timeout)
+                self._channel = channel
+            except BaseException:
+                self._plane.close()
+                raise
         except BaseException:
-            self._plane.close()
+            if channel is not None:
+                channel.close()
             raise
 
     async def close(self) -> None:

@@ -113,10 +113,12 @@ class ChannelFactory(abc.ABC):
     """Creates the two ends of a control channel for one transport."""
 
     @abc.abstractmethod
-    def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel: ...
+    def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
+        """The sender's end, bound to ``address`` (port 0: any free port; see ``.address``)."""
 
     @abc.abstractmethod
-    def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel: ...
+    def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel:
+        """A receiver's end, connecting to a sender's ``address``."""
 
 
 def timeout_error(what: str, timeout: float | None) -> WeightSyncTimeout:
