@@ -274,7 +274,7 @@ async def sends_without_mixed_reads(
         async with scheme:
             for i in range(workers_count):
                 w.start(i, kind, scheme=scheme, tear=True, digests=False)
-            await asyncio.wait_for(scheme.connect(timeout=60), 90)
+            await asyncio.wait_for(scheme.connect(timeout=150), 180)
             await asyncio.to_thread(w.collect, "ready", workers_count)
             deadline = time.monotonic() + 6.0
             sends = 0
@@ -295,7 +295,7 @@ async def sends_without_mixed_reads(
 
 async def connect_all(scheme: aiowsync.WeightSyncScheme, w: Workers, n: int) -> dict[int, str]:
     """The sender's connect(); then each worker's ready report: {worker: digest}."""
-    await asyncio.wait_for(scheme.connect(timeout=60), 90)
+    await asyncio.wait_for(scheme.connect(timeout=150), 180)
     ready = await asyncio.to_thread(w.collect, "ready", n)
     return {e[1]: e[3] for e in ready}
 

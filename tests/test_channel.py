@@ -269,7 +269,7 @@ async def test_timed_out_receive_then_next_message_arrives(factory: ChannelFacto
         started = time.monotonic()
         with pytest.raises(aiowsync.WeightSyncTimeout, match="no message"):
             await receiver.recv(timeout=0.2)
-        assert 0.15 <= time.monotonic() - started < 2.0
+        assert 0.15 <= time.monotonic() - started < 3.0
         with pytest.raises(TimeoutError):
             await sender.recv(timeout=0.05)
         await sender.send(peer, Update(version=1), timeout=WAIT)
@@ -288,7 +288,7 @@ async def test_waiters_with_different_deadlines_each_time_out_on_their_own(
         started = time.monotonic()
         with pytest.raises(aiowsync.WeightSyncTimeout):
             await receiver.recv(timeout=0.2)
-        assert 0.15 <= time.monotonic() - started < 1.5
+        assert 0.15 <= time.monotonic() - started < 3.0
         assert not long_wait.done()
         await sender.send(peer, Update(version=1), timeout=WAIT)
         assert await asyncio.wait_for(long_wait, WAIT) == Update(version=1)
@@ -296,7 +296,7 @@ async def test_waiters_with_different_deadlines_each_time_out_on_their_own(
         started = time.monotonic()
         with pytest.raises(aiowsync.WeightSyncTimeout):
             await receiver.recv(timeout=0.3)
-        assert 0.25 <= time.monotonic() - started < 2.0
+        assert 0.25 <= time.monotonic() - started < 3.0
 
 
 # -- closing --------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import os
 import pickle
 import tempfile
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from aiowsync._planes import Source
 
 pytestmark = pytest.mark.timeout(90)
 
-FAST = aiowsync.Heartbeats(interval=0.1, missed=10)
+FAST = aiowsync.Heartbeats(interval=0.1, missed=50)  # no test here waits for a loss
 
 
 def model(seed: int = 0, width: int = 64) -> nn.Module:
@@ -375,3 +376,102 @@ async def test_nccl_sends_cuda_weights() -> None:  # pragma: no cover - GPU host
             bump(src)
             await sender.send(timeout=30)
             assert same(m, src)
+
+
+async def test_a_send_cancelled_while_announcing_gives_its_group_back() -> None:
+    # The update could not be queued at once, and the send was cancelled (asyncio) while it
+    # waited: the announcement still goes out, but no transfer will follow. Its group must be
+    # dropped: the receivers waiting on it would otherwise take the next version's bytes
+    # (same group, same tags) for this version's.
+    async with system(2) as (sender, src, receivers):
+        core = sender._sender
+        assert core is not None and core._channel is not None
+        channel = core._channel
+        real_send = channel.send
+
+        async def slow_send(peer: Any, message: Any, *, timeout: float | None) -> None:
+            await asyncio.sleep(0.3)
+            await real_send(peer, message, timeout=timeout)
+
+        channel.send_nowait = lambda peer, message: False  # type: ignore[method-assign]
+        channel.send = slow_send  # type: ignore[method-assign]
+        bump(src)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(sender.send(timeout=20), 0.05)
+        del channel.send_nowait, channel.send
+        plane = core._plane
+        sends = [k for k in plane._groups if k[-1] == (-1, "")]  # type: ignore[attr-defined]
+        assert sends == []  # (the groups that brought the workers up at connect stay)
+        assert all(s.readers == 0 for s in plane._slots)  # type: ignore[attr-defined]
+        bump(src)
+        result = await sender.send(timeout=20)
+        assert result.version == 2 and result.worker_ids == (0, 1)
+        assert all(r.version == 2 and same(m, src) for r, m in receivers)
+
+
+async def test_receivers_reach_the_store_on_the_data_host_not_the_control_host() -> None:
+    # Control on 127.0.0.1, process groups and store on 127.0.0.2 (another loopback address,
+    # as another network card would be).
+    src = model(0)
+    sender = aiowsync.DistributedWeightSyncScheme(
+        bucket_bytes=4096, heartbeats=FAST, data_host="127.0.0.2"
+    )
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        r = pickle.loads(pickle.dumps(sender))
+        mirror = model(1)
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
+            assert same(mirror, src)
+            bump(src)
+            assert (await sender.send(timeout=20)).worker_ids == (0,)
+            assert same(mirror, src)
+
+
+def test_a_wait_shorter_than_a_millisecond_still_has_a_limit() -> None:
+    from aiowsync._dist_plane import _finish
+
+    seen: list[Any] = []
+
+    class Work:
+        def wait(self, span: Any) -> None:
+            seen.append(span)
+
+    _finish(Work(), "gloo", 0.0004, torch.device("cpu"))
+    # c10d reads a zero span as "no limit": the smallest it keeps is one millisecond.
+    assert seen and seen[0].total_seconds() >= 0.001
+
+
+def test_closing_a_receiver_plane_does_not_wait_for_its_store_connection() -> None:
+    import socket
+    import threading
+    import time
+
+    from aiowsync._dist_plane import DistReceiverPlane
+    from aiowsync._layout import Layout
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    plane = DistReceiverPlane(
+        address="tcp://127.0.0.1:1", worker_idx=0, backend="gloo", device=torch.device("cpu")
+    )
+    layout = Layout.from_weights({"w": torch.zeros(4)})
+    plane.setup(layout, {"store_port": port, "backend": "gloo", "bucket_bytes": 1024})
+    errors: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            plane._need_store(timeout=4.0)
+        except BaseException as exc:  # the store never answers
+            errors.append(exc)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    time.sleep(0.3)  # the store connection is being attempted
+    started = time.monotonic()
+    plane.close()
+    assert time.monotonic() - started < 1.0
+    thread.join(10)
+    assert not thread.is_alive() and errors

@@ -104,15 +104,15 @@ async def _four_receivers_on_version_1(
 
 async def test_killed_receiver_is_named_by_the_timeout_the_others_commit_and_it_rejoins() -> None:
     # Beats slower than the send's deadline, so that the deadline (not the beats) finds it.
-    slow_beats = aiowsync.Heartbeats(interval=1.0, missed=4)
+    slow_beats = aiowsync.Heartbeats(interval=1.0, missed=15)
     async with _four_receivers_on_version_1(heartbeats=slow_beats) as (scheme, model, w):
         w.kill(1)
         randomize(model, 2)
-        deadline = 2.5
+        deadline = 8.0
         started = time.monotonic()
         with pytest.raises(aiowsync.WeightSyncTimeout) as info:
             await scheme.send(timeout=deadline)
-        assert time.monotonic() - started < deadline + 2.0
+        assert time.monotonic() - started < deadline + 5.0
         assert info.value.worker_ids == (1,)
         assert info.value.version == 2 and info.value.acked == (0, 2, 3)
         seen = await asyncio.to_thread(w.collect, "version", 3)

@@ -380,7 +380,7 @@ async def test_receivers_in_another_namespace_get_each_version_and_intruders_sta
             for name, attempt in attempts.items():
                 assert attempt["error"] == aiowsync.WeightSyncTimeout.__name__, (name, attempt)
                 assert attempt["is_timeout"], (name, attempt)
-                assert attempt["took"] < INTRUDER_DEADLINE + 2.0, (name, attempt)
+                assert attempt["took"] < INTRUDER_DEADLINE + 5.0, (name, attempt)
                 assert attempt["untouched"], (name, attempt)
             await w.collect("done", ["intruder"])
             assert await w.exited(["intruder"]) == {"intruder": 0}

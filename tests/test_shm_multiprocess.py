@@ -29,19 +29,23 @@ from _workers import (
 
 pytestmark = pytest.mark.timeout(240)
 
+# Four workers, their reader threads and a trainer on two CPUs: beats may come late without
+# anything being wrong. Tests about losing a worker set their own.
+LOADED = aiowsync.Heartbeats(interval=0.5, missed=10)
+
 
 @pytest.mark.parametrize("kind", ["big", "many"])
 async def test_every_worker_holds_the_senders_bytes_after_each_send(kind: str) -> None:
     torch.manual_seed(0)
     model = make_model(kind)
-    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=LOADED)
     scheme.init_on_sender(model=model, num_workers=4)
     await ten_sends_reach_every_worker(scheme, model, kind)
 
 
 async def test_subset_sends_and_worker_joining_from_address_alone() -> None:
     model = make_model("small")
-    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=LOADED)
     scheme.init_on_sender(model=model, num_workers=4)
     with workers() as w:
         async with scheme:
@@ -71,7 +75,7 @@ async def test_subset_sends_and_worker_joining_from_address_alone() -> None:
 
 async def test_pull_mode_workers_apply_on_receive() -> None:
     model = make_model("small")
-    scheme = aiowsync.SharedMemWeightSyncScheme(background=False)
+    scheme = aiowsync.SharedMemWeightSyncScheme(background=False, heartbeats=LOADED)
     scheme.init_on_sender(model=model, num_workers=2)
     with workers() as w:
         async with scheme:
@@ -90,7 +94,7 @@ async def test_pull_mode_workers_apply_on_receive() -> None:
 async def test_no_mixed_reads_while_sending_back_to_back(kind: str) -> None:
     model = make_model(kind)
     fill(model, 0)
-    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=LOADED)
     scheme.init_on_sender(model=model, num_workers=4)
     assert await sends_without_mixed_reads(scheme, model, kind) >= 10
 
@@ -100,7 +104,7 @@ async def _three_workers_on_version_1() -> AsyncIterator[
     tuple[aiowsync.SharedMemWeightSyncScheme, torch.nn.Module, Workers]
 ]:
     model = make_model("small")
-    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme = aiowsync.SharedMemWeightSyncScheme()  # default beats: these tests lose a worker
     scheme.init_on_sender(model=model, num_workers=3)
     with workers() as w:
         async with scheme:
@@ -136,7 +140,7 @@ async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_vers
         with pytest.raises(aiowsync.WorkerLostError) as lost:
             await scheme.send(timeout=30)
         assert lost.value.worker_ids == (1,)
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 2.0  # at once, not after the 30 s deadline
 
         w.start(1, "small", scheme=scheme)
         rejoined = await asyncio.to_thread(w.collect, "ready", 1)
@@ -150,7 +154,7 @@ def _sender_process(address_queue, kind: str) -> None:
     async def main() -> None:
         model = make_model(kind)
         fill(model, 7)
-        scheme = aiowsync.SharedMemWeightSyncScheme()
+        scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=LOADED)
         scheme.init_on_sender(model=model, num_workers=1)
         async with scheme:
             address_queue.put(scheme.address)
@@ -169,7 +173,7 @@ async def test_receivers_keep_weights_and_report_disconnected_when_the_sender_di
         address = await asyncio.to_thread(queue.get, True, 60)
         model = make_model("small")
         scheme = aiowsync.SharedMemWeightSyncScheme(
-            address=address, heartbeats=aiowsync.Heartbeats(interval=0.2, missed=3)
+            address=address, heartbeats=aiowsync.Heartbeats(interval=0.2, missed=10)
         )
         scheme.init_on_receiver(model=model, worker_idx=0)
         async with scheme:
@@ -178,7 +182,7 @@ async def test_receivers_keep_weights_and_report_disconnected_when_the_sender_di
             assert scheme.connected and scheme.version == 0
             os.kill(sender.pid, signal.SIGKILL)
             sender.join(10)
-            for _ in range(100):
+            for _ in range(300):
                 if not scheme.connected:
                     break
                 await asyncio.sleep(0.05)
@@ -202,7 +206,13 @@ async def test_frozen_worker_is_not_waited_for_and_its_slot_is_never_rewritten()
         frozen = w.procs[2]
         os.kill(frozen.pid, signal.SIGSTOP)
         try:
-            await asyncio.sleep(scheme.heartbeats.timeout + 1.0)
+            # Wait until the sender has given up on it (polled: a loaded machine may take
+            # longer than the heartbeat timeout to notice).
+            assert scheme._sender is not None
+            deadline = time.monotonic() + 30
+            while 2 not in scheme._sender.lost_workers():
+                assert time.monotonic() < deadline, "the frozen worker was never declared lost"
+                await asyncio.sleep(0.05)
             randomize(model, 2)
             with pytest.raises(aiowsync.WorkerLostError) as info:
                 await scheme.send(timeout=10)

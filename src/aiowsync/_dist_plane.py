@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import datetime
 import logging
+import math
 import secrets
 import socket
 import threading
@@ -104,7 +105,8 @@ def _new_group(
 
 
 def _finish(work: Any, backend: Backend, timeout: float, device: torch.device) -> None:
-    work.wait(datetime.timedelta(seconds=timeout))
+    # c10d keeps whole milliseconds and reads 0 as "no limit" (the group's own, far longer).
+    work.wait(datetime.timedelta(milliseconds=max(1, math.ceil(timeout * 1000))))
     if backend == "nccl":  # pragma: no cover - needs GPUs
         torch.cuda.synchronize(device)
 
@@ -269,6 +271,7 @@ class DistSenderPlane(SenderPlane):
 
     def welcome_params(self) -> Params:
         return {
+            "store_host": self.host,
             "store_port": self._store_port,
             "backend": self.backend,
             "bucket_bytes": self.bucket_bytes,
@@ -365,10 +368,13 @@ class DistSenderPlane(SenderPlane):
                 group = self._groups.pop(key)
                 group.dropped, group.pg = True, None
 
-    def _drop(self, group: _Group) -> None:
+    def _unlist(self, group: _Group) -> None:
         with self._lock:
             if self._groups.get(group.members) is group:
                 self._groups.pop(group.members)
+
+    def _drop(self, group: _Group) -> None:
+        self._unlist(group)
         group.dropped = True
         group.pg = None  # the last reference: its connections close, members fail fast
 
@@ -397,6 +403,9 @@ class DistSenderPlane(SenderPlane):
         except Exception as exc:  # every failure, whatever raised it, ends in a dropped group
             failure = _short(exc)
         finally:
+            if failure is not None:
+                # Out of the table before it counts as unused: route() must not hand it out.
+                self._unlist(route)
             with self._lock:
                 route.users -= 1
                 for s in self._slots:
@@ -602,6 +611,11 @@ class DistReceiverPlane(ReceiverPlane):
                 f"the sender uses backend {backend!r}, this receiver {self.backend!r}"
             )
         self.buckets = Buckets(layout.total_bytes, bucket_bytes)
+        # The store and the groups listen on the sender's data host, which need not be the
+        # host of the control address (another interface, or a control socket on 0.0.0.0).
+        store_host = welcome.get("store_host")
+        if isinstance(store_host, str) and store_host:
+            self.sender_host = store_host
         self._hostname = local_ip_towards(self.sender_host)
         for _ in range(2):
             flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
@@ -614,13 +628,21 @@ class DistReceiverPlane(ReceiverPlane):
         with self._lock:
             if self._closed:
                 raise TransportError("the receiver is closed")
+            if self._store is not None:
+                return self._store
+        # Connected outside the lock: close() takes it on the event loop, which must not
+        # wait for a store that does not answer.
+        store = TCPStore(
+            self.sender_host,
+            self._port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        with self._lock:
+            if self._closed:
+                raise TransportError("the receiver is closed")
             if self._store is None:
-                self._store = TCPStore(
-                    self.sender_host,
-                    self._port,
-                    is_master=False,
-                    timeout=datetime.timedelta(seconds=timeout),
-                )
+                self._store = store
             return self._store
 
     def fetch(self, params: Mapping[str, ParamValue]) -> Staged:

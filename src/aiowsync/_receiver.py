@@ -53,7 +53,7 @@ ApplyMode: TypeAlias = Literal["swap", "copy"]
 Hook: TypeAlias = Callable[[int], "Awaitable[None] | None"]
 
 
-_BYE_FLUSH_S = 0.1
+_BYE_FLUSH_S = 1.0
 """How long closing may wait for a queued goodbye to leave (it takes microseconds when the
 sender is there)."""
 

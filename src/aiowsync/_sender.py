@@ -645,9 +645,9 @@ class SenderCore:
         self.version = version
         pending = _Pending(version, set(targets))
         self._pending[version] = pending
+        route = None
         try:
             members = [self._peers[w] for w in targets if not self._peers[w].lost]
-            route = None
             if self._plane.transfers and members:
                 route = self._plane.route([(p.worker_idx, p.session) for p in members], version)
                 left = max(0.001, move_by - time.monotonic())
@@ -666,8 +666,15 @@ class SenderCore:
             if not targets:
                 pending.done.set()
         except BaseException:
-            # Cancelled or failed after the version was taken: nobody will wait for it.
+            # Cancelled or failed after the version was taken: nobody will wait for it. A route
+            # that will never carry it is given back (its group dropped, so receivers waiting on
+            # it fail instead of taking a later version's bytes for this one), and the version
+            # is read from the caller's weights now, never after send() returned.
             self._pending.pop(version, None)
+            if route is not None:
+                self._release(version, route)
+            if self._plane.transfers:
+                await to_the_end(anyio.to_thread.run_sync(self._plane.seal, version))
             raise
         return version, pending, stage_s, route
 
@@ -755,7 +762,11 @@ class SenderCore:
                 version=version, attempt=attempt, params=self._plane.route_params(route, left)
             )
             pending.reopen([p.worker_idx for p in retry])
-            await to_the_end(self._announce_all(channel, retry, update))
+            try:
+                await to_the_end(self._announce_all(channel, retry, update))
+            except BaseException:
+                self._release(version, route)  # it will never carry this version
+                raise
 
     async def _chained(self, version: int, route: Any, move_by: float) -> None:
         """Transfer in a thread, once the previous chained transfer has finished."""
@@ -766,6 +777,9 @@ class SenderCore:
             try:
                 self._plane.transfer(version, route, move_by, after=previous)
             finally:
+                # A transfer that gave up waiting for the previous one still ends after it:
+                # the one after both must not overlap it (bounded by that one's deadline).
+                previous.wait(self._timeouts.transfer)
                 mine.set()
 
         try:
