@@ -873,3 +873,12 @@ def test_an_address_read_but_never_served_is_released() -> None:
     assert again.address == address
     del again
     gc.collect()
+
+
+async def test_a_second_session_serves_on_the_first_sessions_address() -> None:
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=model(0), num_workers=1)
+    async with sender:
+        first = sender.address  # bound by `async with`, not read before
+    async with sender:
+        assert sender.address == first

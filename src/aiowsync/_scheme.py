@@ -412,6 +412,7 @@ class WeightSyncScheme(abc.ABC):
             self._homed_pointers = self._watch.pointers
         await sender.start(self._snapshot_source(None), channel=self._take_bound())
         self._sender = sender
+        self._address = sender.address  # what later sessions bind again
         await self._start_background(tg, sender.serve)
 
     async def _start_background(
