@@ -51,6 +51,8 @@ class Heartbeats:
 
     def __post_init__(self) -> None:
         _positive("interval", self.interval)
+        if self.interval < 0.01:
+            raise ValueError(f"interval must be at least 0.01 s, got {self.interval!r}")
         if not isinstance(self.missed, int) or self.missed < 1:
             raise ValueError(f"missed must be a positive integer, got {self.missed!r}")
 

@@ -34,7 +34,14 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
-from ._layout import _PARALLEL_COPY_BYTES, Layout, _copy_share, _parallel_copy, fused_copy
+from ._layout import (
+    _PARALLEL_COPY_BYTES,
+    Layout,
+    _copy_share,
+    _parallel_copy,
+    byte_view,
+    fused_copy,
+)
 from ._planes import Params, ReceiverPlane, SenderPlane, Source, Staged
 from ._protocol import ParamValue
 
@@ -163,10 +170,10 @@ def _plain_pointers(tensors: Sequence[torch.Tensor], device: torch.device) -> li
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    return byte_view(t)
 
 
 @dataclass(slots=True)

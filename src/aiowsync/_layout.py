@@ -33,10 +33,19 @@ DEFAULT_ALIGNMENT = 64
 
 
 def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise LayoutMismatchError([f"unknown dtype {name!r}"], context="layout")
+    # A fixed table, never getattr(torch, name): names come from the wire, and some torch
+    # attributes import whole subsystems or warn when touched.
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise LayoutMismatchError([f"unknown dtype {name[:40]!r}"], context="layout")
     return dtype
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -190,12 +199,15 @@ class Layout:
 
     # -- checks -------------------------------------------------------------------------------
 
-    def differences(self, other: Layout) -> list[str]:
-        """One line per key whose presence, dtype or shape differs; empty when compatible."""
+    def differences(self, other: Layout, *, limit: int | None = None) -> list[str]:
+        """One line per key whose presence, dtype or shape differs; empty when compatible.
+        With ``limit``, at most that many lines."""
         mine = {s.key: s for s in self.specs}
         theirs = {s.key: s for s in other.specs}
         out: list[str] = []
         for key in sorted(mine.keys() | theirs.keys()):
+            if limit is not None and len(out) >= limit:
+                break
             a, b = mine.get(key), theirs.get(key)
             if a is None:
                 assert b is not None
@@ -444,7 +456,10 @@ class GatherCopy:
         if plan is None:
             if not all(t.is_cpu for t in src):
                 return False
-            plan = self._plan(src, pool.threads)
+            try:
+                plan = self._plan(src, pool.threads)
+            except RuntimeError:
+                return False  # a source torch cannot view as bytes (a lazy negation): copy it
             if keep or key in self._kept or key in self._recent:
                 self._keep(key, plan)
         if not self._recent or self._recent[-1] != key:
@@ -486,7 +501,7 @@ class GatherCopy:
                 b, end = spec.buffer, ends[spec.buffer]
                 if spec.offset > end:
                     segments.append((b, end, self._zeros[: spec.offset - end]))
-                segments.append((b, spec.offset, t.reshape(-1).view(torch.uint8)))
+                segments.append((b, spec.offset, byte_view(t)))
                 ends[b] = spec.offset + spec.nbytes
         total = sum(ends)
         fair = max(1, -(-total // count))
@@ -548,6 +563,12 @@ class _Plan:
             ]
             self.destinations[key] = cut
         return cut
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t`` as a flat uint8 view. (``reshape(-1)`` keeps the odd
+    stride that torch allows on a dimension of size one, which ``view`` then refuses.)"""
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def _gather_share(share: _Share) -> None:
@@ -702,6 +723,11 @@ def rehome(module: nn.Module, layout: Layout) -> list[torch.Tensor]:
     """
     targets = module_targets(module)
     layout.check(targets)
+    storages = [t.untyped_storage().data_ptr() for t in targets.values() if t.nbytes]
+    if len(set(storages)) != len(storages):
+        # Two tensors sharing memory (a buffer viewing a parameter) would each get a slice of
+        # their own, and an update to one would no longer show in the other.
+        raise ValueError("some of the module's tensors share memory; they cannot be re-homed")
     devices = {t.device for t in targets.values()}
     if len(devices) > 1:
         raise ValueError(f"cannot re-home a module spread over several devices: {devices}")

@@ -26,7 +26,7 @@ import torch
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
 from ._layout import GatherCopy, Layout, fused_copy
 from ._protocol import ParamValue
-from ._shm_slots import SlotFile, remove_stale_slots
+from ._shm_slots import SlotFile, check_slot_path, remove_stale_slots
 from ._shm_window import SlotWindow, windows_supported
 
 __all__ = [
@@ -39,6 +39,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("aiowsync.shm")
+
+_KEPT_MAPPINGS = 32
+"""Slot files a receiver keeps mapped (a sender has a few slots; at most 16 by default)."""
 
 Params = dict[str, ParamValue]
 
@@ -319,11 +322,15 @@ class SharedMemReceiverPlane(ReceiverPlane):
             raise ProtocolError(f"update parameters lack a slot path and size: {dict(params)}")
         if nbytes != self._expected:
             raise ProtocolError(f"slot of {nbytes} bytes, the layout needs {self._expected}")
+        check_slot_path(path)
         if self._window is not None:
             # The window maps the slot itself; views of each slot would only cost memory.
             return Staged([], {}, path)
         views = self._mapped.get(path)
         if views is None:
+            if len(self._mapped) >= _KEPT_MAPPINGS:
+                # A sender has a few slots; a cache of every path ever named would grow.
+                self._mapped.pop(next(iter(self._mapped)))
             file = SlotFile.open(path, nbytes)
             parts = self.layout.split(file.tensor)
             views = self._mapped[path] = Staged(parts, self.layout.views(parts), path)

@@ -102,7 +102,8 @@ class WeightSyncScheme(abc.ABC):
         self.worker_idx: int | None = None
         self._rehome = False
         self._flat: list[torch.Tensor] | None = None
-        self._homed_pointers: list[int] = []
+        self._homed: tuple[Any, ...] = ()
+        """The model's tensors as re-homed (:meth:`ModelWatch.signature`)."""
         self._watch: ModelWatch | None = None
         self._sender: SenderCore | None = None
         self._receiver: ReceiverCore | None = None
@@ -316,8 +317,17 @@ class WeightSyncScheme(abc.ABC):
         if self._address is None:
             raise ValueError("a receiver needs the sender's address: pass address= or unpickle it")
         self._targets = (
-            module_targets(model) if isinstance(model, nn.Module) else flatten_weights(model)
+            module_targets(model)
+            if isinstance(model, nn.Module)
+            else flatten_weights(model, detach=False)  # the user's own tensor objects
         )
+        meta = [k for k, t in self._targets.items() if t.is_meta]
+        if meta:
+            raise ValueError(
+                f"the model has tensors on the meta device ({', '.join(meta[:5])}"
+                f"{', ...' if len(meta) > 5 else ''}): they hold no memory to receive into; "
+                "materialise the model first (e.g. model.to_empty(device='cpu'))"
+            )
         self._layout = Layout.from_weights(self._targets)
         self._model, self._context = model, context
         self.worker_idx = worker_idx
@@ -409,7 +419,7 @@ class WeightSyncScheme(abc.ABC):
                 log.info("could not re-home the model (%s); snapshots use fused copies", exc)
         if isinstance(self._model, nn.Module):
             self._watch = ModelWatch(self._model)
-            self._homed_pointers = self._watch.pointers
+            self._homed = self._watch.signature()
         await sender.start(self._snapshot_source(None), channel=self._take_bound())
         self._sender = sender
         self._address = sender.address  # what later sessions bind again
@@ -441,9 +451,9 @@ class WeightSyncScheme(abc.ABC):
                 watch.refresh()
                 self._layout.check(watch.tensors)
             if self._flat is not None:
-                if watch.current_pointers() == self._homed_pointers:
+                if watch.signature() == self._homed:
                     return Source(buffers=tuple(self._flat))
-                log.info("the model was re-bound since it was re-homed; using fused copies")
+                log.info("the model changed since it was re-homed; using fused copies")
                 self._flat = None
             if not watch.same_specs():
                 watch.refresh()

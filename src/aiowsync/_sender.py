@@ -254,7 +254,9 @@ class SenderCore:
                     next_beat = now + self._beats.interval
                     # Read what is queued first: a goodbye waiting there must not be taken
                     # for a lost connection when the beat finds the worker's socket gone.
-                    while (got := channel.recv_nowait()) is not None:
+                    for _ in range(_QUEUED_PER_BEAT):
+                        if (got := channel.recv_nowait()) is None:
+                            break
                         await self._dispatch(*got)
                     self._check_liveness()
                     await self._beat(channel)
@@ -299,7 +301,7 @@ class SenderCore:
 
     def _mark_lost(self, peer: _Peer, why: str, *, level: int = logging.WARNING) -> None:
         if not peer.lost:
-            log.log(level, "worker %d lost: %s", peer.worker_idx, why)
+            log.log(level, "worker %d lost: %s", peer.worker_idx, _excerpt(why))
         peer.lost = True
         self._plane.forget(peer.worker_idx)
         for pending in self._pending.values():
@@ -324,7 +326,11 @@ class SenderCore:
 
     def _drop(self, why: str) -> None:
         self.dropped += 1
-        log.warning("dropped a control message: %s", why)
+        # The 1st, 10th, 100th...: a peer sending junk must not flood the log.
+        if str(self.dropped).rstrip("0") == "1":
+            log.warning(
+                "dropped a control message: %s (%d dropped so far)", _excerpt(why), self.dropped
+            )
 
     async def _dispatch(self, routing: PeerId, message: Message) -> None:
         if isinstance(message, Hello):
@@ -387,10 +393,18 @@ class SenderCore:
                     pending.retryable.add(peer.worker_idx)
             pending.settle(peer.worker_idx)
         if error is not None:
-            log.warning("worker %d could not apply version %d: %s", peer.worker_idx, version, error)
+            log.warning(
+                "worker %d could not apply version %d: %s",
+                peer.worker_idx,
+                version,
+                _excerpt(error),
+            )
 
     async def _on_hello(self, routing: PeerId, hello: Hello) -> None:
-        reason = self._refusal(hello)
+        try:
+            reason = self._refusal(hello)
+        except Exception as exc:  # whatever a strange hello trips, it is refused, never fatal
+            reason = f"the hello could not be checked: {_excerpt(repr(exc))}"
         if reason is None:
             old = self._peers.get(hello.worker_idx)
             if old is not None and not old.lost and not await self._probe_gone(old):
@@ -401,7 +415,7 @@ class SenderCore:
         channel = self._channel
         assert channel is not None
         if reason is not None:
-            log.warning("refused worker %d: %s", hello.worker_idx, reason)
+            log.warning("refused worker %d: %s", hello.worker_idx, _excerpt(reason, 2000))
             with contextlib.suppress(WeightSyncError):
                 await channel.send(
                     routing, Refuse(reason=reason[:60000]), timeout=self._timeouts.control
@@ -487,13 +501,21 @@ class SenderCore:
         if not 0 <= hello.worker_idx < self.num_workers:
             return f"worker index {hello.worker_idx} is out of range(0, {self.num_workers})"
         if hello.fingerprint != self.layout.fingerprint:
+            ours, theirs_count = len(self.layout.specs), len(hello.layout)
+            if theirs_count > 2 * ours + 64:
+                # Not worth a layout of its own (and a hostile hello can name a million).
+                return (
+                    f"the receiver's model has {theirs_count} tensors, the sender's {ours}"
+                )
             try:
                 theirs = Layout.from_descs(hello.layout)
-            except (WeightSyncError, ValueError) as exc:
-                return f"the receiver's model layout is invalid: {exc}"
-            lines = self.layout.differences(theirs) or ["layouts differ (alignment or order)"]
-            shown = "\n  ".join(lines[:50])
-            more = f"\n  ... and {len(lines) - 50} more" if len(lines) > 50 else ""
+            except (WeightSyncError, ValueError, TypeError, OverflowError) as exc:
+                return f"the receiver's model layout is invalid: {_excerpt(str(exc))}"
+            lines = self.layout.differences(theirs, limit=_SHOWN + 1) or [
+                "layouts differ (alignment or order)"
+            ]
+            shown = "\n  ".join(lines[:_SHOWN])
+            more = "\n  ... and more" if len(lines) > _SHOWN else ""
             return f"the receiver's model does not match the sender's:\n  {shown}{more}"
         return None
 
@@ -792,6 +814,19 @@ class SenderCore:
 
 MAX_ATTEMPTS = 4
 """Retries of one version within one send (the wire allows far more)."""
+
+_SHOWN = 50
+"""Differences a refusal lists."""
+
+_QUEUED_PER_BEAT = 256
+"""Queued messages read before each round of beats, at most (a flood must not delay them)."""
+
+
+def _excerpt(text: str, limit: int = 500) -> str:
+    """``text`` cut to ``limit`` characters, as one line (text from a peer goes into logs)."""
+    text = text.replace("\n", " ").replace("\r", " ")
+    return text if len(text) <= limit else text[:limit] + "..."
+
 
 RETRY_GRACE = 0.5
 """After a failed transfer, how long the sender waits for the members' answers before it

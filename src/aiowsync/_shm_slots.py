@@ -14,13 +14,21 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 
 import torch
 
 from ._exceptions import TransportError
 
-__all__ = ["SHM_DIR", "SlotFile", "pid_alive", "remove_stale_slots"]
+__all__ = [
+    "SHM_DIR",
+    "SlotFile",
+    "check_slot_path",
+    "open_slot",
+    "pid_alive",
+    "remove_stale_slots",
+]
 
 log = logging.getLogger("aiowsync.shm")
 
@@ -59,17 +67,47 @@ def remove_stale_slots(directory: Path = SHM_DIR) -> list[str]:
     return removed
 
 
-def _map(path: str, nbytes: int, flags: int) -> torch.Tensor:
+def check_slot_path(path: str) -> None:
+    """``TransportError`` unless ``path`` names an aiowsync slot file in the shm directory."""
+    if not _NAME.match(os.path.basename(path)) or os.path.dirname(path) != str(SHM_DIR):
+        raise TransportError(f"{path!r} is not an aiowsync shared-memory slot")
+
+
+def open_slot(path: str, nbytes: int) -> int:
+    """A read-write descriptor of an existing slot file, checked first.
+
+    Slot paths come from the control channel, so only a regular file of ours (this user's,
+    not a link) of at least ``nbytes`` bytes is opened.
+    """
+    check_slot_path(path)
     try:
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except OSError as exc:
         raise TransportError(f"cannot open shared-memory slot {path}: {exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise TransportError(f"{path} is not a slot file of this user")
+        if st.st_size < nbytes:
+            raise TransportError(f"shared-memory slot {path} is smaller than {nbytes} bytes")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map(path: str, nbytes: int, flags: int) -> torch.Tensor:
     created = bool(flags & os.O_CREAT)
+    if created:
+        try:
+            fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create shared-memory slot {path}: {exc}") from None
+    else:
+        fd = open_slot(path, nbytes)
     try:
         if created:
             os.ftruncate(fd, max(nbytes, 1))
-        elif os.fstat(fd).st_size < nbytes:
-            raise TransportError(f"shared-memory slot {path} is smaller than {nbytes} bytes")
         mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         if created:
@@ -137,8 +175,6 @@ class SlotFile:
 
     @classmethod
     def open(cls, path: str, nbytes: int) -> SlotFile:
-        if not _NAME.match(os.path.basename(path)) or os.path.dirname(path) != str(SHM_DIR):
-            raise TransportError(f"{path!r} is not an aiowsync shared-memory slot")
         return cls(path, nbytes, _map(path, nbytes, os.O_RDWR), owner=False)
 
     def unlink(self) -> None:

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from ._exceptions import TransportError
+from ._shm_slots import open_slot
 
 __all__ = ["SlotWindow", "windows_supported"]
 
@@ -27,6 +28,7 @@ log = logging.getLogger("aiowsync.shm")
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_KEPT_FILES = 32
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -82,13 +84,11 @@ class SlotWindow:
         """Map slot file ``path`` over the window, replacing what it showed."""
         fd = self._fds.get(path)
         if fd is None:
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except OSError as exc:
-                raise TransportError(f"cannot open shared-memory slot {path}: {exc}") from None
-            if os.fstat(fd).st_size < self.nbytes:
-                os.close(fd)
-                raise TransportError(f"shared-memory slot {path} is smaller than expected")
+            fd = open_slot(path, self.nbytes)
+            # A sender has a few slots; more paths than that are not worth a descriptor each.
+            while len(self._fds) >= _KEPT_FILES:
+                old = next(p for p in self._fds if p != self.showing)
+                os.close(self._fds.pop(old))
             self._fds[path] = fd
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         self._mmap(self.addr, prot, mmap.MAP_SHARED | _MAP_FIXED, fd)

@@ -16,12 +16,23 @@ WeightsLike: TypeAlias = "nn.Module | TensorDictBase | Mapping[str, Any]"
 """A module, a ``TensorDict`` or a state_dict (dotted keys; nested mappings are flattened)."""
 
 
-def flatten_weights(weights: WeightsLike) -> dict[str, torch.Tensor]:
-    """``{dotted key: tensor}`` for a module (parameters and buffers), TensorDict or mapping."""
+def flatten_weights(weights: WeightsLike, *, detach: bool = True) -> dict[str, torch.Tensor]:
+    """``{dotted key: tensor}`` for a module (parameters and buffers), TensorDict or mapping.
+
+    Tensors that require grad come detached (to be read), unless ``detach`` is False: a
+    receiver needs the very tensor objects it was given, to re-point them at each version.
+    """
+    out = _flatten(weights)
+    if detach and any(map(_requires_grad, out.values())):
+        out = {k: t.detach() if t.requires_grad else t for k, t in out.items()}
+    return out
+
+
+def _flatten(weights: WeightsLike) -> dict[str, torch.Tensor]:
     if isinstance(weights, nn.Module):
         flat: dict[str, torch.Tensor] = dict(weights.named_parameters())
         flat.update(weights.named_buffers())
-        return {k: t.detach() if t.requires_grad else t for k, t in flat.items()}
+        return flat
     if type(weights) is TensorDict:
         # A plain TensorDict: its nested-dict form is about 3x quicker to walk than
         # ``items(include_nested=True)``, and its keys need no checking (TensorDict keys are
@@ -32,8 +43,6 @@ def flatten_weights(weights: WeightsLike) -> dict[str, torch.Tensor]:
         if not all(map(_is_tensor, out.values())):
             name, bad = next((k, v) for k, v in out.items() if not _is_tensor(v))
             raise TypeError(f"weights entry {name!r} is a {type(bad).__name__}, not a tensor")
-        if any(map(_requires_grad, out.values())):
-            out = {k: t.detach() if t.requires_grad else t for k, t in out.items()}
         return out
     if isinstance(weights, TensorDictBase):
         out = {}
@@ -41,7 +50,7 @@ def flatten_weights(weights: WeightsLike) -> dict[str, torch.Tensor]:
             name = ".".join(key) if isinstance(key, tuple) else str(key)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"weights entry {name!r} is a {type(value).__name__}, not a tensor")
-            out[name] = value.detach() if value.requires_grad else value
+            out[name] = value
         return out
     if isinstance(weights, Mapping):
         out = {}
@@ -76,7 +85,7 @@ def _flatten_mapping(m: Mapping[Any, Any], prefix: str, out: dict[str, torch.Ten
         if isinstance(value, torch.Tensor):
             if name in out:
                 raise ValueError(f"state_dict key {name!r} appears twice after flattening")
-            out[name] = value.detach() if value.requires_grad else value
+            out[name] = value
         elif isinstance(value, Mapping):
             _flatten_mapping(value, name + ".", out)
         else:

@@ -34,9 +34,14 @@ class _Counting:
         try:
             return decode(frame)
         except ProtocolError as exc:
-            self.dropped += 1
-            log.warning("dropped a frame from %s: %s", origin, exc)
+            self._count_drop("a frame from %s: %s", origin, exc)
             return None
+
+    def _count_drop(self, what: str, *args: object) -> None:
+        self.dropped += 1
+        # The 1st, 10th, 100th...: a peer sending junk must not flood the log.
+        if str(self.dropped).rstrip("0") == "1":
+            log.warning("dropped " + what + " (%d dropped so far)", *args, self.dropped)
 
 
 class SenderChannel(_Counting, abc.ABC):

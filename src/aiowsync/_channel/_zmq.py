@@ -8,6 +8,8 @@ cannot swallow a message, which a cancelled ``recv_multipart`` future can.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import ipaddress
 import logging
 import math
@@ -23,7 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .._auth import CurveKeys, CurveServer, check_server_keys, client_options
 from .._exceptions import TransportError, WeightSyncTimeout
-from .._protocol import Heartbeat, Message, encode
+from .._protocol import MAX_FRAME, Heartbeat, Message, encode
 from .._signal import Signal
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
 
@@ -58,6 +60,41 @@ def is_loopback_address(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _unpredictable_generated_ids() -> None:
+    """Seed the C library's ``rand()`` from the OS before a ROUTER is made.
+
+    A ROUTER names a peer that brings no routing id of its own ``0x00`` + a counter, which
+    libzmq starts at ``rand()``; nobody seeds ``rand()``, so the counter starts at the same
+    value in every process. A peer that picks the next such name as its own routing id makes
+    the ROUTER meet it twice, and libzmq aborts the whole process on that (an assertion). From
+    an unpredictable start, that name cannot be guessed.
+    """
+    global _libc_srand
+    if _libc_srand is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc_srand = libc.srand
+            _libc_srand.argtypes = [ctypes.c_uint]
+            _libc_srand.restype = None
+        except (OSError, AttributeError):
+            _libc_srand = False
+    if _libc_srand:
+        _libc_srand(secrets.randbits(32))
+
+
+_libc_srand: Any = None
+
+
+def _own_routing_id() -> bytes:
+    """A routing id for a receiver's socket: ``0x01`` + 15 random bytes, never the ``0x00``
+    form a ROUTER makes up for peers that bring none."""
+    return b"\x01" + secrets.token_bytes(15)
+
+
+_DROPS_PER_TURN = 64
+"""Malformed messages read in a row before the event loop gets a turn."""
 
 
 def _ms(seconds: float) -> int:
@@ -221,6 +258,7 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
         except BaseException:
             ctx.term()
             raise
+        _unpredictable_generated_ids()
         _ZmqEnd.__init__(self, ctx, zmq.ROUTER)
         SenderChannel.__init__(self)
         try:
@@ -231,7 +269,7 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
             # Receivers keep their routing id across reconnections (see the receiver channel);
             # the newest connection under an id takes it over.
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + 1024)
             if urlsplit(address).scheme == "tcp" and urlsplit(address).port in (None, 0):
                 host = address.rsplit(":", 1)[0] if address.count(":") > 1 else address
                 self._sock.bind(f"{host}:*")
@@ -250,23 +288,32 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
 
     async def recv(self, *, timeout: float | None) -> tuple[PeerId, Message]:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+        dropped = 0
         while True:
             remaining = None if timeout is None else max(0.0, deadline - time.monotonic())
             got = self._accept(await self._recv_frames(remaining))
             if got is not None:
                 return got
+            dropped += 1
+            if dropped % _DROPS_PER_TURN == 0:
+                # A peer sending junk as fast as it can must not keep the loop to itself,
+                # nor this call past its deadline.
+                await asyncio.sleep(0)
+                if time.monotonic() >= deadline:
+                    raise timeout_error("message", timeout)
 
     def recv_nowait(self) -> tuple[PeerId, Message] | None:
-        while self._ready(_POLLIN) and (frames := self._recv_frames_nowait()) is not None:
+        for _ in range(_DROPS_PER_TURN):
+            if not self._ready(_POLLIN) or (frames := self._recv_frames_nowait()) is None:
+                return None
             got = self._accept(frames)
             if got is not None:
                 return got
-        return None
+        return None  # only junk so far: the rest waits for the next call
 
     def _accept(self, frames: list[bytes]) -> tuple[PeerId, Message] | None:
         if len(frames) != 2:
-            self.dropped += 1
-            log.warning("dropped a message of %d frames", len(frames))
+            self._count_drop("a message of %d frames", len(frames))
             return None
         message = self._decode_or_drop(frames[1], f"peer {frames[0].hex()}")
         return None if message is None else (frames[0], message)
@@ -293,9 +340,9 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         self._set_curve(self._sock)
         # A fixed, unguessable routing id: after a reconnection (say the process was stopped
         # long enough for the connection to time out) the sender still reaches this receiver.
-        self._sock.setsockopt(zmq.ROUTING_ID, b"\x01" + secrets.token_bytes(15))
+        self._sock.setsockopt(zmq.ROUTING_ID, _own_routing_id())
         _base_options(self._sock, heartbeat_timeout)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + 1024)
         self._address = address
         self._heartbeat_timeout = heartbeat_timeout
         # The sender counts as reached once the ZMTP handshake (and the CURVE check) passed.
@@ -376,6 +423,8 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         # A socket of its own: zmq sockets are not thread-safe, and the event loop may be busy.
         sock = self._ctx.socket(zmq.DEALER)
         try:
+            # An id of its own too (not the main socket's: that would take its place).
+            sock.setsockopt(zmq.ROUTING_ID, _own_routing_id())
             _base_options(sock, self._heartbeat_timeout)
             self._set_curve(sock)
             sock.setsockopt(zmq.SNDHWM, 8)

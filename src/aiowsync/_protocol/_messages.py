@@ -37,6 +37,8 @@ MAX_NAME: Final = 256
 MAX_TENSORS: Final = 1_000_000
 MAX_DIMS: Final = 32
 MAX_PARAMS: Final = 64
+MIN_BEAT_INTERVAL: Final = 0.01
+"""Seconds; a faster beat would only burn a core."""
 
 _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
 
@@ -86,7 +88,7 @@ class Welcome(_Base, frozen=True, tag="welcome"):
     session: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
     version: Version
     params: Params = {}
-    heartbeat_interval: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 1.0
+    heartbeat_interval: Annotated[float, msgspec.Meta(ge=MIN_BEAT_INTERVAL, le=3600)] = 1.0
     missed_beats: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
 
 

@@ -1,0 +1,226 @@
+"""Peers that reach the control socket and misbehave on purpose: the sender and its workers
+must stay up, responsive and unaffected. Real ZeroMQ sockets throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from torch import nn
+
+import aiowsync
+from aiowsync import ProtocolError
+from aiowsync._layout import Layout, _dtype_from_name
+from aiowsync._planes import SharedMemReceiverPlane
+from aiowsync._protocol import PROTOCOL_VERSION, Hello, Refuse, TensorDesc, decode, encode
+from aiowsync._shm_slots import SHM_DIR, open_slot
+
+pytestmark = pytest.mark.timeout(120)
+
+_COLLIDE = """
+import sys, time
+import zmq
+import aiowsync
+
+# Our sender first, as in a trainer; then an intruder that names itself with the id the
+# ROUTER would make up for the next peer that brings none (libzmq starts that counter at
+# rand(), which nobody seeds: 0x6b8b4567 in every process), then such a peer.
+channel = aiowsync.ZmqChannelFactory().bind("tcp://127.0.0.1:0", heartbeat_timeout=5.0)
+ctx = zmq.Context()
+socks = []
+for k in range(8):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.ROUTING_ID, b"\\x00" + (0x6B8B4567 + k).to_bytes(4, "big"))
+    s.connect(channel.address)
+    s.send(b"x")
+    socks.append(s)
+time.sleep(0.5)
+plain = ctx.socket(zmq.DEALER)
+plain.connect(channel.address)
+plain.send(b"x")
+socks.append(plain)
+time.sleep(1.0)
+for s in socks:
+    s.close(linger=0)
+ctx.term()
+channel.close()
+print("survived")
+"""
+
+
+def test_a_peer_naming_itself_like_a_made_up_id_cannot_abort_the_sender() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", _COLLIDE], capture_output=True, text=True, timeout=60
+    )
+    # Before: "Assertion failed: ok (src/socket_base.cpp...)", SIGABRT (returncode -6).
+    assert run.returncode == 0 and "survived" in run.stdout, (run.returncode, run.stderr)
+
+
+def _intruder(ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))  # looks like a receiver
+    sock.connect(address)
+    return sock
+
+
+async def test_a_flood_of_junk_never_keeps_the_event_loop(caplog: pytest.LogCaptureFixture) -> None:
+    channel = aiowsync.ZmqChannelFactory().bind("tcp://127.0.0.1:0", heartbeat_timeout=5.0)
+    ctx = zmq.Context()
+    raw = _intruder(ctx, channel.address)
+    frames = 5000
+    try:
+        for _ in range(frames):
+            raw.send(b"junk")
+        # Everything is queued on the sender's side before it starts reading.
+        deadline = asyncio.get_running_loop().time() + 30
+        while channel.dropped == 0 and not channel._ready(zmq.POLLIN):  # type: ignore[attr-defined]
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)
+        seen: list[int] = []
+        stop = False
+
+        async def watch() -> None:
+            while not stop:
+                seen.append(channel.dropped)
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        with caplog.at_level(logging.WARNING, logger="aiowsync.channel"):
+            while channel.dropped < frames:
+                with pytest.raises(aiowsync.WeightSyncTimeout):
+                    await channel.recv(timeout=0.05)
+        stop = True
+        await watcher
+        # The loop got a turn at least every 64 dropped frames (before: none until all 5000
+        # were read), and the log got a handful of lines, not one per frame.
+        steps = [b - a for a, b in itertools.pairwise(seen)]
+        assert steps and max(steps) <= 64, max(steps)
+        drops = [r for r in caplog.records if "dropped" in r.getMessage()]
+        assert 1 <= len(drops) <= 4, len(drops)
+    finally:
+        raw.close(linger=0)
+        ctx.term()
+        channel.close()
+
+
+def _hello(layout: list[TensorDesc], fingerprint: str = "0" * 64) -> Hello:
+    return Hello(
+        protocol=PROTOCOL_VERSION,
+        model_id="policy",
+        worker_idx=0,
+        pid=os.getpid(),
+        fingerprint=fingerprint,
+        layout=layout,
+    )
+
+
+async def _refusal_for(hello: Hello) -> str:
+    """Send ``hello`` from a raw socket to a running sender; the refusal text it gets back."""
+    sender = aiowsync.SharedMemWeightSyncScheme()
+    sender.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    ctx = zmq.Context()
+    async with sender:
+        raw = _intruder(ctx, sender.address)
+        try:
+            raw.send(encode(hello))
+            deadline = asyncio.get_running_loop().time() + 20
+            while not raw.poll(0):
+                assert asyncio.get_running_loop().time() < deadline, "no answer to the hello"
+                await asyncio.sleep(0.02)
+            answer = decode(raw.recv())
+        finally:
+            raw.close(linger=0)
+            ctx.term()
+        assert isinstance(answer, Refuse), answer
+        # And the sender still serves: a legitimate worker connects afterwards.
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        r.init_on_receiver(model=nn.Linear(4, 4), worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=20), r.connect(timeout=20))
+    return answer.reason
+
+
+async def test_a_hello_naming_a_huge_model_is_refused_by_its_count() -> None:
+    descs = [TensorDesc(f"t{i}", "float32", [1]) for i in range(200_000)]
+    reason = await _refusal_for(_hello(descs))
+    assert "200000 tensors" in reason
+
+
+async def test_dtype_names_from_the_wire_never_reach_torch_attributes() -> None:
+    # getattr(torch, "has_cuda") warns (an error in this suite), "_dynamo" imports a subsystem.
+    for name in ("has_cuda", "_dynamo", "nn", "float64x"):
+        with pytest.raises(aiowsync.LayoutMismatchError, match="unknown dtype"):
+            _dtype_from_name(name)
+    assert _dtype_from_name("bfloat16") is torch.bfloat16
+    reason = await _refusal_for(_hello([TensorDesc("weight", "has_cuda", [4, 4])]))
+    assert "unknown dtype" in reason
+
+
+def test_a_welcome_cannot_make_a_worker_beat_without_pause() -> None:
+    from aiowsync._protocol import Welcome
+
+    with pytest.raises(ValueError, match=r"at least 0\.01"):
+        aiowsync.Heartbeats(interval=0.001)
+
+    def welcome(interval: float) -> Welcome:
+        return Welcome(
+            model_id="policy",
+            worker_idx=0,
+            session="a" * 32,
+            version=0,
+            heartbeat_interval=interval,
+        )
+
+    assert isinstance(decode(encode(welcome(0.01))), Welcome)
+    # A sender (or an impostor) announcing a near-zero interval is not believed.
+    with pytest.raises(ProtocolError):
+        decode(encode(welcome(5e-324)))
+
+
+def test_a_slot_path_from_the_wire_is_checked_before_it_is_opened(tmp_path: Path) -> None:
+    layout = Layout.from_weights({f"w{i}": torch.zeros(4) for i in range(80)})  # a window
+    plane = SharedMemReceiverPlane()
+    plane.setup(layout, {}, swap=True)
+    elsewhere = tmp_path / "not-a-slot.bin"
+    elsewhere.write_bytes(b"\x00" * layout.total_bytes)
+    try:
+        for path in (str(elsewhere), "/etc/passwd", str(SHM_DIR / "aiowsync-1-ab-0/../x")):
+            with pytest.raises(aiowsync.TransportError, match="not an aiowsync"):
+                plane.fetch({"path": path, "nbytes": layout.total_bytes})
+    finally:
+        plane.close()
+
+
+def test_a_slot_name_that_is_a_link_or_someone_elses_file_is_refused() -> None:
+    name = SHM_DIR / f"aiowsync-{os.getpid()}-feedbeef-0"
+    with tempfile.NamedTemporaryFile() as target:
+        target.write(b"\x00" * 64)
+        target.flush()
+        os.symlink(target.name, name)
+        try:
+            with pytest.raises(aiowsync.TransportError, match="cannot open"):
+                open_slot(str(name), 64)
+        finally:
+            os.unlink(name)
+    if os.geteuid() != 0:
+        return
+    fd = os.open(name, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o666)
+    try:
+        os.ftruncate(fd, 64)
+        os.fchown(fd, 12345, 12345)
+        with pytest.raises(aiowsync.TransportError, match="not a slot file of this user"):
+            open_slot(str(name), 64)
+    finally:
+        os.close(fd)
+        os.unlink(name)

@@ -1,0 +1,172 @@
+"""Models and weight containers of unusual shapes: every byte must still arrive, or the
+error must be clear. Real ZeroMQ and real /dev/shm slots, receivers in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+import aiowsync
+
+pytestmark = pytest.mark.timeout(60)
+
+BEATS = aiowsync.Heartbeats(interval=0.1, missed=50)
+
+
+@contextlib.asynccontextmanager
+async def pair(
+    src: Any, mirror: Any, *, rehome: bool = False, **receiver_kw: Any
+) -> AsyncIterator[tuple[aiowsync.SharedMemWeightSyncScheme, aiowsync.SharedMemWeightSyncScheme]]:
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
+    sender.init_on_sender(model=src, num_workers=1, rehome=rehome)
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, **receiver_kw)
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=20), r.connect(timeout=20))
+            yield sender, r
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("apply_mode", ["swap", "copy"])
+async def test_a_receiver_given_a_tensordict_of_parameters_receives_every_version(
+    apply_mode: str,
+) -> None:
+    torch.manual_seed(0)
+    src, mirror = nn.Linear(8, 4), nn.Linear(8, 4)
+    td = TensorDict.from_module(mirror)  # its leaves are mirror's Parameters (requires_grad)
+    async with pair(src, td, apply_mode=apply_mode) as (sender, r):
+        for step in range(1, 4):
+            with torch.no_grad():
+                src.weight.add_(1.0)
+            result = await sender.send(timeout=10)
+            assert r.version == result.version == step
+            # Before: the receiver re-pointed detached copies, and these stayed at version 0.
+            assert torch.equal(td["weight"], src.weight) and torch.equal(mirror.weight, src.weight)
+
+
+class OddStride(nn.Module):
+    """4 MiB and more (so the copy is gathered in threads), plus a one-element parameter whose
+    stride is not 1: torch calls it contiguous, ``reshape(-1).view(uint8)`` refuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Parameter(torch.randn(1024, 1024))
+        self.scale = nn.Parameter(torch.randn(3, 3).t()[0, :1])
+
+
+async def test_a_one_element_parameter_with_an_odd_stride_is_copied() -> None:
+    torch.manual_seed(0)
+    src, mirror = OddStride(), OddStride()
+    assert src.scale.stride() != (1,) and src.scale.is_contiguous()
+    async with pair(src, mirror) as (sender, r):
+        assert same(mirror, src)
+        with torch.no_grad():
+            src.scale.fill_(7.0)
+            src.big.add_(1.0)
+        await sender.send(timeout=10)
+        assert same(mirror, src) and float(mirror.scale) == 7.0
+
+
+async def test_a_lazily_negated_real_tensor_is_copied() -> None:
+    class Negated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = nn.Parameter(torch.randn(1024, 1024))
+            z = torch.randn(16, dtype=torch.complex64)
+            self.register_buffer("imag", z.conj().imag)  # float32, negation bit set
+
+    torch.manual_seed(0)
+    src, mirror = Negated(), Negated()
+    assert src.imag.is_neg()
+    async with pair(src, mirror) as (sender, r):
+        assert torch.equal(mirror.imag, src.imag.resolve_neg())
+        await sender.send(timeout=10)
+        assert same(mirror, src)
+
+
+async def test_a_rehomed_parameter_transposed_in_place_arrives_transposed() -> None:
+    torch.manual_seed(0)
+    src, mirror = nn.Linear(6, 6), nn.Linear(6, 6)
+    async with pair(src, mirror, rehome=True) as (sender, r):
+        assert sender._flat is not None  # re-homed
+        with torch.no_grad():
+            src.weight.t_()  # same data pointer, other strides
+        await sender.send(timeout=10)
+        # Before: the flat buffer was sent as it was, untransposed.
+        assert torch.equal(mirror.weight, src.weight)
+        assert sender._flat is None  # fell back to per-tensor copies
+
+
+async def test_a_module_whose_tensors_share_memory_is_not_rehomed() -> None:
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4))
+            self.register_buffer("head", self.w.data[:2])  # a view of w
+
+    src, mirror = Shared(), Shared()
+    async with pair(src, mirror, rehome=True) as (sender, r):
+        assert sender._flat is None  # refused: it would have split w and head apart
+        with torch.no_grad():
+            src.w.add_(1.0)
+        assert torch.equal(src.head, torch.ones(2))  # still a view of w
+        await sender.send(timeout=10)
+        assert same(mirror, src)
+
+
+def test_a_receiver_on_the_meta_device_is_refused() -> None:
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    r = aiowsync.SharedMemWeightSyncScheme(address="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="meta device"):
+        r.init_on_receiver(model=model, worker_idx=0)
+
+
+def test_distributed_packing_reads_odd_strides_and_lazy_views() -> None:
+    from aiowsync._dist_plane import _as_bytes
+
+    odd = torch.randn(3, 3).t()[0, :1]
+    z = torch.randn(4, dtype=torch.complex64)
+    for t, expected in ((odd, torch.tensor([float(odd)])), (z.conj(), z.conj().resolve_conj())):
+        got = _as_bytes(t)
+        assert torch.equal(got, expected.contiguous().view(-1).view(torch.uint8))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("inv_freq", torch.arange(2.0), persistent=False)
+
+
+async def test_a_model_with_tied_weights_sends_what_extract_weights_gives() -> None:
+    torch.manual_seed(0)
+    src, mirror = Tied(), Tied()
+    async with pair(src, mirror) as (sender, r):
+        with torch.no_grad():
+            src.emb.weight.add_(1.0)
+            src.inv_freq.add_(1.0)
+        await sender.send(sender.extract_weights(), timeout=10)
+        assert r.version == 1 and same(mirror, src)
+        assert torch.equal(mirror.inv_freq, src.inv_freq)
+        assert mirror.head.weight is mirror.emb.weight  # still tied on the worker
+        # The state_dict lists the tied weight twice and leaves the buffer out: refused,
+        # with both named.
+        with pytest.raises(aiowsync.LayoutMismatchError) as info:
+            await sender.send(src.state_dict(), timeout=10)
+        text = "\n".join(info.value.differences)
+        assert "head.weight" in text and "inv_freq" in text
