@@ -42,9 +42,7 @@ def _dtype_from_name(name: str) -> torch.dtype:
 
 
 _DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in vars(torch).values()
-    if isinstance(d, torch.dtype)
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
 
 

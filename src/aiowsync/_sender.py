@@ -504,9 +504,7 @@ class SenderCore:
             ours, theirs_count = len(self.layout.specs), len(hello.layout)
             if theirs_count > 2 * ours + 64:
                 # Not worth a layout of its own (and a hostile hello can name a million).
-                return (
-                    f"the receiver's model has {theirs_count} tensors, the sender's {ours}"
-                )
+                return f"the receiver's model has {theirs_count} tensors, the sender's {ours}"
             try:
                 theirs = Layout.from_descs(hello.layout)
             except (WeightSyncError, ValueError, TypeError, OverflowError) as exc:
