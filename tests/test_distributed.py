@@ -463,7 +463,7 @@ def test_closing_a_receiver_plane_does_not_wait_for_its_store_connection() -> No
 
     def connect() -> None:
         try:
-            plane._need_store(timeout=4.0)
+            plane._need_store(timeout=2.0)
         except BaseException as exc:  # the store never answers
             errors.append(exc)
 
@@ -473,5 +473,6 @@ def test_closing_a_receiver_plane_does_not_wait_for_its_store_connection() -> No
     started = time.monotonic()
     plane.close()
     assert time.monotonic() - started < 1.0
-    thread.join(10)
+    # c10d retries the connection with random pauses: it gives up well after its timeout.
+    thread.join(60)
     assert not thread.is_alive() and errors

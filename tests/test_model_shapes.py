@@ -153,14 +153,14 @@ class Tied(nn.Module):
         self.register_buffer("inv_freq", torch.arange(2.0), persistent=False)
 
 
-async def test_a_model_with_tied_weights_sends_what_extract_weights_gives() -> None:
+async def test_a_model_with_tied_weights_and_a_non_persistent_buffer_sends() -> None:
     torch.manual_seed(0)
     src, mirror = Tied(), Tied()
     async with pair(src, mirror) as (sender, r):
         with torch.no_grad():
             src.emb.weight.add_(1.0)
             src.inv_freq.add_(1.0)
-        await sender.send(sender.extract_weights(), timeout=10)
+        await sender.send(src, timeout=10)  # the module itself: its own listing
         assert r.version == 1 and same(mirror, src)
         assert torch.equal(mirror.inv_freq, src.inv_freq)
         assert mirror.head.weight is mirror.emb.weight  # still tied on the worker
@@ -170,3 +170,41 @@ async def test_a_model_with_tied_weights_sends_what_extract_weights_gives() -> N
             await sender.send(src.state_dict(), timeout=10)
         text = "\n".join(info.value.differences)
         assert "head.weight" in text and "inv_freq" in text
+
+
+async def test_a_rehomed_model_is_rehomed_again_in_a_later_session() -> None:
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    for _session in range(2):
+        mirror = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        async with pair(src, mirror, rehome=True) as (sender, r):
+            # Its tensors are views of one buffer now, side by side: not "sharing memory".
+            assert sender._flat is not None
+            with torch.no_grad():
+                src[0].weight.add_(1.0)
+            await sender.send(timeout=10)
+            assert same(mirror, src)
+
+
+def test_rehoming_refuses_overlapping_memory_only() -> None:
+    from aiowsync._layout import Layout, rehome
+
+    class SideBySide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            flat = torch.zeros(10)
+            self.a = nn.Parameter(flat[:4])
+            self.b = nn.Parameter(flat[4:])
+
+    m = SideBySide()
+    rehome(m, Layout.from_weights(m))  # views of one buffer, not overlapping: fine
+
+    class Overlap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4))
+            self.register_buffer("head", self.w.data[1:3])
+
+    o = Overlap()
+    with pytest.raises(ValueError, match="share memory"):
+        rehome(o, Layout.from_weights(o))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import pickle
 import threading
@@ -882,3 +883,41 @@ async def test_a_second_session_serves_on_the_first_sessions_address() -> None:
         first = sender.address  # bound by `async with`, not read before
     async with sender:
         assert sender.address == first
+
+
+async def test_a_later_session_whose_port_is_taken_binds_a_fresh_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import socket
+    from urllib.parse import urlsplit
+
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=model(0), num_workers=1)
+    async with sender:
+        first = sender.address
+    # Something else holds the port now (as a child forked during the session would).
+    port = urlsplit(first).port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        with caplog.at_level(logging.WARNING, logger="aiowsync"):
+            async with sender:
+                second = sender.address
+                r = aiowsync.SharedMemWeightSyncScheme(address=second)
+                mirror = model(1)
+                r.init_on_receiver(model=mirror, worker_idx=0)
+                async with r:
+                    await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+                    assert same(mirror, sender.model)
+    assert second != first
+    assert any("cannot serve on" in rec.getMessage() for rec in caplog.records)
+
+
+async def test_a_sender_serves_on_bind_whatever_address_it_was_built_with() -> None:
+    sender = aiowsync.SharedMemWeightSyncScheme(
+        address="tcp://127.0.0.1:1", bind="tcp://127.0.0.1:0", heartbeats=FAST
+    )
+    sender.init_on_sender(model=model(0), num_workers=1)
+    async with sender:
+        assert sender.address != "tcp://127.0.0.1:1"
+        assert sender.address.startswith("tcp://127.0.0.1:")

@@ -217,11 +217,15 @@ class DistSenderPlane(SenderPlane):
         device: torch.device,
         max_slots: int = 4,
         form_timeout: float = 10.0,
+        announce_host: bool = False,
     ) -> None:
         self.backend: Backend = backend
         self.form_timeout = form_timeout
         self.bucket_bytes = bucket_bytes
         self.host = host
+        self.announce_host = announce_host
+        """Tell receivers ``host`` (a ``data_host`` given): otherwise they reach the store on
+        the host they reach the control socket on, which may differ from ours (NAT)."""
         self.device = device
         self.max_slots = max_slots
         self._slots: list[_SenderSlot] = []
@@ -278,7 +282,7 @@ class DistSenderPlane(SenderPlane):
 
     def welcome_params(self) -> Params:
         return {
-            "store_host": self.host,
+            **({"store_host": self.host} if self.announce_host else {}),
             "store_port": self._store_port,
             "backend": self.backend,
             "bucket_bytes": self.bucket_bytes,

@@ -124,6 +124,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             host=host,
             device=self._device(flatten_weights(source).values()),
             max_slots=self.max_slots,
+            announce_host=bool(self.data_host),
         )
 
     def _receiver_plane(self) -> ReceiverPlane:

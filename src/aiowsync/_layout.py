@@ -11,6 +11,7 @@ import collections
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import json
 import operator
 import os
@@ -721,8 +722,7 @@ def rehome(module: nn.Module, layout: Layout) -> list[torch.Tensor]:
     """
     targets = module_targets(module)
     layout.check(targets)
-    storages = [t.untyped_storage().data_ptr() for t in targets.values() if t.nbytes]
-    if len(set(storages)) != len(storages):
+    if _overlapping(targets.values()):
         # Two tensors sharing memory (a buffer viewing a parameter) would each get a slice of
         # their own, and an update to one would no longer show in the other.
         raise ValueError("some of the module's tensors share memory; they cannot be re-homed")
@@ -735,6 +735,24 @@ def rehome(module: nn.Module, layout: Layout) -> list[torch.Tensor]:
     layout.pack(targets, views)
     bind_views(targets, views)
     return buffers
+
+
+def _overlapping(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether the memory of any two of ``tensors`` overlaps (views of one buffer that do not
+    overlap, as a re-homed model's are, are fine)."""
+    spans = []
+    for t in tensors:
+        if not t.nbytes:
+            continue
+        if t.is_contiguous():
+            start = t.data_ptr()
+            spans.append((start, start + t.nbytes))
+        else:  # its exact extent takes more work than it is worth: the whole storage
+            storage = t.untyped_storage()
+            spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    spans.sort()
+    # Sorted by start, any overlap shows between neighbours.
+    return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
 
 def is_homed(targets: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor]) -> bool:

@@ -50,7 +50,7 @@ __all__ = ["ApplyMode", "Hook", "ReceiverCore"]
 log = logging.getLogger("aiowsync.receiver")
 
 ApplyMode: TypeAlias = Literal["swap", "copy"]
-Hook: TypeAlias = Callable[[int], "Awaitable[None] | None"]
+Hook: TypeAlias = Callable[[int], Awaitable[None] | None]
 
 
 _BYE_FLUSH_S = 1.0

@@ -17,6 +17,7 @@ from torch import nn
 
 from ._channel import ChannelFactory, SenderChannel, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
+from ._exceptions import TransportError
 from ._guard import ReadGuard
 from ._layout import Layout, module_targets, rehome
 from ._planes import ReceiverPlane, SenderPlane, Source
@@ -113,6 +114,8 @@ class WeightSyncScheme(abc.ABC):
         self._hooks: list[Hook] = []
         self._guard = ReadGuard()
         self._connected = False
+        self._served: str | None = None
+        """The address this sender serves on (bound early, or by its last session)."""
         self._bound: tuple[SenderChannel, weakref.finalize[Any, Any]] | None = None
         """A control socket bound before ``async with`` (reading ``address``), and its
         closer."""
@@ -171,13 +174,16 @@ class WeightSyncScheme(abc.ABC):
 
         On a sender it can be read as soon as ``init_on_sender()`` returned: the control socket
         is then bound at once (an ephemeral port is chosen if ``bind`` names port 0), and
-        ``async with`` serves on it. The address stays the same for later ``async with``
-        sessions of the same object.
+        ``async with`` serves on it. Later ``async with`` sessions of the same object serve on
+        it again when the port can be had (else on a fresh one, with a warning).
         """
         if self._sender is not None and self._sender._channel is not None:
             return self._sender.address
-        if self._address is None and self._role == "sender":
-            self._bind_early()
+        if self._role == "sender":
+            if self._served is None:
+                self._bind_early()
+            assert self._served is not None
+            return self._served
         if self._address is None:
             raise RuntimeError(
                 "no address: call init_on_sender() first, or give a receiver address="
@@ -186,9 +192,26 @@ class WeightSyncScheme(abc.ABC):
 
     def _bind_early(self) -> None:
         channel = self.channels.bind(self.bind, heartbeat_timeout=self.heartbeats.timeout)
-        self._address = channel.address
+        self._served = channel.address
         # Closed by the sender it is handed to, or when this object goes unused.
         self._bound = channel, weakref.finalize(self, channel.close)
+
+    def _bind_again(self) -> SenderChannel:
+        """The control socket of a new session: on the address already handed out when it can
+        be had again, else on ``bind`` afresh (a forked child may still hold the old port)."""
+        timeout = self.heartbeats.timeout
+        if self._served is not None:
+            try:
+                return self.channels.bind(self._served, heartbeat_timeout=timeout)
+            except TransportError as exc:
+                log.warning(
+                    "cannot serve on %s again (%s); binding %s instead: workers need the new "
+                    "address",
+                    self._served,
+                    exc,
+                    self.bind,
+                )
+        return self.channels.bind(self.bind, heartbeat_timeout=timeout)
 
     def _take_bound(self) -> SenderChannel | None:
         bound, self._bound = self._bound, None
@@ -400,29 +423,34 @@ class WeightSyncScheme(abc.ABC):
         return suppress
 
     async def _start_sender(self, tg: anyio.abc.TaskGroup) -> None:
-        sender = SenderCore(
-            channels=self.channels,
-            plane=self._sender_plane(),
-            layout=self._layout,
-            num_workers=self.num_workers,
-            model_id=self.model_id,
-            # Later sessions keep the address that was handed out.
-            bind=self._address if self._address is not None else self.bind,
-            timeouts=self.timeouts,
-            heartbeats=self.heartbeats,
-            same_host=self._same_host,
-        )
-        if self._rehome and isinstance(self._model, nn.Module):
-            try:
-                self._flat = rehome(self._model, self._layout)
-            except (ValueError, RuntimeError) as exc:
-                log.info("could not re-home the model (%s); snapshots use fused copies", exc)
-        if isinstance(self._model, nn.Module):
-            self._watch = ModelWatch(self._model)
-            self._homed = self._watch.signature()
-        await sender.start(self._snapshot_source(None), channel=self._take_bound())
+        channel = self._take_bound() or self._bind_again()
+        try:
+            sender = SenderCore(
+                channels=self.channels,
+                plane=self._sender_plane(),
+                layout=self._layout,
+                num_workers=self.num_workers,
+                model_id=self.model_id,
+                bind=self.bind,
+                timeouts=self.timeouts,
+                heartbeats=self.heartbeats,
+                same_host=self._same_host,
+            )
+            if self._rehome and isinstance(self._model, nn.Module):
+                try:
+                    self._flat = rehome(self._model, self._layout)
+                except (ValueError, RuntimeError) as exc:
+                    log.info("could not re-home the model (%s); snapshots use fused copies", exc)
+            if isinstance(self._model, nn.Module):
+                self._watch = ModelWatch(self._model)
+                self._homed = self._watch.signature()
+            source = self._snapshot_source(None)
+        except BaseException:
+            channel.close()
+            raise
+        await sender.start(source, channel=channel)  # closes the channel if it fails
         self._sender = sender
-        self._address = sender.address  # what later sessions bind again
+        self._served = sender.address  # what later sessions try to serve on again
         await self._start_background(tg, sender.serve)
 
     async def _start_background(

@@ -256,9 +256,11 @@ class SenderCore:
                     # for a lost connection when the beat finds the worker's socket gone.
                     for _ in range(_QUEUED_PER_BEAT):
                         if (got := channel.recv_nowait()) is None:
+                            self._check_liveness()
                             break
                         await self._dispatch(*got)
-                    self._check_liveness()
+                    # else: more is queued than one round reads; beats may be among it, so
+                    # nobody is judged silent until the queue has been read through.
                     await self._beat(channel)
 
     def _check_liveness(self) -> None:
@@ -797,10 +799,17 @@ class SenderCore:
             try:
                 self._plane.transfer(version, route, move_by, after=previous)
             finally:
-                # A transfer that gave up waiting for the previous one still ends after it:
-                # the one after both must not overlap it (bounded by that one's deadline).
-                previous.wait(self._timeouts.transfer)
-                mine.set()
+                if previous.is_set():
+                    mine.set()
+                else:
+                    # This one gave up waiting for the previous transfer, which still runs: the
+                    # next must wait for both, but this send need not wait any longer.
+                    threading.Thread(
+                        target=_set_after,
+                        args=(previous, mine, self._timeouts.transfer),
+                        name="aiowsync-chain",
+                        daemon=True,
+                    ).start()
 
         try:
             await _in_thread(run)
@@ -815,6 +824,12 @@ MAX_ATTEMPTS = 4
 
 _SHOWN = 50
 """Differences a refusal lists."""
+
+
+def _set_after(previous: threading.Event, mine: threading.Event, limit: float) -> None:
+    previous.wait(limit)
+    mine.set()
+
 
 _QUEUED_PER_BEAT = 256
 """Queued messages read before each round of beats, at most (a flood must not delay them)."""

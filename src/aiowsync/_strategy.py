@@ -49,8 +49,8 @@ class WeightStrategy:
         if self.extract_as == "tensordict":
             if isinstance(source, TensorDictBase):
                 return source
-            # A module's own listing (tied weights once, every buffer), not from_module()'s:
-            # what is extracted must match the layout the module gives.
+            if isinstance(source, nn.Module):
+                return cast(TensorDictBase, TensorDict.from_module(source))
             flat = TensorDict(flatten_weights(source), batch_size=[])
             return cast(TensorDictBase, flat.unflatten_keys("."))
         return flatten_weights(source)

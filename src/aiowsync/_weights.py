@@ -12,7 +12,7 @@ from torch import nn
 
 __all__ = ["WeightsLike", "flatten_weights"]
 
-WeightsLike: TypeAlias = "nn.Module | TensorDictBase | Mapping[str, Any]"
+WeightsLike: TypeAlias = nn.Module | TensorDictBase | Mapping[str, Any]
 """A module, a ``TensorDict`` or a state_dict (dotted keys; nested mappings are flattened)."""
 
 
