@@ -426,12 +426,10 @@ class WeightSyncScheme(abc.ABC):
         channel = self._take_bound() or self._bind_again()
         try:
             sender = SenderCore(
-                channels=self.channels,
                 plane=self._sender_plane(),
                 layout=self._layout,
                 num_workers=self.num_workers,
                 model_id=self.model_id,
-                bind=self.bind,
                 timeouts=self.timeouts,
                 heartbeats=self.heartbeats,
                 same_host=self._same_host,
@@ -448,7 +446,7 @@ class WeightSyncScheme(abc.ABC):
         except BaseException:
             channel.close()
             raise
-        await sender.start(source, channel=channel)  # closes the channel if it fails
+        await sender.start(source, channel)  # closes the channel if it fails
         self._sender = sender
         self._served = sender.address  # what later sessions try to serve on again
         await self._start_background(tg, sender.serve)

@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from ._channel import ChannelFactory, PeerId, SenderChannel
+from ._channel import PeerId, SenderChannel
 from ._config import Heartbeats, Timeouts
 from ._exceptions import (
     LostDuringSendError,
@@ -124,17 +124,14 @@ class SenderCore:
     def __init__(
         self,
         *,
-        channels: ChannelFactory,
         plane: SenderPlane,
         layout: Layout,
         num_workers: int,
         model_id: str,
-        bind: str,
         timeouts: Timeouts,
         heartbeats: Heartbeats,
         same_host: bool,
     ) -> None:
-        self._channels = channels
         self._plane = plane
         self.layout = layout
         # Small copies are staged on the loop: cheaper than the hop to a worker thread, and too
@@ -142,7 +139,6 @@ class SenderCore:
         self._stages_inline = layout.total_bytes <= INLINE_COPY_BYTES or plane.transfers
         self.num_workers = num_workers
         self.model_id = model_id
-        self._bind = bind
         self._timeouts = timeouts
         self._beats = heartbeats
         self._same_host = same_host
@@ -169,26 +165,20 @@ class SenderCore:
             raise RuntimeError("the sender is not started")
         return self._channel.address
 
-    async def start(self, initial: Source, *, channel: SenderChannel | None = None) -> None:
-        """Create the slots, stage version 0 and bind (or serve on ``channel``, already
-        bound; it is closed if this fails)."""
+    async def start(self, initial: Source, channel: SenderChannel) -> None:
+        """Create the slots, stage version 0 and serve on ``channel`` (bound by the scheme;
+        closed, with the slots, if this fails)."""
         try:
             self._plane.setup(self.layout)
-            try:
-                slot = self._plane.reserve(set())
-                await anyio.to_thread.run_sync(self._plane.write, slot, initial)
-                self._plane.publish(slot, 0)
-                await anyio.to_thread.run_sync(self._plane.seal, 0)
-                if channel is None:
-                    channel = self._channels.bind(self._bind, heartbeat_timeout=self._beats.timeout)
-                self._channel = channel
-            except BaseException:
-                self._plane.close()
-                raise
+            slot = self._plane.reserve(set())
+            await anyio.to_thread.run_sync(self._plane.write, slot, initial)
+            self._plane.publish(slot, 0)
+            await anyio.to_thread.run_sync(self._plane.seal, 0)
         except BaseException:
-            if channel is not None:
-                channel.close()
+            self._plane.close()
+            channel.close()
             raise
+        self._channel = channel
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
