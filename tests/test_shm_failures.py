@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import pickle
+import re
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -831,13 +832,21 @@ def test_a_full_shm_file_system_is_a_clear_error_not_a_crash(tmp_path: Any) -> N
         subprocess.run(["umount", str(small)], check=False)
 
 
-async def test_the_address_is_known_after_init_on_sender_and_kept_across_sessions() -> None:
+@pytest.mark.parametrize("bind", [None, "tcp://127.0.0.1:0"], ids=["default", "tcp"])
+async def test_the_address_is_known_after_init_on_sender_and_kept_across_sessions(
+    bind: str | None,
+) -> None:
     # DESIGN section 6: scheme.address is read between init_on_sender() and `async with`.
     src = model(0)
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender = aiowsync.SharedMemWeightSyncScheme(
+        heartbeats=FAST, **({} if bind is None else {"bind": bind})
+    )
     sender.init_on_sender(model=src, num_workers=2)
     address = sender.address
-    assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":0")
+    if bind is None:  # an abstract Unix socket of its own name
+        assert re.fullmatch(rf"ipc://@aiowsync-{os.getpid()}-[0-9a-f]{{16}}", address)
+    else:
+        assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":0")
     by_pickle = pickle.loads(pickle.dumps(sender))  # carries the same address
     by_address = aiowsync.SharedMemWeightSyncScheme(address=address)
     for _session in range(2):
@@ -859,10 +868,11 @@ async def test_the_address_is_known_after_init_on_sender_and_kept_across_session
         by_address = aiowsync.SharedMemWeightSyncScheme(address=address)
 
 
-def test_an_address_read_but_never_served_is_released() -> None:
+@pytest.mark.parametrize("bind", [None, "tcp://127.0.0.1:0"], ids=["default", "tcp"])
+def test_an_address_read_but_never_served_is_released(bind: str | None) -> None:
     import gc
 
-    sender = aiowsync.SharedMemWeightSyncScheme()
+    sender = aiowsync.SharedMemWeightSyncScheme(**({} if bind is None else {"bind": bind}))
     sender.init_on_sender(model=model(0), num_workers=1)
     address = sender.address
     del sender
@@ -885,20 +895,27 @@ async def test_a_second_session_serves_on_the_first_sessions_address() -> None:
         assert sender.address == first
 
 
-async def test_a_later_session_whose_port_is_taken_binds_a_fresh_one(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize("bind", [None, "tcp://127.0.0.1:0"], ids=["default", "tcp"])
+async def test_a_later_session_whose_address_is_taken_binds_a_fresh_one(
+    caplog: pytest.LogCaptureFixture, bind: str | None
 ) -> None:
     import socket
     from urllib.parse import urlsplit
 
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender = aiowsync.SharedMemWeightSyncScheme(
+        heartbeats=FAST, **({} if bind is None else {"bind": bind})
+    )
     sender.init_on_sender(model=model(0), num_workers=1)
     async with sender:
         first = sender.address
-    # Something else holds the port now (as a child forked during the session would).
-    port = urlsplit(first).port
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", port))
+    # Something else holds the address now (as a child forked during the session would).
+    if bind is None:
+        squatter = socket.socket(socket.AF_UNIX)
+        squatter.bind("\0" + first.removeprefix("ipc://@"))
+    else:
+        squatter = socket.socket()
+        squatter.bind(("127.0.0.1", urlsplit(first).port))
+    with squatter:
         squatter.listen()
         with caplog.at_level(logging.WARNING, logger="aiowsync"):
             async with sender:

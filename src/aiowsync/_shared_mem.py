@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from ._channel import ChannelFactory
+from ._channel import LOCAL_BIND, ChannelFactory
 from ._config import Heartbeats, Timeouts
 from ._planes import ReceiverPlane, SenderPlane, SharedMemReceiverPlane, SharedMemSenderPlane
 from ._scheme import WeightSyncScheme
@@ -21,6 +21,9 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
     copying a byte. See :class:`WeightSyncScheme` for the common arguments.
 
     Args:
+        bind: where the sender binds its control socket. By default (``"ipc://@*"``) a fresh
+            abstract Unix socket on Linux: cheaper per message than loopback TCP, reachable
+            from this host only, and nothing left behind; a loopback TCP port elsewhere.
         num_slots: slots created up front (at least 2).
         max_slots: the most slots the sender creates when versions stay in use side by side
             (sends to subsets of the workers, or workers that missed an ack).
@@ -36,7 +39,7 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         max_slots: int = 16,
         strategy: StrategyName = "tensordict",
         model_id: str = "policy",
-        bind: str = "tcp://127.0.0.1:0",
+        bind: str = LOCAL_BIND,
         timeouts: Timeouts | None = None,
         heartbeats: Heartbeats | None = None,
         channels: ChannelFactory | None = None,

@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from .. import DistributedWeightSyncScheme, Heartbeats, SharedMemWeightSyncScheme
+from .._channel._zmq import LOCAL_BIND, resolve_local
 from ._models import SendSources, Spec, build_model, fill, fingerprint, random_init
 from ._pool import WorkerPool
 from ._probe import Ticker
@@ -280,8 +281,9 @@ class RawGloo(Contender):
 class RawZmq(Contender):
     """The control plane's floor: a small message from a ZeroMQ ROUTER on this loop to each
     of the same worker processes, echoed by a DEALER on each worker's event loop, until every
-    echo is back. No weights move: it is what any ZeroMQ-signalled update costs at least on
-    this machine, in the same alternation as the other contenders."""
+    echo is back, over the transport the shared-memory scheme binds by default. No weights
+    move: it is what any ZeroMQ-signalled update costs at least on this machine, in the same
+    alternation as the other contenders."""
 
     kind = "floor"
     MESSAGE = b"x" * 64  # about the size of an update instruction
@@ -293,7 +295,8 @@ class RawZmq(Contender):
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.bind("tcp://127.0.0.1:0")
+        # The same transport as the shared-memory scheme's control socket by default.
+        self._sock.bind(resolve_local(LOCAL_BIND))
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._opened = False
 

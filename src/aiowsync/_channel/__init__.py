@@ -2,9 +2,10 @@
 
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel
 from ._memory import MemoryChannelFactory
-from ._zmq import ZmqChannelFactory, is_loopback_address
+from ._zmq import LOCAL_BIND, ZmqChannelFactory, is_loopback_address
 
 __all__ = [
+    "LOCAL_BIND",
     "ChannelFactory",
     "MemoryChannelFactory",
     "PeerId",

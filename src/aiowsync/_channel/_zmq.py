@@ -13,7 +13,9 @@ import ctypes.util
 import ipaddress
 import logging
 import math
+import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +31,7 @@ from .._protocol import MAX_FRAME, Heartbeat, Message, encode
 from .._signal import Signal
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
 
-__all__ = ["ZmqChannelFactory", "is_loopback_address"]
+__all__ = ["LOCAL_BIND", "ZmqChannelFactory", "is_loopback_address", "resolve_local"]
 
 log = logging.getLogger("aiowsync.channel")
 
@@ -46,6 +48,20 @@ _DOWN_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+
+
+LOCAL_BIND = "ipc://@*"
+"""Bind a fresh, uniquely named socket that only this host can reach: an abstract Unix socket
+on Linux (no file to clean up; gone when closed), a loopback TCP port elsewhere."""
+
+
+def resolve_local(address: str) -> str:
+    """``address``, with :data:`LOCAL_BIND` replaced by a concrete address to bind."""
+    if address != LOCAL_BIND:
+        return address
+    if sys.platform.startswith("linux"):
+        return f"ipc://@aiowsync-{os.getpid()}-{secrets.token_hex(8)}"
+    return "tcp://127.0.0.1:0"
 
 
 def is_loopback_address(address: str) -> bool:
@@ -270,6 +286,7 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
             # the newest connection under an id takes it over.
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + 1024)
+            address = resolve_local(address)
             if urlsplit(address).scheme == "tcp" and urlsplit(address).port in (None, 0):
                 host = address.rsplit(":", 1)[0] if address.count(":") > 1 else address
                 self._sock.bind(f"{host}:*")
