@@ -22,6 +22,10 @@ exactly 64 MiB). Worker counts: 1, 4 and 8.
 
 Also measured:
 
+* the control plane's floor, in the few-large 1 MiB sessions: a bare ZeroMQ round trip (a
+  64-byte message from a ROUTER on this loop to each worker, echoed by a DEALER on the
+  worker's event loop, over the transport the scheme binds by default) in the same rounds as
+  the sends. No weights move and no aiowsync code runs: no update can cost less here;
 * event-loop responsiveness, for the largest few-large model (``--gap-model``, 1GiB by
   default): a ticker coroutine (``await asyncio.sleep(0.001)`` in a loop, recording the longest
   interval) runs on the sender's loop and on every worker's loop; its max gap over an idle
@@ -85,6 +89,7 @@ from torch import nn
 
 import _workers as w
 import aiowsync
+from aiowsync._bench._contenders import RawZmq
 from aiowsync._bench._pool import WorkerPool
 
 MIB = 1 << 20
@@ -98,6 +103,8 @@ MODELS: dict[str, Callable[[], w.Spec]] = {
 DEFAULT_ITERS = {"1MiB": 200, "64MiB": 40, "256MiB": 20, "1GiB": 10, "1000t-64MiB": 40}
 QUICK_ITERS = {"1MiB": 60, "64MiB": 10, "256MiB": 6, "1GiB": 4, "1000t-64MiB": 10}
 RAW = "raw copy"
+FLOOR = "raw zmq round trip"
+FLOOR_MODELS = {"1MiB"}
 PLAIN, WEIGHTS, REHOMED = "send()", "send(weights)", "send() re-homed"
 SEND_TIMEOUT = 120.0
 
@@ -309,7 +316,17 @@ async def run_session(
                     WEIGHTS: lambda: scheme.send(state, timeout=SEND_TIMEOUT),
                 }
             iters = args.iters or (QUICK_ITERS if args.quick else DEFAULT_ITERS)[model.name]
-            out.update(await measure(model, variants, iters, args.warmup))
+            floor = None
+            if model.name in FLOOR_MODELS and not rehome:
+                # What any ZeroMQ-signalled update to these workers costs at least (no weights
+                # move): measured in the same rounds, over the transport the scheme binds.
+                floor = RawZmq(pool, ids, SEND_TIMEOUT)
+                await floor.open()
+            try:
+                out.update(await measure(model, variants, iters, args.warmup, floor))
+            finally:
+                if floor is not None:
+                    await floor.close()
             phase("measure")
 
             # correctness: every worker must run exactly the stamped values at the new version
@@ -373,17 +390,22 @@ async def measure(
     variants: dict[str, Callable[[], Awaitable[Any]]],
     iters: int,
     warmup: int,
+    floor: RawZmq | None = None,
 ) -> dict[str, Any]:
     clock = time.perf_counter_ns
     for _ in range(warmup):
         for send in variants.values():
             await send()
             model.raw_copy()
-    samples: dict[str, list[float]] = {name: [] for name in [*variants, RAW]}
+        if floor is not None:
+            await floor.timed()
+    samples: dict[str, list[float]] = {name: [] for name in [*variants, RAW, FLOOR]}
     stage: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(iters):
         gc.collect()
+        if floor is not None and r % 2 == 0:
+            samples[FLOOR].append(await floor.timed() * 1e3)
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             pair = (name, RAW) if r % 2 == 0 else (RAW, name)
@@ -397,8 +419,12 @@ async def measure(
                     result = await variants[item]()
                     samples[item].append((clock() - t0) / 1e6)
                     stage[item].append(result.stage_seconds * 1e3)
+        if floor is not None and r % 2 == 1:
+            samples[FLOOR].append(await floor.timed() * 1e3)
     raw = summarize(samples[RAW])
     results: dict[str, Any] = {RAW: raw}
+    if samples[FLOOR]:
+        results[FLOOR] = summarize(samples[FLOOR])
     for name in names:
         s = summarize(samples[name])
         s["stage_median_ms"] = statistics.median(stage[name])
@@ -423,7 +449,7 @@ def judge(sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if s["model"] != model or s["workers"] != workers:
                 continue
             for name, r in s["results"].items():
-                if name == RAW or (variant is not None and name != variant):
+                if name in (RAW, FLOOR) or (variant is not None and name != variant):
                     continue
                 value = r["ratio_vs_raw"] if kind == "ratio" else r["median_ms"]
                 unit = "x raw" if kind == "ratio" else "ms p50"
@@ -484,7 +510,7 @@ def print_report(report: dict[str, Any]) -> None:
     for s in report["sessions"]:
         raw = s["results"][RAW]
         for name, r in s["results"].items():
-            if name == RAW:
+            if name in (RAW, FLOOR):
                 continue
             note = ""
             for m, n, kind, bound in targets:
@@ -497,6 +523,12 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{r['median_ms']:>9.3f}{r['p99_ms']:>9.3f}{r['stage_median_ms']:>8.3f}"
                 f"{r['rest_median_ms']:>8.3f}"
                 f"{raw['median_ms']:>9.3f}{raw['p99_ms']:>9.3f}{r['ratio_vs_raw']:>7.2f}  {note}"
+            )
+        floor = s["results"].get(FLOOR)
+        if floor is not None:
+            print(
+                f"{'':<12}{'':>3}  {FLOOR} (no weights, same workers): p50 {floor['median_ms']:.3f}"
+                f" ms, p99 {floor['p99_ms']:.3f} ms ({floor['samples']} samples)"
             )
     print(
         "(stage: median time of the copy into the slot, as SendResult.stage_seconds reports; "
@@ -649,7 +681,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         pool, model, n, rehome, args, gap=name == args.gap_model
                     )
                     report["sessions"].append(session)
-                    first = next(r for k, r in session["results"].items() if k != RAW)
+                    first = next(r for k, r in session["results"].items() if k not in (RAW, FLOOR))
                     print(
                         f"  {name:<12} {n} workers {'re-homed' if rehome else 'plain   '}: "
                         f"p50 {first['median_ms']:.3f} ms, {first['ratio_vs_raw']:.2f}x raw "

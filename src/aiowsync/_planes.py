@@ -322,12 +322,15 @@ class SharedMemReceiverPlane(ReceiverPlane):
             raise ProtocolError(f"update parameters lack a slot path and size: {dict(params)}")
         if nbytes != self._expected:
             raise ProtocolError(f"slot of {nbytes} bytes, the layout needs {self._expected}")
-        check_slot_path(path)
         if self._window is not None:
-            # The window maps the slot itself; views of each slot would only cost memory.
+            # The window maps the slot itself; views of each slot would only cost memory. The
+            # file is opened (and its path checked) now, so the switch itself cannot fail on it.
+            self._window.open(path)
             return Staged([], {}, path)
         views = self._mapped.get(path)
         if views is None:
+            # Paths come from the wire: checked before anything is opened, once per path.
+            check_slot_path(path)
             if len(self._mapped) >= _KEPT_MAPPINGS:
                 # A sender has a few slots; a cache of every path ever named would grow.
                 self._mapped.pop(next(iter(self._mapped)))

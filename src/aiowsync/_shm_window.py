@@ -80,8 +80,8 @@ class SlotWindow:
             raise TransportError(f"mmap failed: {os.strerror(err)}")
         return int(got)
 
-    def show(self, path: str) -> None:
-        """Map slot file ``path`` over the window, replacing what it showed."""
+    def open(self, path: str) -> int:
+        """A descriptor of slot file ``path`` (checked and opened on first use, then kept)."""
         fd = self._fds.get(path)
         if fd is None:
             fd = open_slot(path, self.nbytes)
@@ -90,6 +90,11 @@ class SlotWindow:
                 old = next(p for p in self._fds if p != self.showing)
                 os.close(self._fds.pop(old))
             self._fds[path] = fd
+        return fd
+
+    def show(self, path: str) -> None:
+        """Map slot file ``path`` over the window, replacing what it showed."""
+        fd = self.open(path)
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         self._mmap(self.addr, prot, mmap.MAP_SHARED | _MAP_FIXED, fd)
         self.showing = path
