@@ -474,8 +474,13 @@ async def test_sender_shutdown_while_a_send_is_staging() -> None:
     assert all(isinstance(e, aiowsync.WeightSyncError) for e in results)
 
 
-@pytest.mark.parametrize("layers", [2, 40])
-async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(layers: int) -> None:
+@pytest.mark.parametrize(
+    ("layers", "switch"),
+    [(2, "auto"), (40, "auto"), (40, "rebind"), (2, "remap")],
+)
+async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(
+    layers: int, switch: Any
+) -> None:
     from aiowsync._shm_window import windows_supported
 
     def many(seed: int) -> nn.Module:
@@ -486,12 +491,13 @@ async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(layers
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
-        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, switch=switch)
         m = many(1)
         r.init_on_receiver(model=m, worker_idx=0)
         async with r:
             await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
-            window = layers * 2 >= 64 and windows_supported()
+            wanted = switch == "remap" or (switch == "auto" and layers * 2 >= 64)
+            window = wanted and windows_supported()
             pointers = [p.data_ptr() for p in m.parameters()]
             for step in range(1, 5):
                 bump(src)
@@ -510,6 +516,14 @@ async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(layers
         # released), whichever the mode.
         assert same(m, src)
         assert [p.data_ptr() for p in m.parameters()] != pointers
+
+
+def test_the_switch_setting_travels_with_the_scheme_and_is_checked() -> None:
+    sender = aiowsync.SharedMemWeightSyncScheme(switch="rebind")
+    sender.init_on_sender(model=model(0), num_workers=1)
+    assert pickle.loads(pickle.dumps(sender)).switch == "rebind"
+    with pytest.raises(ValueError, match="switch must be"):
+        aiowsync.SharedMemWeightSyncScheme(switch="mmap")  # type: ignore[arg-type]
 
 
 async def test_a_closed_receiver_keeps_its_weights_in_private_memory() -> None:

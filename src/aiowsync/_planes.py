@@ -19,7 +19,7 @@ import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,6 +36,7 @@ __all__ = [
     "SharedMemSenderPlane",
     "Source",
     "Staged",
+    "SwitchMode",
 ]
 
 log = logging.getLogger("aiowsync.shm")
@@ -275,11 +276,16 @@ class SharedMemSenderPlane(SenderPlane):
             s.file.unlink()
 
 
-def _window_pays(layout: Layout) -> bool:
-    """Whether remapping a window beats re-binding every tensor for this layout.
+SwitchMode = Literal["auto", "rebind", "remap"]
 
-    Re-binding costs about a microsecond per tensor; remapping costs about as much per 16-64
-    pages (the old page tables are torn down, and readers fault the new pages in). Many small
+
+def _window_pays(layout: Layout) -> bool:
+    """Whether ``switch="auto"`` remaps a window for this layout rather than re-binding.
+
+    Re-binding costs about a microsecond per tensor (cold). Remapping costs next to nothing
+    while the model's pages were not read since the last switch, but each page that was read
+    costs about 0.2 us on the event loop at the switch (its mapping is torn down) and about
+    0.4 us later (the next read faults it in): 4 ms and 6 ms for 64 MiB here. Many small
     tensors favour the window, a few large ones the re-binding: remapping 1 GiB took 17-50 ms
     here, re-binding its 4 tensors a few microseconds.
     """
@@ -290,9 +296,9 @@ def _window_pays(layout: Layout) -> bool:
 class SharedMemReceiverPlane(ReceiverPlane):
     """Maps the sender's slot files by name, once each, and hands out typed views of them."""
 
-    def __init__(self, *, use_window: bool = True) -> None:
+    def __init__(self, *, switch: SwitchMode = "auto") -> None:
         self._mapped: dict[str, Staged] = {}
-        self._use_window = use_window and windows_supported()
+        self._switch = switch
         self._window: SlotWindow | None = None
         self._window_staged: Staged | None = None
 
@@ -301,7 +307,10 @@ class SharedMemReceiverPlane(ReceiverPlane):
     ) -> None:
         self.layout = layout
         self._expected = layout.total_bytes
-        if swap and self._use_window and _window_pays(layout):
+        wanted = self._switch == "remap" or (self._switch == "auto" and _window_pays(layout))
+        if swap and wanted and not windows_supported():
+            log.info("no slot windows on this platform; switches re-bind each tensor")
+        elif swap and wanted:
             try:
                 self._window = SlotWindow(layout.total_bytes)
             except (OSError, TransportError) as exc:
