@@ -59,6 +59,10 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
         assert cell["model_bytes"] == MIB and not cell["errors"]
         for row in cell["contenders"]:
             assert len(row["samples_s"]) == 3 and all(0 < s < 60 for s in row["samples_s"])
+            # 1 MiB: every sample is the second of two sends back to back; the first is kept.
+            assert len(row["lead_samples_s"]) == 3 and all(
+                0 < s < 60 for s in row["lead_samples_s"]
+            )
             if row["kind"] == "floor":  # timed only: no gaps, no model to read
                 assert row["gap"] is None and row["tear"] is None
                 continue
@@ -78,6 +82,7 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
     assert "| 1MiB | 2 | raw gloo broadcast |" in text
     assert "| 1MiB | 2 | raw copy_ |" in text
     assert "| 1MiB | 2 | raw zmq round trip |" in text
+    assert "### First sends of each pair" in text
     assert "| aiowsync mixed reads, every cell | 0 | <= 0 | met |" in text
     if HAS_MATPLOTLIB:
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -34,6 +34,11 @@ def _median(row: dict[str, Any]) -> float | None:
     return statistics.median(row["samples_s"]) if row["samples_s"] else None
 
 
+def _lead_median(row: dict[str, Any]) -> float | None:
+    lead = row.get("lead_samples_s") or []
+    return statistics.median(lead) if lead else None
+
+
 def _rows(cell: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in cell.get("contenders", [])}
 
@@ -132,6 +137,9 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
         if value is not None and floor_p50 is not None:
             # The same run's floor for any update signalled over ZeroMQ, beside the figure.
             out[-1]["value"] += f" ({FLOOR}: {floor_p50 * 1e3:.2f})"
+        lead = _lead_median(row) if row else None
+        if lead is not None:
+            out[-1]["value"] += f" (first of each pair: {lead * 1e3:.2f})"
     slacks: tuple[tuple[str, float | None], ...] = (("shm", GAP_SLACK_S), ("dist", None))
     for transport, slack in slacks:
         worst = _worst_gap(report, "1GiB", transport)
@@ -233,7 +241,9 @@ def markdown(report: dict[str, Any]) -> str:
         "thread's). *Mixed reads*: reads that saw two versions / reads, over all workers. "
         f"*{FLOOR}* (one-host cells): a 64-byte ZeroMQ message to each of the same worker "
         "processes and its echo from each worker's event loop, no weights: the least any "
-        "update signalled over ZeroMQ costs on this machine at this point of the run.",
+        "update signalled over ZeroMQ costs on this machine at this point of the run. "
+        "In cells of models up to 4 MiB each turn of a contender is two sends back to back, "
+        "and the sample is the second; the first ones are listed after this table.",
         "",
         "| model | workers | contender | median ms | p90 ms | n | vs limit | aiowsync speed-up "
         "| sender loop gap | worst worker gap | mixed reads |",
@@ -271,6 +281,25 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"{head} TorchRL {'+'.join(e['batch'])}: failed ({last}) | | | | | | | | |"
             )
+    lead_lines = [
+        f"| {cell['model']} | {cell['workers']} | {row['name']} | {_ms(lead)} "
+        f"| {_ms(_median(row))} |"
+        for cell in _cells(report)
+        for row in cell["contenders"]
+        if (lead := _lead_median(row)) is not None
+    ]
+    if lead_lines:
+        lines += [
+            "",
+            "### First sends of each pair",
+            "",
+            "The untimed-in-the-table first send of each back-to-back pair, after the other "
+            "contenders' turns (their workers idle meanwhile), beside the second (the sample).",
+            "",
+            "| model | workers | contender | first of pair, median ms | second, median ms |",
+            "|---|--:|---|--:|--:|",
+            *lead_lines,
+        ]
     lines.append("")
     return "\n".join(lines)
 

@@ -35,6 +35,11 @@ TORCHRL_MODES = {
     "mp": ("send()",),
     "distributed": ("send()",),
 }
+PAIR_UP_TO = 4 * MIB
+"""Models up to this size are sampled in back-to-back pairs: each contender sends twice in a
+row and the second send is the sample. Such a send takes about a millisecond, and alone it
+mostly measures how fast the workers wake after the other contenders' turns (twice as long
+here as back to back); the first of each pair is kept too, as ``lead_samples_s``."""
 PROCESS_BYTES = 400 * MIB  # what a process that imported torch (and torchrl) holds
 
 
@@ -64,6 +69,7 @@ class Settings:
     timeout: float = 120.0
     torchrl: bool = True
     memory_fraction: float = 0.8
+    pair_up_to: int = PAIR_UP_TO
 
 
 def footprint(what: str, nbytes: int, n: int) -> int:
@@ -193,13 +199,24 @@ async def _cell(
     theirs: list[Contender] = []
     try:
         await session.open()
+        paired = nbytes <= settings.pair_up_to
         if isinstance(limit, RawGloo):
-            await limit.open(rounds=(1 + samples) * max(1, len(batches)) + settings.gap_sends)
+            per_batch = 1 + samples * (2 if paired else 1)  # the warm-up, then every sample
+            await limit.open(rounds=per_batch * max(1, len(batches)) + settings.gap_sends)
         for floor in floors:
             await floor.open()
         for batch in batches or [[]]:
             theirs += await _batch(
-                batch, model, n, [*ours, limit, *floors], samples, settings, out, progress, label
+                batch,
+                model,
+                n,
+                [*ours, limit, *floors],
+                samples,
+                settings,
+                out,
+                progress,
+                label,
+                paired=paired,
             )
         # Processes of closed TorchRL trees may still be handing their memory back.
         await asyncio.sleep(1.0 if batches else 0.0)
@@ -232,9 +249,14 @@ async def _batch(
     out: dict[str, Any],
     progress: Progress,
     label: str,
+    *,
+    paired: bool = False,
 ) -> list[TorchRLContender]:
     """Open the batch's TorchRL trees, alternate every contender's samples, then measure the
-    trees' gaps and mixed reads and close them. Returns the TorchRL contenders."""
+    trees' gaps and mixed reads and close them. Returns the TorchRL contenders.
+
+    ``paired``: each contender's turn is two samples back to back; the second is the sample
+    (see :data:`PAIR_UP_TO`)."""
     trees: list[TorchRLTree] = []
     theirs: list[TorchRLContender] = []
     try:
@@ -254,6 +276,8 @@ async def _batch(
             gc.collect()  # untimed, so that a collection never lands inside a sample
             shift = r % len(everyone)
             for c in everyone[shift:] + everyone[:shift]:
+                if paired:
+                    c.samples_lead.append(await c.sample())
                 c.samples.append(await c.sample())
             last = " | ".join(f"{c.name} {c.samples[-1] * 1e3:.1f}" for c in everyone)
             progress.say(f"{label}: round {r + 1}/{samples} ms: {last}", force=False)
@@ -279,6 +303,7 @@ def _row(c: Contender) -> dict[str, Any]:
         "transport": c.transport,
         "samples_s": c.samples,
         "gap_samples_s": c.samples_outside,
+        "lead_samples_s": c.samples_lead,
         "gap": c.gap,
         "tear": c.tear,
         "notes": c.notes,
