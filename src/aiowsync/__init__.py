@@ -20,6 +20,7 @@ from ._exceptions import (
 )
 from ._guard import ReadGuard
 from ._layout import Layout, TensorSpec
+from ._planes import SwitchMode
 from ._receiver import Hook
 from ._scheme import WeightSyncScheme
 from ._sender import SendResult
@@ -49,6 +50,7 @@ __all__ = [
     "Hook",
     "Layout",
     "StrategyName",
+    "SwitchMode",
     "TensorSpec",
     "WeightStrategy",
     "WeightsLike",

@@ -29,7 +29,8 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
     Args:
         bind: where the sender binds its control socket. By default (``"ipc://@*"``) a fresh
             abstract Unix socket on Linux: cheaper per message than loopback TCP, reachable
-            from this host only, and nothing left behind; a loopback TCP port elsewhere.
+            from this host's network namespace only, nothing left behind; a loopback TCP port
+            elsewhere.
         num_slots: slots created up front (at least 2).
         max_slots: the most slots the sender creates when versions stay in use side by side
             (sends to subsets of the workers, or workers that missed an ack).

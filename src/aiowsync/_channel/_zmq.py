@@ -51,8 +51,9 @@ _DOWN_EVENTS = (
 
 
 LOCAL_BIND = "ipc://@*"
-"""Bind a fresh, uniquely named socket that only this host can reach: an abstract Unix socket
-on Linux (no file to clean up; gone when closed), a loopback TCP port elsewhere."""
+"""Bind a fresh, uniquely named socket that only this host can reach: on Linux an abstract Unix
+socket (reachable from this network namespace, no file to clean up, gone when closed), a
+loopback TCP port elsewhere."""
 
 
 def resolve_local(address: str) -> str:
