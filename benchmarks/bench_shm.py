@@ -321,8 +321,9 @@ async def run_session(
                 # What any ZeroMQ-signalled update to these workers costs at least (no weights
                 # move): measured in the same rounds, over the transport the scheme binds.
                 floor = RawZmq(pool, ids, SEND_TIMEOUT)
-                await floor.open()
             try:
+                if floor is not None:
+                    await floor.open()
                 out.update(await measure(model, variants, iters, args.warmup, floor))
             finally:
                 if floor is not None:

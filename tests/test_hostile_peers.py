@@ -20,7 +20,7 @@ from torch import nn
 import aiowsync
 from aiowsync import ProtocolError
 from aiowsync._layout import Layout, _dtype_from_name
-from aiowsync._planes import SharedMemReceiverPlane
+from aiowsync._planes import SharedMemReceiverPlane, SwitchMode
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, Refuse, TensorDesc, decode, encode
 from aiowsync._shm_slots import SHM_DIR, open_slot
 
@@ -188,9 +188,12 @@ def test_a_welcome_cannot_make_a_worker_beat_without_pause() -> None:
         decode(encode(welcome(5e-324)))
 
 
-def test_a_slot_path_from_the_wire_is_checked_before_it_is_opened(tmp_path: Path) -> None:
-    layout = Layout.from_weights({f"w{i}": torch.zeros(4) for i in range(80)})  # a window
-    plane = SharedMemReceiverPlane()
+@pytest.mark.parametrize("switch", ["remap", "rebind"])
+def test_a_slot_path_from_the_wire_is_checked_before_it_is_opened(
+    tmp_path: Path, switch: SwitchMode
+) -> None:
+    layout = Layout.from_weights({f"w{i}": torch.zeros(4) for i in range(80)})
+    plane = SharedMemReceiverPlane(switch=switch)
     plane.setup(layout, {}, swap=True)
     elsewhere = tmp_path / "not-a-slot.bin"
     elsewhere.write_bytes(b"\x00" * layout.total_bytes)

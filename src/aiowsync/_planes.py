@@ -309,7 +309,8 @@ class SharedMemReceiverPlane(ReceiverPlane):
         self._expected = layout.total_bytes
         wanted = self._switch == "remap" or (self._switch == "auto" and _window_pays(layout))
         if swap and wanted and not windows_supported():
-            log.info("no slot windows on this platform; switches re-bind each tensor")
+            level = logging.WARNING if self._switch == "remap" else logging.INFO
+            log.log(level, "no slot windows on this platform; switches re-bind each tensor")
         elif swap and wanted:
             try:
                 self._window = SlotWindow(layout.total_bytes)

@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from ._channel import ChannelFactory, SenderChannel, ZmqChannelFactory
+from ._channel import ChannelFactory, SenderChannel, ZmqChannelFactory, resolve_local
 from ._config import Heartbeats, Timeouts
 from ._exceptions import TransportError
 from ._guard import ReadGuard
@@ -173,9 +173,10 @@ class WeightSyncScheme(abc.ABC):
         """The sender's bound control address (on a receiver: the address it connects to).
 
         On a sender it can be read as soon as ``init_on_sender()`` returned: the control socket
-        is then bound at once (an ephemeral port is chosen if ``bind`` names port 0), and
-        ``async with`` serves on it. Later ``async with`` sessions of the same object serve on
-        it again when the port can be had (else on a fresh one, with a warning).
+        is then bound at once (a free port is chosen if ``bind`` names port 0, a fresh socket
+        name for ``ipc://@*``), and ``async with`` serves on it. Later ``async with`` sessions
+        of the same object serve on it again when it can be had (else on a fresh one, with a
+        warning).
         """
         if self._sender is not None and self._sender._channel is not None:
             return self._sender.address
@@ -191,7 +192,9 @@ class WeightSyncScheme(abc.ABC):
         return self._address
 
     def _bind_early(self) -> None:
-        channel = self.channels.bind(self.bind, heartbeat_timeout=self.heartbeats.timeout)
+        channel = self.channels.bind(
+            resolve_local(self.bind), heartbeat_timeout=self.heartbeats.timeout
+        )
         self._served = channel.address
         # Closed by the sender it is handed to, or when this object goes unused.
         self._bound = channel, weakref.finalize(self, channel.close)
@@ -211,7 +214,7 @@ class WeightSyncScheme(abc.ABC):
                     exc,
                     self.bind,
                 )
-        return self.channels.bind(self.bind, heartbeat_timeout=timeout)
+        return self.channels.bind(resolve_local(self.bind), heartbeat_timeout=timeout)
 
     def _take_bound(self) -> SenderChannel | None:
         bound, self._bound = self._bound, None

@@ -2,7 +2,7 @@
 
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel
 from ._memory import MemoryChannelFactory
-from ._zmq import LOCAL_BIND, ZmqChannelFactory, is_loopback_address
+from ._zmq import LOCAL_BIND, ZmqChannelFactory, is_loopback_address, resolve_local
 
 __all__ = [
     "LOCAL_BIND",
@@ -13,4 +13,5 @@ __all__ = [
     "SenderChannel",
     "ZmqChannelFactory",
     "is_loopback_address",
+    "resolve_local",
 ]
