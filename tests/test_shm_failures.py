@@ -34,9 +34,14 @@ pytestmark = pytest.mark.timeout(60)
 FAST = aiowsync.Heartbeats(interval=0.1, missed=20)
 
 
-def model(seed: int = 0) -> nn.Module:
+def model(seed: int = 0, *, big: bool = False) -> nn.Module:
+    """A small model, staged on the loop; ``big`` adds 4 MiB, so that it is staged in a thread
+    and gathered tensor by tensor."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    if big:
+        m.append(nn.Linear(1024, 1024))
+    return m
 
 
 def same(a: nn.Module, b: nn.Module) -> bool:
@@ -554,9 +559,10 @@ async def test_a_closed_receiver_keeps_its_weights_in_private_memory() -> None:
             assert same(m1, src)
 
 
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
 @pytest.mark.parametrize("rehome", [False, True])
-async def test_replaced_or_rebound_parameters_are_still_sent_right(rehome: bool) -> None:
-    src, mirror = model(0), model(1)
+async def test_replaced_or_rebound_parameters_are_still_sent_right(rehome: bool, big: bool) -> None:
+    src, mirror = model(0, big=big), model(1, big=big)
     async with pair(src, mirror, rehome=rehome) as (sender, r):
         bump(src)
         await sender.send(timeout=5)
@@ -572,6 +578,51 @@ async def test_replaced_or_rebound_parameters_are_still_sent_right(rehome: bool)
         with pytest.raises(aiowsync.LayoutMismatchError, match=r"2\.bias"):
             await sender.send(timeout=5)
         assert r.version == 3
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+@pytest.mark.parametrize("rehome", [False, True])
+async def test_a_parameter_rebound_to_another_shape_is_refused_and_nothing_changes(
+    rehome: bool, big: bool
+) -> None:
+    # ``.data =`` fires no registration hook: the sender only finds out when it checks the
+    # model's shapes, at every send (not only at the first after the change).
+    src, mirror = model(0, big=big), model(1, big=big)
+    async with pair(src, mirror, rehome=rehome) as (sender, r):
+        bump(src)
+        await sender.send(timeout=5)
+        assert same(mirror, src)
+        kept = {k: v.clone() for k, v in mirror.state_dict().items()}
+        good = src[2].bias.data
+        with torch.no_grad():
+            src[2].bias.data = torch.zeros(5)
+        for _ in range(2):
+            with pytest.raises(aiowsync.LayoutMismatchError, match=r"2\.bias"):
+                await sender.send(timeout=5)
+        assert r.version == 1
+        assert all(torch.equal(mirror.state_dict()[k], v) for k, v in kept.items())
+        with torch.no_grad():
+            src[2].bias.data = good
+        bump(src)
+        assert (await sender.send(timeout=5)).version == 2
+        assert r.version == 2 and same(mirror, src)
+
+
+async def test_a_big_rehomed_parameter_transposed_in_place_arrives_transposed() -> None:
+    # Same pointer, other strides: the flat buffers, copied in a thread, must not be sent as
+    # they are.
+    torch.manual_seed(0)
+    src, mirror = model(0, big=True), model(1, big=True)
+    async with pair(src, mirror, rehome=True) as (sender, r):
+        assert sender._flat is not None
+        with torch.no_grad():
+            src[3].weight.t_()
+        await sender.send(timeout=10)
+        assert torch.equal(mirror[3].weight, src[3].weight)
+        assert sender._flat is None  # fell back to per-tensor copies
+        bump(src)
+        await sender.send(timeout=10)
+        assert same(mirror, src)
 
 
 async def taken_back(core: Any) -> None:

@@ -477,16 +477,14 @@ class WeightSyncScheme(abc.ABC):
         watch = self._watch
         if weights is None and watch is not None:
             if watch.dirty:
-                watch.refresh()
-                self._layout.check(watch.tensors)
+                self._recheck(watch)
             if self._flat is not None:
                 if watch.signature() == self._homed:
                     return Source(buffers=tuple(self._flat))
                 log.info("the model changed since it was re-homed; using fused copies")
                 self._flat = None
             if not watch.same_specs():
-                watch.refresh()
-                self._layout.check(watch.tensors)
+                self._recheck(watch)
             return Source(tensors=watch.tensors, model=True)
         if weights is None:
             weights = self._model if self._model is not None else self._weights
@@ -495,6 +493,16 @@ class WeightSyncScheme(abc.ABC):
         flat = flatten_weights(weights)  # type: ignore[arg-type]
         self._layout.check(flat)
         return Source(tensors=flat)
+
+    def _recheck(self, watch: ModelWatch) -> None:
+        watch.refresh()
+        try:
+            self._layout.check(watch.tensors)
+        except BaseException:
+            # What the walk found does not fit: look again at the next send, not only once
+            # something changes again.
+            watch.dirty = True
+            raise
 
     async def connect(self, timeout: float | None = None) -> None:
         """Sender: wait until every worker holds version 0 (or the latest version).

@@ -14,6 +14,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +155,9 @@ class SenderCore:
         self._last_transfer = threading.Event()
         self._last_transfer.set()
         self._changed = Signal()
+        # Copies into slots: one at a time (sends stage under the lock), in a thread of this
+        # sender's own, which an asyncio future can wait for without an anyio hop.
+        self._stager: ThreadPoolExecutor | None = None
         self.version = 0
         self.dropped = 0
 
@@ -192,6 +196,9 @@ class SenderCore:
                                     peer.routing, Bye(reason="sender shutting down"), timeout=0.2
                                 )
                 channel.close()
+            if self._stager is not None:
+                # A copy still running holds its slot's thread; it ends on its own.
+                self._stager.shutdown(wait=False)
             for pending in self._pending.values():
                 pending.lost |= set(pending.waiting)
                 pending.waiting.clear()
@@ -626,18 +633,12 @@ class SenderCore:
     ) -> tuple[int, _Pending, float, Any]:
         slot = self._plane.reserve(self._pinned_versions())
         t0 = time.perf_counter()
-
-        def stage() -> None:
-            # ``source()`` checks the weights against the layout before any byte is written.
-            self._plane.write(slot, source())
-
         try:
             if self._stages_inline:
-                stage()
+                # ``source()`` checks the weights against the layout before any byte is written.
+                self._plane.write(slot, source())
             else:
-                # The slot goes back only once its copy has ended, however this send is
-                # cancelled: a copy still running would write into the next send's version.
-                await to_the_end(anyio.to_thread.run_sync(stage))
+                await self._stage_off_loop(slot, source)
                 if time.monotonic() >= move_by:
                     # The copy cannot be interrupted, so its deadline is checked here: a version
                     # staged too late is never announced.
@@ -689,6 +690,21 @@ class SenderCore:
                 await to_the_end(anyio.to_thread.run_sync(self._plane.seal, version))
             raise
         return version, pending, stage_s, route
+
+    async def _stage_off_loop(self, slot: int, source: Callable[[], Source]) -> None:
+        """Check ``source`` and copy it into ``slot`` in this sender's staging thread.
+
+        The slot goes back only once its copy has ended, however the send is cancelled: a copy
+        still running would write into the next send's version.
+        """
+        if self._stager is None:
+            self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiowsync-stage")
+
+        def stage() -> None:
+            # ``source()`` checks the weights against the layout before any byte is written.
+            self._plane.write(slot, source())
+
+        await to_the_end(asyncio.get_running_loop().run_in_executor(self._stager, stage))
 
     async def _announce_all(
         self, channel: SenderChannel, peers: list[_Peer], update: Update, *, queued: bool = False

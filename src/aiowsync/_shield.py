@@ -19,12 +19,13 @@ __all__ = ["to_the_end"]
 T = TypeVar("T")
 
 
-async def to_the_end(work: Coroutine[Any, Any, T]) -> T:
+async def to_the_end(work: Coroutine[Any, Any, T] | asyncio.Future[T]) -> T:
     """Run ``work`` to its end, then return its result or raise its error.
 
-    ``work`` runs as a task of its own, which no cancellation of the caller reaches. The
-    caller waits for it under an anyio shield; if the caller was cancelled meanwhile (by anyio
-    or by ``Task.cancel()``), that cancellation is raised once ``work`` has ended.
+    ``work`` runs as a task of its own (or is a future, say of a thread's work), which no
+    cancellation of the caller reaches. The caller waits for it under an anyio shield; if the
+    caller was cancelled meanwhile (by anyio or by ``Task.cancel()``), that cancellation is
+    raised once ``work`` has ended.
     """
     task = asyncio.ensure_future(work)
     cancelled: BaseException | None = None
