@@ -361,6 +361,29 @@ async def test_a_wildcard_bind_needs_a_data_host() -> None:
             pass
 
 
+async def test_an_ipc_control_socket_needs_a_data_host_and_works_with_one() -> None:
+    scheme = aiowsync.DistributedWeightSyncScheme(bind="ipc://@*")
+    scheme.init_on_sender(model=model(), num_workers=1)
+    with pytest.raises(ValueError, match="not a tcp:// address.*data_host"):
+        async with scheme:
+            pass
+    src = model(0)
+    sender = aiowsync.DistributedWeightSyncScheme(
+        bind="ipc://@*", data_host="127.0.0.1", bucket_bytes=4096, heartbeats=FAST
+    )
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        assert sender.address.startswith("ipc://@aiowsync-")
+        r = pickle.loads(pickle.dumps(sender))
+        mirror = model(1)
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
+            bump(src)
+            assert (await sender.send(timeout=20)).worker_ids == (0,)
+            assert same(mirror, src)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL ranks need a GPU each (two here)")
 async def test_nccl_sends_cuda_weights() -> None:  # pragma: no cover - GPU hosts only

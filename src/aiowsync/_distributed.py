@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import torch
 
@@ -106,6 +107,11 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         return torch.device("cuda", torch.cuda.current_device())
 
     def _sender_plane(self) -> SenderPlane:
+        if self.data_host is None and urlsplit(self.bind).scheme != "tcp":
+            raise ValueError(
+                f"bind={self.bind!r} is not a tcp:// address, so it names no host for the "
+                "process groups; pass data_host= with the address receivers should reach them on"
+            )
         host = self.data_host or host_of(self.bind)
         try:
             wildcard = ipaddress.ip_address(host).is_unspecified
