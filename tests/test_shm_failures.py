@@ -12,6 +12,8 @@ import logging
 import os
 import pickle
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -1003,3 +1005,59 @@ async def test_a_sender_serves_on_bind_whatever_address_it_was_built_with() -> N
     async with sender:
         assert sender.address != "tcp://127.0.0.1:1"
         assert sender.address.startswith("tcp://127.0.0.1:")
+
+
+_OUTLIVE = r"""
+import asyncio, sys, time, zmq
+from torch import nn
+import aiowsync
+from aiowsync._channel import _zmq
+
+# One reconnection attempt a millisecond instead of ten a second: seconds here stand for the
+# minutes after which a receiver's connection monitor used to be full.
+plain = _zmq._base_options
+def fast_retries(sock, heartbeat_timeout):
+    plain(sock, heartbeat_timeout)
+    sock.setsockopt(zmq.RECONNECT_IVL, 1)
+_zmq._base_options = fast_retries
+
+async def main():
+    sender = aiowsync.SharedMemWeightSyncScheme()
+    sender.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    started = asyncio.Event()
+
+    async def serve():
+        async with sender:
+            started.set()
+            await sender.connect(timeout=10)
+
+    serving = asyncio.create_task(serve())
+    await started.wait()
+    r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+    r.init_on_receiver(model=nn.Linear(4, 4), worker_idx=0)
+    async with r:
+        await r.connect(timeout=10)
+        await serving  # the sender says goodbye and closes
+        # The receiver serves on with the weights it has.
+        await asyncio.sleep(float(sys.argv[1]))
+        assert not r.connected
+        t0 = time.monotonic()
+    print(f"closed in {time.monotonic() - t0:.2f} s")
+
+asyncio.run(main())
+"""
+
+
+def test_a_receiver_that_outlives_its_sender_for_minutes_still_closes() -> None:
+    # Each reconnection attempt queued an event for the connection monitor, which nothing read
+    # once the background task had heard the goodbye; when the queue was full, libzmq's thread
+    # waited for room while holding a lock, and closing the receiver waited for that lock
+    # forever. Run in a process of its own, so that a hang is a failed test.
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _OUTLIVE, "6"], capture_output=True, text=True, timeout=45
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("closing a receiver that outlived its sender hung")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("closed in ")

@@ -369,6 +369,11 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         # would drop it unclosed (ResourceWarning, and a second close of the same handle).
         self._monitor_owner = self._sock.get_monitor_socket(events)
         self._monitor: zmq.Socket[bytes] = self._monitor_owner
+        # The monitor must be read all the time, not only when the loop asks: libzmq's thread
+        # blocks, holding a lock that closing the socket needs, once a few thousand events are
+        # unread, and a receiver that outlives its sender gets one per reconnection attempt
+        # (ten a second). The loop and the beat thread both read it, one at a time.
+        self._monitor_lock = threading.Lock()
         self._alive = False
         self._connections = 0
         self._beat_stop = threading.Event()
@@ -418,7 +423,12 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         return self._connections
 
     def _read_monitor(self) -> None:
-        while True:
+        with self._monitor_lock:
+            self._drain_monitor()
+
+    def _drain_monitor(self) -> None:
+        """Take in every queued event; the caller holds ``_monitor_lock``."""
+        while not self._monitor.closed:
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except (zmq.Again, zmq.ZMQError):
@@ -452,6 +462,7 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
                     sock.send(encode(beat()), zmq.NOBLOCK)
                 except zmq.Again:
                     pass  # sender unreachable right now; the next beat tries again
+                self._read_monitor()
                 if self._beat_stop.wait(interval):
                     return
         except zmq.ZMQError as exc:
@@ -467,8 +478,12 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         self._beat_stop.set()
         if self._beat_thread is not None:
             self._beat_thread.join(timeout=5)
-        self._sock.disable_monitor()
-        self._monitor_owner.close(linger=0)
+        with self._monitor_lock:
+            # Read what is queued first: libzmq's thread may be waiting for room to queue one
+            # more event, holding the lock that disable_monitor() takes.
+            self._drain_monitor()
+            self._sock.disable_monitor()
+            self._monitor_owner.close(linger=0)
         # Terminating the context waits for the socket's linger: the goodbye leaves first.
         self._close_socket(_ms(flush) if flush > 0 else 0)
         self._ctx.term()
