@@ -1007,8 +1007,8 @@ async def test_a_sender_serves_on_bind_whatever_address_it_was_built_with() -> N
         assert sender.address.startswith("tcp://127.0.0.1:")
 
 
-_OUTLIVE = r"""
-import asyncio, sys, time, zmq
+_LONG_RETRIES = r"""
+import asyncio, secrets, sys, time, torch, zmq
 from torch import nn
 import aiowsync
 from aiowsync._channel import _zmq
@@ -1021,9 +1021,16 @@ def fast_retries(sock, heartbeat_timeout):
     sock.setsockopt(zmq.RECONNECT_IVL, 1)
 _zmq._base_options = fast_retries
 
-async def main():
+def linear(value):
+    m = nn.Linear(4, 4)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(value)
+    return m
+
+async def outlive(seconds):
     sender = aiowsync.SharedMemWeightSyncScheme()
-    sender.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    sender.init_on_sender(model=linear(1.0), num_workers=1)
     started = asyncio.Event()
 
     async def serve():
@@ -1034,30 +1041,63 @@ async def main():
     serving = asyncio.create_task(serve())
     await started.wait()
     r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
-    r.init_on_receiver(model=nn.Linear(4, 4), worker_idx=0)
+    r.init_on_receiver(model=linear(0.0), worker_idx=0)
     async with r:
         await r.connect(timeout=10)
         await serving  # the sender says goodbye and closes
         # The receiver serves on with the weights it has.
-        await asyncio.sleep(float(sys.argv[1]))
+        await asyncio.sleep(seconds)
         assert not r.connected
         t0 = time.monotonic()
     print(f"closed in {time.monotonic() - t0:.2f} s")
 
-asyncio.run(main())
+async def early(seconds):
+    # The worker starts first and keeps trying to reach a trainer that is not there yet.
+    address = f"ipc://@aiowsync-test-{secrets.token_hex(8)}"
+    mirror = linear(0.0)
+    r = aiowsync.SharedMemWeightSyncScheme(address=address)
+    r.init_on_receiver(model=mirror, worker_idx=0)
+    async with r:
+        joining = asyncio.create_task(r.connect(timeout=seconds + 20))
+        await asyncio.sleep(seconds)
+        sender = aiowsync.SharedMemWeightSyncScheme(bind=address)
+        sender.init_on_sender(model=linear(2.0), num_workers=1)
+        async with sender:
+            await asyncio.gather(sender.connect(timeout=20), joining)
+            assert torch.equal(mirror.weight, torch.full((4, 4), 2.0))
+            print("joined")
+
+asyncio.run({"outlive": outlive, "early": early}[sys.argv[1]](float(sys.argv[2])))
 """
+
+
+def _long_retries(case: str) -> str:
+    """Run ``case`` of :data:`_LONG_RETRIES` in a process of its own (so that a hang is a
+    failed test); its output."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _LONG_RETRIES, case, "6"],
+            capture_output=True,
+            text=True,
+            timeout=45,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case}: hung")
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def test_a_receiver_that_outlives_its_sender_for_minutes_still_closes() -> None:
     # Each reconnection attempt queued an event for the connection monitor, which nothing read
     # once the background task had heard the goodbye; when the queue was full, libzmq's thread
     # waited for room while holding a lock, and closing the receiver waited for that lock
-    # forever. Run in a process of its own, so that a hang is a failed test.
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _OUTLIVE, "6"], capture_output=True, text=True, timeout=45
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail("closing a receiver that outlived its sender hung")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("closed in ")
+    # forever.
+    out = _long_retries("outlive")
+    assert out.startswith("closed in ")
+    assert float(out.split()[2]) < 2.0  # not, say, a 5 s join that timed out
+
+
+def test_a_worker_that_waits_minutes_for_its_trainer_still_joins() -> None:
+    # Before the welcome nothing but the beat thread reads the monitor: events of the failed
+    # attempts must not pile up until libzmq's thread stalls and no handshake can happen.
+    assert _long_retries("early").strip() == "joined"

@@ -8,6 +8,7 @@ cannot swallow a message, which a cancelled ``recv_multipart`` future can.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import ipaddress
@@ -48,6 +49,11 @@ _DOWN_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+
+
+_MONITOR_PERIOD = 1.0
+"""Seconds between two reads of a receiver's connection monitor, at most. libzmq queues an
+event per reconnection attempt (ten a second) and stalls once a few thousand are unread."""
 
 
 LOCAL_BIND = "ipc://@*"
@@ -376,13 +382,20 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         self._monitor_lock = threading.Lock()
         self._alive = False
         self._connections = 0
-        self._beat_stop = threading.Event()
-        self._beat_thread: threading.Thread | None = None
+        self._beat: tuple[Callable[[], Heartbeat], float] | None = None
+        self._watch_stop = False
+        self._watch_wake = threading.Event()
+        self._watch_thread: threading.Thread | None = None
         try:
             self._sock.connect(address)
         except zmq.ZMQError as exc:
             self.close()
             raise TransportError(f"cannot connect to {address}: {exc}") from None
+        # From now on, connection attempts queue monitor events, the handshake not yet done.
+        self._watch_thread = threading.Thread(
+            target=self._watch, name="aiowsync-heartbeat", daemon=True
+        )
+        self._watch_thread.start()
 
     def _set_curve(self, sock: zmq.Socket[bytes]) -> None:
         for option, value in self._curve_options.items():
@@ -440,44 +453,69 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
                 self._alive = False
 
     def start_heartbeat(self, beat: Callable[[], Heartbeat], interval: float) -> None:
-        if self._beat_thread is not None:
+        if self._beat is not None:
             raise RuntimeError("heartbeat already running")
-        self._beat_thread = threading.Thread(
-            target=self._beat_loop, args=(beat, interval), name="aiowsync-heartbeat", daemon=True
-        )
-        self._beat_thread.start()
+        self._beat = (beat, interval)
+        self._watch_wake.set()
 
-    def _beat_loop(self, beat: Callable[[], Heartbeat], interval: float) -> None:
-        # A socket of its own: zmq sockets are not thread-safe, and the event loop may be busy.
+    def _watch(self) -> None:
+        """Thread: reads the monitor every :data:`_MONITOR_PERIOD` at most, from the channel's
+        creation to its close, and sends the beats once :meth:`start_heartbeat` was called.
+
+        Beats go out on a socket of their own (zmq sockets are not thread-safe, and the event
+        loop may be busy), under an id of their own (the main socket's would take its place).
+        A failure to beat is logged and ends the beats, never the monitor's reading.
+        """
+        sock: zmq.Socket[bytes] | None = None
+        next_beat = 0.0
+        try:
+            while not self._watch_stop:
+                self._read_monitor()
+                wait = _MONITOR_PERIOD
+                if self._beat is not None:
+                    beat, interval = self._beat
+                    now = time.monotonic()
+                    try:
+                        if now >= next_beat:
+                            if sock is None:
+                                sock = self._beat_socket()
+                            with contextlib.suppress(zmq.Again):
+                                # Sender unreachable right now: the next beat tries again.
+                                sock.send(encode(beat()), zmq.NOBLOCK)
+                            next_beat = now + interval
+                        wait = min(wait, max(0.0, next_beat - time.monotonic()))
+                    except Exception as exc:
+                        if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.ETERM:
+                            return
+                        log.warning("heartbeats stopped: %s", exc)
+                        self._beat = None
+                self._watch_wake.wait(wait)
+                self._watch_wake.clear()
+        finally:
+            if sock is not None:
+                sock.close(linger=0)
+
+    def _beat_socket(self) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.DEALER)
         try:
-            # An id of its own too (not the main socket's: that would take its place).
             sock.setsockopt(zmq.ROUTING_ID, _own_routing_id())
             _base_options(sock, self._heartbeat_timeout)
             self._set_curve(sock)
             sock.setsockopt(zmq.SNDHWM, 8)
             sock.connect(self._address)
-            while True:
-                try:
-                    sock.send(encode(beat()), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # sender unreachable right now; the next beat tries again
-                self._read_monitor()
-                if self._beat_stop.wait(interval):
-                    return
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.ETERM:
-                log.warning("heartbeat thread stopped: %s", exc)
-        finally:
+        except BaseException:
             sock.close(linger=0)
+            raise
+        return sock
 
     def close(self, *, flush: float = 0.0) -> None:
         if self.closed:
             return
         self.closed = True
-        self._beat_stop.set()
-        if self._beat_thread is not None:
-            self._beat_thread.join(timeout=5)
+        self._watch_stop = True
+        self._watch_wake.set()
+        if self._watch_thread is not None:
+            self._watch_thread.join(timeout=5)
         with self._monitor_lock:
             # Read what is queued first: libzmq's thread may be waiting for room to queue one
             # more event, holding the lock that disable_monitor() takes.
