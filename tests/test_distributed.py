@@ -364,7 +364,7 @@ async def test_a_wildcard_bind_needs_a_data_host() -> None:
 async def test_an_ipc_control_socket_needs_a_data_host_and_works_with_one() -> None:
     scheme = aiowsync.DistributedWeightSyncScheme(bind="ipc://@*")
     scheme.init_on_sender(model=model(), num_workers=1)
-    with pytest.raises(ValueError, match="not a tcp:// address.*data_host"):
+    with pytest.raises(ValueError, match=r"not a tcp:// address.*data_host"):
         async with scheme:
             pass
     src = model(0)
