@@ -179,6 +179,20 @@ def test_nack_leaves_acked_version_and_state_alone() -> None:
     assert pair.states == (State.LIVE, State.LIVE)
 
 
+def test_nacks_in_a_row_keep_no_record_of_older_versions() -> None:
+    # Answers come in order: once version v is answered, nothing older can be. A receiver that
+    # fails every update must not make either side remember every version it failed.
+    pair = Pair().handshake()
+    for version in range(1, 1001):
+        pair.to_receiver(Update(version=version))
+        pair.to_sender(Nack(worker_idx=0, version=version, error="hook failed", running=version))
+    assert len(pair.sender._outstanding) <= 1 and len(pair.receiver._outstanding) <= 1
+    pair.update(1001)
+    assert pair.sender.acked_version == 1001
+    with pytest.raises(aiowsync.ProtocolError, match="never sent"):
+        pair.sender.receive(Nack(worker_idx=0, version=999, error="late"))
+
+
 @pytest.mark.parametrize("version", [5, 2])
 def test_ack_for_a_version_never_sent_is_a_protocol_error(version: int) -> None:
     pair = Pair().handshake()

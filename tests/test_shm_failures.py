@@ -195,6 +195,29 @@ async def test_apply_failure_comes_back_as_a_nack_with_its_text() -> None:
         assert info.value.acked == (1,)
 
 
+async def test_a_worker_whose_hook_keeps_failing_does_not_use_up_the_slots() -> None:
+    # Each nack used to keep its version pinned, in case the worker ran it: after max_slots
+    # failures in a row no slot was left, and every send, to every worker, failed.
+    async with system(2) as (sender, src, receivers):
+
+        def broken(version: int) -> None:
+            raise RuntimeError("downstream cache is down")
+
+        failing, healthy = receivers
+        failing[0].register_hook(broken)
+        core = sender._sender
+        assert core is not None
+        for version in range(1, 25):
+            bump(src)
+            with pytest.raises(aiowsync.RemoteApplyError) as info:
+                await sender.send(timeout=5)
+            assert info.value.version == version and info.value.acked == (1,)
+            assert same(healthy[1], src)
+        # Its hooks run after the switch: the failing worker runs the latest version too.
+        assert failing[0].version == 24 and same(failing[1], src)
+        assert core._plane.slot_count <= 4
+
+
 async def test_hostile_frames_are_dropped_without_disturbing_workers() -> None:
     async with system(2) as (sender, src, receivers):
         ctx = zmq.asyncio.Context()

@@ -294,7 +294,12 @@ class ReceiverCore:
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
                 await self._answer(
-                    Nack(worker_idx=self.worker_idx, version=version, error="receiver shut down")
+                    Nack(
+                        worker_idx=self.worker_idx,
+                        version=version,
+                        error="receiver shut down",
+                        running=self.version,
+                    )
                 )
             raise
         except (WeightSyncError, OSError, RuntimeError, ValueError, TimeoutError) as exc:
@@ -304,9 +309,12 @@ class ReceiverCore:
                 version=version,
                 error=_text(exc),
                 retryable=isinstance(exc, TransportError),
+                running=self.version,
             )
         except Exception as exc:  # a user hook may raise anything; the sender must hear of it
-            answer = Nack(worker_idx=self.worker_idx, version=version, error=_text(exc))
+            answer = Nack(
+                worker_idx=self.worker_idx, version=version, error=_text(exc), running=self.version
+            )
         await self._answer(answer)
         return answer
 

@@ -364,7 +364,13 @@ class SenderCore:
         if isinstance(message, Ack):
             self._on_answer(peer, message.version, None)
         elif isinstance(message, Nack):
-            self._on_answer(peer, message.version, message.error, retryable=message.retryable)
+            self._on_answer(
+                peer,
+                message.version,
+                message.error,
+                retryable=message.retryable,
+                running=message.running,
+            )
         elif isinstance(message, Bye):
             peer.gone = True
             self._by_routing.pop(routing, None)
@@ -373,15 +379,26 @@ class SenderCore:
             )
 
     def _on_answer(
-        self, peer: _Peer, version: int, error: str | None, *, retryable: bool = False
+        self,
+        peer: _Peer,
+        version: int,
+        error: str | None,
+        *,
+        retryable: bool = False,
+        running: int = -1,
     ) -> None:
-        # A nack keeps its version pinned: the worker may have switched to it before a hook
-        # failed. Only a later ack proves the worker left it.
         if error is None:
             peer.inflight = {v for v in peer.inflight if v > version}
             if version >= peer.welcome_version and not peer.ready:
                 peer.ready = True
                 self._notify()
+        elif running >= 0:
+            # The worker answers in order and runs one version: ``running`` (this one, if it
+            # switched before a hook failed, else an earlier one). Versions up to this one that
+            # it does not run are done with; a worker that keeps failing must not pin a slot
+            # per failed version until none is left for anyone. A nack that does not say what
+            # runs keeps its version pinned: the worker may have switched to it.
+            peer.inflight = {v for v in peer.inflight if v > version or v == running}
         pending = self._pending.get(version)
         if pending is not None and peer.worker_idx in pending.waiting:
             if error is None:

@@ -126,6 +126,9 @@ class Nack(_Base, frozen=True, tag="nack"):
     error: Text
     retryable: bool = False
     """The bytes did not arrive (a failed transfer); the live model is untouched."""
+    running: Annotated[int, msgspec.Meta(ge=-1, le=2**62)] = -1
+    """The version the receiver's model runs now (``version`` if the switch happened before
+    the failure), -1 if not said: no other version need be kept for this receiver."""
 
 
 class Heartbeat(_Base, frozen=True, tag="beat"):

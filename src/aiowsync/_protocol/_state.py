@@ -191,10 +191,11 @@ class Connection:
         elif isinstance(message, _ANSWERS):
             if message.version not in self._outstanding:
                 self._fail(f"answer for version {message.version}, which was never sent")
+            # Answers arrive in order, so nothing older than an answer can be answered later
+            # (a nacked version may be sent again, and answered again).
             if isinstance(message, Ack):
                 self._acked = max(self._acked, message.version)
-                # Answers arrive in order, so nothing older than an ack can be answered later.
-                self._outstanding = {v for v in self._outstanding if v >= self._acked}
+            self._outstanding = {v for v in self._outstanding if v >= message.version}
 
     def _fail(self, reason: str) -> NoReturn:
         self.state = State.ERROR
