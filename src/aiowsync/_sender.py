@@ -441,8 +441,10 @@ class SenderCore:
         if old is not None:
             self._by_routing.pop(old.routing, None)
             self._mark_lost(old, "replaced by a new connection under the same index")
-            # Its process may still map the slot it ran; keep that pinned until it exits.
-            if not self._peer_gone(old) and old.pid != hello.pid:
+            # Its process may still map the slot it ran; keep that pinned until it exits. (A
+            # plane whose receivers pin nothing would never look at it again.)
+            pins = self._plane.pins_receivers
+            if pins and not self._peer_gone(old) and old.pid != hello.pid:
                 self._retired.append(old)
         conn = Connection(Role.SENDER, hello.worker_idx)
         conn.receive(hello)
