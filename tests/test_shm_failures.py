@@ -1124,3 +1124,21 @@ def test_a_worker_that_waits_minutes_for_its_trainer_still_joins() -> None:
     # Before the welcome nothing but the beat thread reads the monitor: events of the failed
     # attempts must not pile up until libzmq's thread stalls and no handshake can happen.
     assert _long_retries("early").strip() == "joined"
+
+
+def test_a_switch_that_timed_out_leaves_nothing_behind_for_later_releases() -> None:
+    from aiowsync._guard import ReadGuard
+
+    guard = ReadGuard()
+    guard.acquire()  # a reader (this thread) holds the guard past the switch's deadline
+
+    async def switch() -> None:
+        with pytest.raises(TimeoutError):
+            await guard.switch(lambda: None, timeout=0.05)
+
+    asyncio.run(switch())  # and that loop is closed afterwards
+    assert guard._idle_waiters == []
+    # The last reader out used to call into the closed loop and raise RuntimeError here.
+    guard.release()
+    assert guard.readers == 0
+    assert asyncio.run(guard.switch(lambda: 7, timeout=1)) == 7

@@ -12,6 +12,7 @@ can never deadlock against the switch, which runs on that same loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -53,7 +54,8 @@ class ReadGuard:
             self._readers -= 1
             if self._readers == 0:
                 for loop, event in self._idle_waiters:
-                    loop.call_soon_threadsafe(event.set)
+                    with contextlib.suppress(RuntimeError):  # that loop is closed
+                        loop.call_soon_threadsafe(event.set)
                 self._idle_waiters.clear()
 
     def __enter__(self) -> ReadGuard:
@@ -109,5 +111,13 @@ class ReadGuard:
                         self._switching = True
                         break
                     event = asyncio.Event()
-                    self._idle_waiters.append((loop, event))
-                await event.wait()
+                    waiter = (loop, event)
+                    self._idle_waiters.append(waiter)
+                try:
+                    await event.wait()
+                finally:
+                    # Timed out or cancelled: nothing must call into this loop later (it may
+                    # be closed by then), and waiters must not pile up switch after switch.
+                    with self._cond:
+                        if waiter in self._idle_waiters:
+                            self._idle_waiters.remove(waiter)
