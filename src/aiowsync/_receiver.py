@@ -293,30 +293,25 @@ class ReceiverCore:
             answer = Ack(worker_idx=self.worker_idx, version=version)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
-                await self._answer(
-                    Nack(
-                        worker_idx=self.worker_idx,
-                        version=version,
-                        error="receiver shut down",
-                        running=self.version,
-                    )
-                )
+                await self._answer(self._nack(version, "receiver shut down"))
             raise
         except (WeightSyncError, OSError, RuntimeError, ValueError, TimeoutError) as exc:
             log.warning("worker %d could not apply version %d: %s", self.worker_idx, version, exc)
-            answer = Nack(
-                worker_idx=self.worker_idx,
-                version=version,
-                error=_text(exc),
-                retryable=isinstance(exc, TransportError),
-                running=self.version,
-            )
+            answer = self._nack(version, _text(exc), retryable=isinstance(exc, TransportError))
         except Exception as exc:  # a user hook may raise anything; the sender must hear of it
-            answer = Nack(
-                worker_idx=self.worker_idx, version=version, error=_text(exc), running=self.version
-            )
+            answer = self._nack(version, _text(exc))
         await self._answer(answer)
         return answer
+
+    def _nack(self, version: int, error: str, *, retryable: bool = False) -> Nack:
+        """A nack of ``version`` that also says which version the model runs now."""
+        return Nack(
+            worker_idx=self.worker_idx,
+            version=version,
+            error=error,
+            retryable=retryable,
+            running=self.version,
+        )
 
     async def _answer(self, answer: Ack | Nack) -> None:
         """Send ``answer``; once begun, not even cancellation stops it."""

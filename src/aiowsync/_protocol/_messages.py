@@ -128,7 +128,8 @@ class Nack(_Base, frozen=True, tag="nack"):
     """The bytes did not arrive (a failed transfer); the live model is untouched."""
     running: Annotated[int, msgspec.Meta(ge=-1, le=2**62)] = -1
     """The version the receiver's model runs now (``version`` if the switch happened before
-    the failure), -1 if not said: no other version need be kept for this receiver."""
+    the failure): of the versions this answer settles, the sender keeps only that one for
+    this receiver. -1: not said, and the nacked version stays kept too."""
 
 
 class Heartbeat(_Base, frozen=True, tag="beat"):
