@@ -27,7 +27,7 @@ import zmq.asyncio
 from torch import nn
 
 import aiowsync
-from aiowsync._protocol import Ack, Hello, Update, encode
+from aiowsync._protocol import Ack, Bye, Heartbeat, Hello, Update, decode, encode
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -248,6 +248,38 @@ async def test_hostile_frames_are_dropped_without_disturbing_workers() -> None:
             assert sender.dropped_messages >= 5
         finally:
             raw.close(0)
+            ctx.term()
+
+
+async def test_beats_for_a_session_never_given_out_get_one_goodbye_each_peer() -> None:
+    """What a worker of a previous sender on this address sees: one goodbye per socket, not
+    one per beat, and the sender's own workers undisturbed."""
+    async with system(2) as (sender, src, receivers):
+        ctx = zmq.asyncio.Context()
+        strangers = []
+        try:
+            for _ in range(2):
+                raw = ctx.socket(zmq.DEALER)
+                raw.setsockopt(zmq.LINGER, 0)
+                raw.connect(sender.address)
+                strangers.append(raw)
+            beat = encode(Heartbeat(worker_idx=0, session="ab" * 16, version=3))
+            for _ in range(20):
+                for raw in strangers:
+                    await raw.send(beat)
+                await asyncio.sleep(0.01)
+            for raw in strangers:
+                told = decode(await asyncio.wait_for(raw.recv(), 5))
+                assert isinstance(told, Bye) and "never welcomed" in told.reason
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(raw.recv(), 0.5)  # once, not once per beat
+            bump(src)
+            result = await sender.send(timeout=5)
+            assert result.worker_ids == (0, 1)
+            assert all(same(m, src) and r.connected for r, m in receivers)
+        finally:
+            for raw in strangers:
+                raw.close(0)
             ctx.term()
 
 

@@ -150,11 +150,13 @@ async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_vers
         assert result.worker_ids == (0, 1, 2) and result.version == 3
 
 
-def _sender_process(address_queue, kind: str) -> None:
+def _sender_process(address_queue, kind: str, value: int = 7, bind: str | None = None) -> None:
     async def main() -> None:
         model = make_model(kind)
-        fill(model, 7)
-        scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=LOADED)
+        fill(model, value)
+        scheme = aiowsync.SharedMemWeightSyncScheme(
+            heartbeats=LOADED, **({} if bind is None else {"bind": bind})
+        )
         scheme.init_on_sender(model=model, num_workers=1)
         async with scheme:
             address_queue.put(scheme.address)
@@ -199,6 +201,73 @@ async def test_receivers_keep_weights_and_report_disconnected_when_the_sender_di
         if sender.is_alive():
             sender.kill()
         sender.join(5)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+async def test_a_sender_restarted_on_the_same_address_is_not_taken_for_the_old_one(
+    transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trainer killed and started again on a fixed address: its workers' sockets reconnect
+    by themselves, but the new sender has never heard of them. They must say they are
+    disconnected (not run on as if connected to nobody), hear from the new sender that it
+    does not know them, keep their weights, and be able to join the new sender by entering
+    `async with` again."""
+    caplog.set_level(logging.INFO, logger="aiowsync")
+    if transport == "ipc":
+        bind = f"ipc://@aiowsync-test-restart-{os.getpid()}-{time.monotonic_ns()}"
+    else:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            bind = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    beats = aiowsync.Heartbeats(interval=0.2, missed=10)
+    queue = SPAWN.Queue()
+    procs = [SPAWN.Process(target=_sender_process, args=(queue, "small", 7, bind), daemon=True)]
+    procs[0].start()
+    try:
+        address = await asyncio.to_thread(queue.get, True, 60)
+        model = make_model("small")
+        scheme = aiowsync.SharedMemWeightSyncScheme(address=address, heartbeats=beats)
+        scheme.init_on_receiver(model=model, worker_idx=0)
+        async with scheme:
+            await scheme.connect(timeout=30)
+            assert await asyncio.to_thread(queue.get, True, 30) == "connected"
+            os.kill(procs[0].pid, signal.SIGKILL)
+            procs[0].join(10)
+            for _ in range(300):
+                if not scheme.connected:
+                    break
+                await asyncio.sleep(0.05)
+            assert not scheme.connected
+
+            procs.append(
+                SPAWN.Process(target=_sender_process, args=(queue, "small", 9, bind), daemon=True)
+            )
+            procs[1].start()
+            assert await asyncio.to_thread(queue.get, True, 60) == address
+            # The worker's socket reconnects within a fraction of a second; for three
+            # heartbeat timeouts it must still not count as connected.
+            seen_connected = 0
+            for _ in range(120):
+                seen_connected += scheme.connected
+                await asyncio.sleep(0.05)
+            assert seen_connected == 0
+            told = [r for r in caplog.records if "never welcomed this session" in r.getMessage()]
+            assert told, "the new sender did not tell the worker that it does not know it"
+            assert scheme.version == 0
+            assert all(bool((t == 7).all()) for t in model.state_dict().values())
+
+        async with scheme:  # a new session: it says hello to the new sender
+            await scheme.connect(timeout=30)
+            assert await asyncio.to_thread(queue.get, True, 30) == "connected"
+            assert scheme.connected and scheme.version == 0
+            assert all(bool((t == 9).all()) for t in model.state_dict().values())
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
 
 
 async def test_frozen_worker_is_not_waited_for_and_its_slot_is_never_rewritten() -> None:

@@ -93,6 +93,7 @@ class ReceiverCore:
         self.protocol_errors = 0
         self.version = -1
         self._bye: str | None = None
+        self._session = ""
         self._changed = Signal()
         self._private: list[Staged] = []
         self._live: Staged | None = None
@@ -100,6 +101,9 @@ class ReceiverCore:
         self._detached = False
         """The model reads no shared memory any more (set by :meth:`_detach`)."""
         self._connections_seen = 0
+        self._confirmed = -1
+        """The count of connections to the sender when it last showed that it knows this
+        worker's session (see :attr:`connected`)."""
         if apply_mode == "copy":
             device = next(iter(self._targets.values())).device if self._targets else "cpu"
             for _ in range(2):
@@ -110,8 +114,19 @@ class ReceiverCore:
 
     @property
     def connected(self) -> bool:
+        """Connected to the sender that welcomed this worker.
+
+        A renewed connection counts only once that sender shows it knows this worker (a
+        beat naming its session): a sender restarted on the same address takes the socket's
+        reconnection, but has never heard of this worker and never will.
+        """
         channel = self._channel
-        return channel is not None and self._bye is None and channel.peer_alive
+        return (
+            channel is not None
+            and self._bye is None
+            and channel.peer_alive
+            and channel.connections == self._confirmed
+        )
 
     @property
     def dropped(self) -> int:
@@ -144,7 +159,7 @@ class ReceiverCore:
                 # The sender judges this worker's liveness from the welcome on, and bringing
                 # a big model up to date can take longer than its patience: beat already.
                 channel.start_heartbeat(self._heartbeat, welcome.heartbeat_interval)
-                self._connections_seen = channel.connections
+                self._connections_seen = self._confirmed = channel.connections
                 self._plane.setup(self.layout, welcome.params, swap=self.apply_mode == "swap")
                 answer = await self._apply_and_answer(welcome.version, welcome.params)
         except TimeoutError:
@@ -257,6 +272,8 @@ class ReceiverCore:
 
     async def _handle(self, message: Message) -> int | None:
         if isinstance(message, Heartbeat):
+            if message.session and message.session == self._session and self._channel is not None:
+                self._confirmed = self._channel.connections
             return None
         try:
             self._conn.receive(message)

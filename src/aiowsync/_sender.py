@@ -147,6 +147,8 @@ class SenderCore:
         self._peers: dict[int, _Peer] = {}
         self._retired: list[_Peer] = []
         self._by_routing: dict[PeerId, _Peer] = {}
+        self._disowned: dict[PeerId, None] = {}
+        """Routing ids lately told that their session is not one of ours, oldest first."""
         self._pending: dict[int, _Pending] = {}
         # FIFO; taken without a checkpoint when free (one loop pass less per send).
         self._send_lock = anyio.Lock(fast_acquire=True)
@@ -331,6 +333,27 @@ class SenderCore:
                 "dropped a control message: %s (%d dropped so far)", _excerpt(why), self.dropped
             )
 
+    def _disown(self, routing: PeerId) -> None:
+        """Say goodbye to a peer that beats for a session this sender never gave out.
+
+        That is a worker of an earlier sender on this address (its socket reconnected by
+        itself when this one bound) or a worker that another process replaced under its index.
+        Told, it stops its background task and reports that it is not connected, instead of
+        beating here for good. Once per routing id among the last few told, and never waited
+        for: junk cannot make this sender answer more than once per message it reads.
+        """
+        if routing in self._disowned:
+            return
+        self._disowned[routing] = None
+        if len(self._disowned) > _DISOWNED_KEPT:
+            del self._disowned[next(iter(self._disowned))]
+        channel = self._channel
+        if channel is None:
+            return
+        bye = Bye(reason="this sender never welcomed this session (restarted on its address?)")
+        with contextlib.suppress(WeightSyncError):
+            channel.send_nowait(routing, bye)
+
     async def _dispatch(self, routing: PeerId, message: Message) -> None:
         if isinstance(message, Hello):
             await self._on_hello(routing, message)
@@ -339,6 +362,8 @@ class SenderCore:
             peer = self._peers.get(message.worker_idx)
             if peer is None or not message.session or peer.session != message.session:
                 self._drop(f"heartbeat for an unknown session from worker {message.worker_idx}")
+                if message.session:
+                    self._disown(routing)
                 return
             peer.last_seen = time.monotonic()
             # Beats from the receiver's beat thread keep it fresh and show that its process
@@ -855,6 +880,9 @@ def _set_after(previous: threading.Event, mine: threading.Event, limit: float) -
     previous.wait(limit)
     mine.set()
 
+
+_DISOWNED_KEPT = 64
+"""Routing ids :meth:`SenderCore._disown` remembers having told."""
 
 _QUEUED_PER_BEAT = 256
 """Queued messages read before each round of beats, at most (a flood must not delay them)."""
