@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import pickle
@@ -578,6 +579,46 @@ async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(
         # released), whichever the mode.
         assert same(m, src)
         assert [p.data_ptr() for p in m.parameters()] != pointers
+
+
+async def test_a_window_is_given_back_once_no_model_reads_it() -> None:
+    """Each receiver session in a process reserves address space for its window; a process
+    whose worker reconnects again and again must not keep one range per session."""
+
+    def mapped(addr: int) -> bool:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= addr < hi:
+                    return True
+        return False
+
+    def many(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Linear(33, 7) for _ in range(48)])
+
+    src, mirror = many(0), many(1)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    windows: list[int] = []
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, switch="remap")
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        for _ in range(4):
+            async with r:
+                await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+                bump(src)
+                await sender.send(timeout=10)
+                assert same(mirror, src)
+                window = r._receiver._plane._window  # type: ignore[union-attr]
+                assert window is not None  # the switches remapped a window
+                windows.append(window.addr)
+                del window
+            gc.collect()
+        del r  # a scheme dropped for good leaves no window behind either
+        gc.collect()
+    assert same(mirror, src)  # the model kept its weights, in memory of its own
+    assert [a for a in windows if mapped(a)] == []
 
 
 def test_the_switch_setting_travels_with_the_scheme_and_is_checked() -> None:

@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import sys
+import weakref
 
 import torch
 
@@ -47,10 +48,17 @@ def _libc() -> ctypes.CDLL | None:
         ctypes.c_int,
         ctypes.c_long,
     ]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
 
 
 _LIBC = _libc()
+
+
+def _unmap(addr: int, size: int) -> None:
+    assert _LIBC is not None
+    _LIBC.munmap(addr, size)
 
 
 def windows_supported() -> bool:
@@ -70,6 +78,10 @@ class SlotWindow:
         self.addr = self._mmap(None, mmap.PROT_READ, anon, -1)
         array = (ctypes.c_uint8 * self._size).from_address(self.addr)
         self.tensor = torch.frombuffer(array, dtype=torch.uint8)[:nbytes]
+        # Every view of the window keeps ``array`` alive: the range is given back once none is
+        # left (a model still bound to it after a failed detach keeps it). Not at interpreter
+        # exit, when a view may still be read.
+        weakref.finalize(array, _unmap, self.addr, self._size).atexit = False
         self.showing: str | None = None
 
     def _mmap(self, addr: int | None, prot: int, flags: int, fd: int) -> int:
@@ -102,8 +114,8 @@ class SlotWindow:
     def release(self) -> None:
         """Stop showing any slot (zeros from now on) so no slot memory stays pinned by us.
 
-        The address range itself is kept: a tensor that still views it reads zeros, not a
-        segfault.
+        The address range itself is kept while any tensor views it (zeros, not a segfault,
+        for one still read); the last view's end gives it back.
         """
         if self.showing is not None:
             anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
