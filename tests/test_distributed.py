@@ -206,6 +206,11 @@ async def test_more_groups_than_the_caches_hold() -> None:
         result = await sender.send(timeout=30)
         assert result.worker_ids == tuple(range(10))
         assert all(r.version == 14 and same(m, src) for r, m in receivers)
+        # Only the groups the sender still caches keep rendezvous keys in its store: 27
+        # groups were formed (10 joins, 13 subset sends, 1 full send, 3 repeats re-formed).
+        plane = sender._sender._plane  # type: ignore[union-attr]
+        named = {key.split("/")[1] for key in plane._store.list_keys() if key.startswith("aiowsync/")}
+        assert named <= {g.name for g in plane._groups.values()}
 
 
 def _uniform(m: nn.Module) -> set[float]:

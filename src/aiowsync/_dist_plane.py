@@ -233,6 +233,9 @@ class DistSenderPlane(SenderPlane):
         self._lock = threading.Lock()
         self._store_port = 0
         self._store: TCPStore | None = None
+        self._unkeyed: list[str] = []
+        """Dropped groups whose rendezvous keys are still in the store (deleted after the
+        next successful transfer, in its thread)."""
         self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------
@@ -370,14 +373,19 @@ class DistSenderPlane(SenderPlane):
         while len(self._groups) > _MAX_GROUPS and idle:
             group = idle.pop(0)
             self._groups.pop(group.members, None)
-            group.dropped, group.pg = True, None
+            self._retire(group)
+
+    def _retire(self, group: _Group) -> None:
+        """Mark ``group`` dropped and let its connections go (call with the lock held)."""
+        if not group.dropped:
+            self._unkeyed.append(group.name)
+        group.dropped, group.pg = True, None
 
     def forget(self, worker: int) -> None:
         """Drop every group that counts ``worker`` (lost, replaced or gone)."""
         with self._lock:
             for key in [k for k in self._groups if any(w == worker for w, _ in k)]:
-                group = self._groups.pop(key)
-                group.dropped, group.pg = True, None
+                self._retire(self._groups.pop(key))
 
     def _unlist(self, group: _Group) -> None:
         with self._lock:
@@ -386,8 +394,32 @@ class DistSenderPlane(SenderPlane):
 
     def _drop(self, group: _Group) -> None:
         self._unlist(group)
-        group.dropped = True
-        group.pg = None  # the last reference: its connections close, members fail fast
+        with self._lock:
+            # Its pg was the last reference: its connections close, members fail fast.
+            self._retire(group)
+
+    def _delete_keys(self) -> None:
+        """Delete the rendezvous keys of dropped groups from the store (blocking).
+
+        Every group formed leaves its members' addresses there (a few hundred bytes each);
+        a sender that forms groups without end (many distinct target sets, workers coming
+        and going) would otherwise grow its store for good. A dropped group's name is never
+        used again, and its members have formed it or failed. Needs ``list_keys`` (recent
+        torch); without it the keys stay.
+        """
+        with self._lock:
+            names, self._unkeyed = self._unkeyed, []
+        store = self._store
+        lister = getattr(store, "list_keys", None)
+        if not names or store is None or lister is None:
+            return
+        prefixes = tuple(f"aiowsync/{name}/" for name in names)
+        try:
+            for key in lister():
+                if key.startswith(prefixes):
+                    store.delete_key(key)
+        except RuntimeError as exc:  # the store is a convenience here, never a failure
+            log.debug("could not delete the keys of dropped groups: %s", exc)
 
     # -- transfer (in a worker thread) --------------------------------------------------------
 
@@ -450,6 +482,7 @@ class DistSenderPlane(SenderPlane):
         finally:
             group.last_used = time.monotonic()
             group.lock.release()
+        self._delete_keys()  # while the members finish receiving
 
     def seal(self, version: int) -> None:
         """Pack whatever of ``version`` is not packed yet, now (blocking).
