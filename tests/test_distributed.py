@@ -209,7 +209,8 @@ async def test_more_groups_than_the_caches_hold() -> None:
         # Only the groups the sender still caches keep rendezvous keys in its store: 27
         # groups were formed (10 joins, 13 subset sends, 1 full send, 3 repeats re-formed).
         plane = sender._sender._plane  # type: ignore[union-attr]
-        named = {key.split("/")[1] for key in plane._store.list_keys() if key.startswith("aiowsync/")}
+        keys = plane._store.list_keys()
+        named = {key.split("/")[1] for key in keys if key.startswith("aiowsync/")}
         assert named <= {g.name for g in plane._groups.values()}
 
 

@@ -119,6 +119,37 @@ async def test_wrong_model_is_refused_naming_the_differences() -> None:
         assert "2.weight" in text
 
 
+async def test_a_refusal_lists_fifty_differences_then_counts_the_rest() -> None:
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=nn.Sequential(*[nn.Linear(2, 2) for _ in range(30)]), num_workers=1)
+    async with sender:
+        other = nn.Sequential(*[nn.Linear(2, 3) for _ in range(30)])  # all 60 keys differ
+        bad = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        bad.init_on_receiver(model=other, worker_idx=0)
+        async with bad:
+            with pytest.raises(aiowsync.RefusedError) as info:
+                await bad.connect(timeout=5)
+    lines = info.value.reason.splitlines()
+    assert sum(": expected float32[2" in line for line in lines) == 50
+    assert lines[-1].strip() == "... and 10 more"
+
+
+async def test_a_model_on_the_meta_device_is_refused_on_the_sender_too() -> None:
+    with torch.device("meta"):
+        meta = nn.Linear(4, 4)
+    sender = aiowsync.SharedMemWeightSyncScheme()
+    with pytest.raises(ValueError, match=r"meta device.*no values to send"):
+        sender.init_on_sender(model=meta, num_workers=1)
+    with pytest.raises(ValueError, match="meta device"):
+        sender.init_on_sender(weights=meta.state_dict(), num_workers=1)
+    async with pair(model(0), model(1)) as (live, _):
+        with torch.device("meta"):
+            twin = model(0)
+        with pytest.raises(ValueError, match=r"meta device.*no values to send"):
+            await live.send(twin.state_dict(), timeout=5)
+        assert (await live.send(timeout=5)).version == 1  # nothing was taken or written
+
+
 async def test_out_of_range_index_and_second_live_claimant_are_refused() -> None:
     async with system(2) as (sender, _, receivers):
         for idx, needle in ((5, "out of range"), (1, "already connected")):

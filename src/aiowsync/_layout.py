@@ -284,6 +284,21 @@ class Layout:
         fused_copy([dst[k] for k in self.keys], [tensors[k] for k in self.keys])
 
 
+def refuse_meta(tensors: Mapping[str, torch.Tensor], why: str) -> None:
+    """Raise ``ValueError`` if any tensor is on the meta device (``why``: what it cannot do)."""
+    if not any(map(_is_meta, tensors.values())):
+        return
+    meta = [k for k, t in tensors.items() if t.is_meta]
+    raise ValueError(
+        f"the model has tensors on the meta device ({', '.join(meta[:5])}"
+        f"{', ...' if len(meta) > 5 else ''}): {why}; "
+        "materialise the model first (e.g. model.to_empty(device='cpu'))"
+    )
+
+
+_is_meta = operator.attrgetter("is_meta")
+
+
 def fused_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for every i, as fast as the device allows.
 

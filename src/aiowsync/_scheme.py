@@ -19,7 +19,7 @@ from ._channel import ChannelFactory, SenderChannel, ZmqChannelFactory, resolve_
 from ._config import Heartbeats, Timeouts
 from ._exceptions import TransportError
 from ._guard import ReadGuard
-from ._layout import Layout, module_targets, rehome
+from ._layout import Layout, module_targets, refuse_meta, rehome
 from ._planes import ReceiverPlane, SenderPlane, Source
 from ._receiver import ApplyMode, Hook, ReceiverCore
 from ._sender import SenderCore, SendResult
@@ -312,7 +312,12 @@ class WeightSyncScheme(abc.ABC):
             num_workers = getattr(context, "num_workers", None)
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
-        self._layout = Layout.from_weights(model if model is not None else weights)  # type: ignore[arg-type]
+        given = model if model is not None else weights
+        refuse_meta(
+            module_targets(given) if isinstance(given, nn.Module) else flatten_weights(given),  # type: ignore[arg-type]
+            "they hold no values to send",
+        )
+        self._layout = Layout.from_weights(given)  # type: ignore[arg-type]
         self._model, self._weights, self._context = model, weights, context
         self.num_workers = num_workers
         self._rehome = rehome
@@ -347,13 +352,7 @@ class WeightSyncScheme(abc.ABC):
             if isinstance(model, nn.Module)
             else flatten_weights(model, detach=False)  # the user's own tensor objects
         )
-        meta = [k for k, t in self._targets.items() if t.is_meta]
-        if meta:
-            raise ValueError(
-                f"the model has tensors on the meta device ({', '.join(meta[:5])}"
-                f"{', ...' if len(meta) > 5 else ''}): they hold no memory to receive into; "
-                "materialise the model first (e.g. model.to_empty(device='cpu'))"
-            )
+        refuse_meta(self._targets, "they hold no memory to receive into")
         self._layout = Layout.from_weights(self._targets)
         self._model, self._context = model, context
         self.worker_idx = worker_idx
@@ -492,6 +491,7 @@ class WeightSyncScheme(abc.ABC):
             weights = _resolve_model(self._context, weights)
         flat = flatten_weights(weights)  # type: ignore[arg-type]
         self._layout.check(flat)
+        refuse_meta(flat, "they hold no values to send")
         return Source(tensors=flat)
 
     def _recheck(self, watch: ModelWatch) -> None:

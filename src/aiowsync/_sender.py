@@ -552,11 +552,10 @@ class SenderCore:
                 theirs = Layout.from_descs(hello.layout)
             except (WeightSyncError, ValueError, TypeError, OverflowError) as exc:
                 return f"the receiver's model layout is invalid: {_excerpt(str(exc))}"
-            lines = self.layout.differences(theirs, limit=_SHOWN + 1) or [
-                "layouts differ (alignment or order)"
-            ]
+            # Every difference is counted: the count of keys was bounded above.
+            lines = self.layout.differences(theirs) or ["layouts differ (alignment or order)"]
             shown = "\n  ".join(lines[:_SHOWN])
-            more = "\n  ... and more" if len(lines) > _SHOWN else ""
+            more = f"\n  ... and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else ""
             return f"the receiver's model does not match the sender's:\n  {shown}{more}"
         return None
 
