@@ -652,6 +652,24 @@ async def test_a_window_is_given_back_once_no_model_reads_it() -> None:
     assert [a for a in windows if mapped(a)] == []
 
 
+async def test_a_window_whose_model_torch_moved_elsewhere_is_not_remapped_blindly() -> None:
+    """share_memory_() gives the model's storage new memory and lets go of the window's: the
+    window must neither be unmapped under its receiver nor pretend to switch a model that
+    no longer reads it."""
+
+    def many(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Linear(33, 7) for _ in range(48)])
+
+    src, mirror = many(0), many(1)
+    async with pair(src, mirror, switch="remap") as (sender, _):
+        mirror.share_memory()
+        gc.collect()
+        bump(src)
+        with pytest.raises(aiowsync.RemoteApplyError, match="no longer use the slot window"):
+            await sender.send(timeout=10)
+
+
 def test_the_switch_setting_travels_with_the_scheme_and_is_checked() -> None:
     sender = aiowsync.SharedMemWeightSyncScheme(switch="rebind")
     sender.init_on_sender(model=model(0), num_workers=1)

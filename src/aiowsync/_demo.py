@@ -86,7 +86,15 @@ async def _worker_async(
         thread.start()
         obs = torch.randn(16, width)
         try:
-            while scheme.connected:
+            # Until the trainer is gone. A renewed connection counts as connected only once
+            # the trainer beats again, so a few beats' worth of False is let pass.
+            grace = max(1.0, 4 * scheme.heartbeats.interval)
+            away_since: float | None = None
+            while away_since is None or time.monotonic() - away_since < grace:
+                if scheme.connected:
+                    away_since = None
+                elif away_since is None:
+                    away_since = time.monotonic()
                 with torch.no_grad():
                     model(obs)
                 stats["forwards"] += 1

@@ -17,6 +17,7 @@ Every blocking call here runs in a worker thread and has a deadline.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import datetime
 import logging
 import math
@@ -25,6 +26,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 from urllib.parse import urlsplit
@@ -234,8 +236,11 @@ class DistSenderPlane(SenderPlane):
         self._store_port = 0
         self._store: TCPStore | None = None
         self._unkeyed: list[str] = []
-        """Dropped groups whose rendezvous keys are still in the store (deleted after the
-        next successful transfer, in its thread)."""
+        """Dropped groups whose rendezvous keys are still in the store."""
+        self._keeper: ThreadPoolExecutor | None = None
+        """One thread that deletes those keys, on a store connection of its own: the one
+        that forms groups is held for as long as a rendezvous waits."""
+        self._keeper_store: Store | None = None
         self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------
@@ -398,27 +403,46 @@ class DistSenderPlane(SenderPlane):
             # Its pg was the last reference: its connections close, members fail fast.
             self._retire(group)
 
-    def _delete_keys(self) -> None:
-        """Delete the rendezvous keys of dropped groups from the store (blocking).
+    def _schedule_key_deletion(self) -> None:
+        """Have the keeper thread delete the rendezvous keys of the groups dropped so far.
 
-        Every group formed leaves its members' addresses there (a few hundred bytes each);
-        a sender that forms groups without end (many distinct target sets, workers coming
-        and going) would otherwise grow its store for good. A dropped group's name is never
-        used again, and its members have formed it or failed. Needs ``list_keys`` (recent
-        torch); without it the keys stay.
+        Every group formed leaves its members' addresses in the store (a few hundred bytes
+        each); a sender that forms groups without end (many distinct target sets, workers
+        coming and going) would otherwise grow its store for good. A dropped group's name is
+        never used again. Called after a successful transfer, so that the deletion does not
+        race the members of a group still forming.
         """
         with self._lock:
+            if not self._unkeyed or self._closed or self._store is None:
+                return
+            if self._keeper is None:
+                self._keeper = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="aiowsync-store"
+                )
+            keeper = self._keeper
+        with contextlib.suppress(RuntimeError):  # shut down meanwhile
+            keeper.submit(self._delete_keys)
+
+    def _delete_keys(self) -> None:
+        """Keeper thread: delete the keys of :attr:`_unkeyed`. Needs ``list_keys`` and
+        ``clone`` (recent torch); without them the keys stay."""
+        with self._lock:
             names, self._unkeyed = self._unkeyed, []
-        store = self._store
-        lister = getattr(store, "list_keys", None)
-        if not names or store is None or lister is None:
+            store = self._store
+        if not names or store is None:
             return
-        prefixes = tuple(f"aiowsync/{name}/" for name in names)
         try:
-            for key in lister():
+            if self._keeper_store is None:
+                clone = getattr(store, "clone", None)
+                if clone is None:
+                    return
+                self._keeper_store = clone()
+            client: Any = self._keeper_store
+            prefixes = tuple(f"aiowsync/{name}/" for name in names)
+            for key in client.list_keys():
                 if key.startswith(prefixes):
-                    store.delete_key(key)
-        except RuntimeError as exc:  # the store is a convenience here, never a failure
+                    client.delete_key(key)
+        except Exception as exc:  # the store is a convenience here, never a failure
             log.debug("could not delete the keys of dropped groups: %s", exc)
 
     # -- transfer (in a worker thread) --------------------------------------------------------
@@ -482,7 +506,7 @@ class DistSenderPlane(SenderPlane):
         finally:
             group.last_used = time.monotonic()
             group.lock.release()
-        self._delete_keys()  # while the members finish receiving
+        self._schedule_key_deletion()
 
     def seal(self, version: int) -> None:
         """Pack whatever of ``version`` is not packed yet, now (blocking).
@@ -612,8 +636,11 @@ class DistSenderPlane(SenderPlane):
         with self._lock:
             groups = list(self._groups.values())
             self._groups.clear()
+            keeper, self._keeper = self._keeper, None
         for group in groups:
             group.pg = None
+        if keeper is not None:
+            keeper.shutdown(wait=False, cancel_futures=True)
         self._store = None
 
 

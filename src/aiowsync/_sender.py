@@ -338,9 +338,10 @@ class SenderCore:
 
         That is a worker of an earlier sender on this address (its socket reconnected by
         itself when this one bound) or a worker that another process replaced under its index.
-        Told, it stops its background task and reports that it is not connected, instead of
-        beating here for good. Once per routing id among the last few told, and never waited
-        for: junk cannot make this sender answer more than once per message it reads.
+        Told, it stops its background task and reports that it is not connected (its beats go
+        on, and are dropped here, until it leaves ``async with``). Once per routing id among
+        the last few hundred told (a worker has two: its updates' and its beats'), and never
+        waited for: junk cannot make this sender answer more than once per message it reads.
         """
         if routing in self._disowned:
             return
@@ -880,7 +881,7 @@ def _set_after(previous: threading.Event, mine: threading.Event, limit: float) -
     mine.set()
 
 
-_DISOWNED_KEPT = 64
+_DISOWNED_KEPT = 256
 """Routing ids :meth:`SenderCore._disown` remembers having told."""
 
 _QUEUED_PER_BEAT = 256

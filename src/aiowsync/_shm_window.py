@@ -78,9 +78,13 @@ class SlotWindow:
         self.addr = self._mmap(None, mmap.PROT_READ, anon, -1)
         array = (ctypes.c_uint8 * self._size).from_address(self.addr)
         self.tensor = torch.frombuffer(array, dtype=torch.uint8)[:nbytes]
-        # Every view of the window keeps ``array`` alive: the range is given back once none is
-        # left (a model still bound to it after a failed detach keeps it). Not at interpreter
-        # exit, when a view may still be read.
+        # ``array`` lives as long as this window and every storage made over it: the range is
+        # given back once neither is left (a model still bound to it after a failed detach
+        # keeps it). The window holds it itself because torch can move a storage elsewhere
+        # (``share_memory_()``, torch.multiprocessing pickling) and drop its reference while
+        # this window still maps slots at ``addr``. Not at interpreter exit, when a view may
+        # still be read.
+        self._array = array
         weakref.finalize(array, _unmap, self.addr, self._size).atexit = False
         self.showing: str | None = None
 
@@ -106,6 +110,11 @@ class SlotWindow:
 
     def show(self, path: str) -> None:
         """Map slot file ``path`` over the window, replacing what it showed."""
+        if self.tensor.data_ptr() != self.addr:
+            raise TransportError(
+                "the model's tensors no longer use the slot window (torch moved their storage, "
+                "e.g. by share_memory_()); switch='rebind' works with such models"
+            )
         fd = self.open(path)
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         self._mmap(self.addr, prot, mmap.MAP_SHARED | _MAP_FIXED, fd)
