@@ -49,7 +49,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="64MiB and 1000t-64MiB to 4 workers on shm, 64MiB on dist; few samples (< 3 min)",
+        help="64MiB and 1000t-64MiB to 4 workers on shm (TorchRL MultiProcess on 64MiB only), "
+        "64MiB on dist; few samples (< 3 min)",
     )
     p.add_argument("--models", help=f"comma-separated, among {','.join(ALL_MODELS)}")
     p.add_argument("--workers", help="comma-separated worker counts (default 1,4,8)")
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as f:
             return _write(json.load(f), args.out)
 
-    from ._run import FULL_SAMPLES, QUICK_SAMPLES, Settings, run_sync
+    from ._run import FULL_SAMPLES, QUICK_LEAVE_OUT, QUICK_SAMPLES, Settings, run_sync
     from ._torchrl import torchrl_status
 
     torchrl_version, torchrl_line = torchrl_status()
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_s=0.3 if args.quick else 0.5,
         timeout=args.timeout,
         torchrl=use_torchrl,
+        leave_out=QUICK_LEAVE_OUT if args.quick else (),
     )
     print(f"aiowsync bench: {torchrl_line}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {

@@ -25,7 +25,16 @@ from ._models import MIB, model_spec, spec_bytes
 from ._pool import WorkerPool
 from ._torchrl import TorchRLError, TorchRLTree
 
-__all__ = ["FULL_SAMPLES", "QUICK_CELLS", "QUICK_SAMPLES", "Settings", "matrix", "run", "run_sync"]
+__all__ = [
+    "FULL_SAMPLES",
+    "QUICK_CELLS",
+    "QUICK_LEAVE_OUT",
+    "QUICK_SAMPLES",
+    "Settings",
+    "matrix",
+    "run",
+    "run_sync",
+]
 
 FULL_SAMPLES = {"1MiB": 30, "64MiB": 10, "256MiB": 6, "1GiB": 4, "1000t-64MiB": 10}
 QUICK_SAMPLES = {"1MiB": 10, "64MiB": 4, "256MiB": 3, "1GiB": 2, "1000t-64MiB": 4}
@@ -70,6 +79,13 @@ class Settings:
     torchrl: bool = True
     memory_fraction: float = 0.8
     pair_up_to: int = PAIR_UP_TO
+    leave_out: tuple[tuple[str, str], ...] = ()
+    """(model, TorchRL tree) pairs not run, e.g. ``("1000t-64MiB", "mp")``."""
+
+
+QUICK_LEAVE_OUT: tuple[tuple[str, str], ...] = (("1000t-64MiB", "mp"),)
+"""What ``--quick`` leaves out: TorchRL's MultiProcess scheme on the 1000-tensor model takes
+about 3 s a send here, and a minute of the quick run, for a contender no check uses."""
 
 
 def footprint(what: str, nbytes: int, n: int) -> int:
@@ -182,6 +198,14 @@ async def _cell(
         progress.say(f"{label}: skipped ({out['skipped'][0]['reason']})")
         return out
     trees = TORCHRL_TREES[transport] if settings.torchrl else ()
+    for tree in [t for t in trees if (model, t) in settings.leave_out]:
+        trees = tuple(t for t in trees if t != tree)
+        out["skipped"].append(
+            {
+                "contender": f"TorchRL {tree}",
+                "reason": "left out of this run's cells (--quick leaves out the slowest)",
+            }
+        )
     batches, skipped = _plan_batches(trees, base, budget, nbytes, n)
     out["skipped"] += skipped
     out["batches"] = batches
