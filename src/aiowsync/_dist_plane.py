@@ -400,8 +400,10 @@ class DistSenderPlane(SenderPlane):
     def _drop(self, group: _Group) -> None:
         self._unlist(group)
         with self._lock:
-            # Its pg was the last reference: its connections close, members fail fast.
+            pg = group.pg
             self._retire(group)
+        # The last reference, let go outside the lock: its connections close, members fail fast.
+        del pg
 
     def _schedule_key_deletion(self) -> None:
         """Have the keeper thread delete the rendezvous keys of the groups dropped so far.
