@@ -315,6 +315,35 @@ async def test_beats_for_a_session_never_given_out_get_one_goodbye_each_peer() -
             ctx.term()
 
 
+async def test_a_worker_told_goodbye_stops_beating() -> None:
+    """Its sender left; the next session on the same address must not hear it beat for good."""
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=model(0), num_workers=1)
+    joined, finish = asyncio.Event(), asyncio.Event()
+    seen: list[bool] = []
+
+    async def worker(address: str) -> None:
+        r = aiowsync.SharedMemWeightSyncScheme(address=address, heartbeats=FAST)
+        r.init_on_receiver(model=model(1), worker_idx=0)
+        async with r:
+            await r.connect(timeout=10)
+            joined.set()
+            await finish.wait()
+            seen.append(r.connected)
+
+    async with sender:
+        task = asyncio.create_task(worker(sender.address))
+        await asyncio.gather(sender.connect(timeout=10), joined.wait())
+    try:
+        async with sender:  # a second session on the same address: the worker's sockets reconnect
+            await asyncio.sleep(1.5)  # 15 beat intervals
+            assert sender.dropped_messages == 0
+    finally:
+        finish.set()
+        await task
+    assert seen == [False]
+
+
 async def test_cancelled_send_leaves_everything_consistent() -> None:
     async with system(2) as (sender, src, receivers):
         gate = asyncio.Event()

@@ -286,6 +286,9 @@ class ReceiverCore:
             return None
         if isinstance(message, Bye):
             self._bye = message.reason or "sender said goodbye"
+            if self._channel is not None:
+                # Beats would only reach a sender that left, or one that never knew us.
+                self._channel.stop_heartbeat()
             log.info("worker %d: sender closed the connection (%s)", self.worker_idx, self._bye)
             self._notify()
             return None

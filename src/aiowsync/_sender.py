@@ -338,10 +338,10 @@ class SenderCore:
 
         That is a worker of an earlier sender on this address (its socket reconnected by
         itself when this one bound) or a worker that another process replaced under its index.
-        Told, it stops its background task and reports that it is not connected (its beats go
-        on, and are dropped here, until it leaves ``async with``). Once per routing id among
-        the last few hundred told (a worker has two: its updates' and its beats'), and never
-        waited for: junk cannot make this sender answer more than once per message it reads.
+        Told, it stops its background task and its beats and reports that it is not
+        connected. Once per routing id among the last few hundred told (a worker has two: its
+        updates' and its beats', which never reads), and never waited for: junk cannot make
+        this sender answer more than once per message it reads.
         """
         if routing in self._disowned:
             return

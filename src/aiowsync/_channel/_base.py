@@ -94,6 +94,10 @@ class ReceiverChannel(_Counting, abc.ABC):
     def start_heartbeat(self, beat: Callable[[], Heartbeat], interval: float) -> None:
         """Send ``beat()`` every ``interval`` seconds from a thread, independent of the loop."""
 
+    @abc.abstractmethod
+    def stop_heartbeat(self) -> None:
+        """Send no more beats (the sender said goodbye); everything else stays as it is."""
+
     @property
     @abc.abstractmethod
     def peer_alive(self) -> bool:

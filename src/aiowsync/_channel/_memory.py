@@ -133,6 +133,9 @@ class MemoryReceiverChannel(ReceiverChannel):
         self._beat_thread = threading.Thread(target=run, name="aiowsync-heartbeat", daemon=True)
         self._beat_thread.start()
 
+    def stop_heartbeat(self) -> None:
+        self._beat_stop.set()
+
     def close(self, *, flush: float = 0.0) -> None:
         del flush  # delivery is immediate: nothing is ever left queued
         if not self.closed:

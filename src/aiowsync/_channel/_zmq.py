@@ -458,6 +458,10 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         self._beat = (beat, interval)
         self._watch_wake.set()
 
+    def stop_heartbeat(self) -> None:
+        self._beat = None  # read by the watch thread before each beat
+        self._watch_wake.set()
+
     def _watch(self) -> None:
         """Thread: reads the monitor every :data:`_MONITOR_PERIOD` at most, from the channel's
         creation to its close, and sends the beats once :meth:`start_heartbeat` was called.
