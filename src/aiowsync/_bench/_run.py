@@ -198,14 +198,15 @@ async def _cell(
         progress.say(f"{label}: skipped ({out['skipped'][0]['reason']})")
         return out
     trees = TORCHRL_TREES[transport] if settings.torchrl else ()
-    for tree in [t for t in trees if (model, t) in settings.leave_out]:
-        trees = tuple(t for t in trees if t != tree)
-        out["skipped"].append(
-            {
-                "contender": f"TorchRL {tree}",
-                "reason": "left out of this run's cells (--quick leaves out the slowest)",
-            }
-        )
+    left_out = [t for t in trees if (model, t) in settings.leave_out]
+    trees = tuple(t for t in trees if t not in left_out)
+    out["skipped"] += [
+        {
+            "contender": f"TorchRL {t}",
+            "reason": "left out of this run (--quick leaves out the slowest)",
+        }
+        for t in left_out
+    ]
     batches, skipped = _plan_batches(trees, base, budget, nbytes, n)
     out["skipped"] += skipped
     out["batches"] = batches

@@ -476,8 +476,9 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
             while not self._watch_stop:
                 self._read_monitor()
                 wait = _MONITOR_PERIOD
-                if self._beat is not None:
-                    beat, interval = self._beat
+                beating = self._beat  # once: stop_heartbeat() may clear it meanwhile
+                if beating is not None:
+                    beat, interval = beating
                     now = time.monotonic()
                     try:
                         if now >= next_beat:
