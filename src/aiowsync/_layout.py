@@ -198,15 +198,12 @@ class Layout:
 
     # -- checks -------------------------------------------------------------------------------
 
-    def differences(self, other: Layout, *, limit: int | None = None) -> list[str]:
-        """One line per key whose presence, dtype or shape differs; empty when compatible.
-        With ``limit``, at most that many lines."""
+    def differences(self, other: Layout) -> list[str]:
+        """One line per key whose presence, dtype or shape differs; empty when compatible."""
         mine = {s.key: s for s in self.specs}
         theirs = {s.key: s for s in other.specs}
         out: list[str] = []
         for key in sorted(mine.keys() | theirs.keys()):
-            if limit is not None and len(out) >= limit:
-                break
             a, b = mine.get(key), theirs.get(key)
             if a is None:
                 assert b is not None

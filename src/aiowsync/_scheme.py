@@ -312,12 +312,9 @@ class WeightSyncScheme(abc.ABC):
             num_workers = getattr(context, "num_workers", None)
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
-        given = model if model is not None else weights
-        refuse_meta(
-            module_targets(given) if isinstance(given, nn.Module) else flatten_weights(given),  # type: ignore[arg-type]
-            "they hold no values to send",
-        )
-        self._layout = Layout.from_weights(given)  # type: ignore[arg-type]
+        flat = flatten_weights(model if model is not None else weights)  # type: ignore[arg-type]
+        refuse_meta(flat, "they hold no values to send")
+        self._layout = Layout.from_weights(flat)
         self._model, self._weights, self._context = model, weights, context
         self.num_workers = num_workers
         self._rehome = rehome
