@@ -643,3 +643,66 @@ def test_round_trip_under_uvloop(factory: ChannelFactory) -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         got = runner.run(asyncio.wait_for(uvloop_round_trip(factory), 20))
     assert got == [welcome(0), welcome(1), welcome(2), Update(version=1)]
+
+
+# -- messages handed over inline ----------------------------------------------------------------
+
+
+def beat(n: int) -> Heartbeat:
+    return Heartbeat(worker_idx=SENDER_INDEX, session=SESSION, version=n)
+
+
+async def test_messages_handed_over_while_a_receive_waits_keep_their_order() -> None:
+    """The handler takes messages as they arrive; one it leaves comes out of the waiting
+    recv(), and nothing later is handed over before that."""
+    async with channels(ZmqChannelFactory()) as (sender, (end,)):
+        (peer,) = await introduce(sender, [end])
+        handed: list[int] = []
+
+        def handler(message: Message) -> bool:
+            assert isinstance(message, Heartbeat)
+            handed.append(message.version)
+            return message.version != 3
+
+        end.take_inline(handler)
+        receiving = asyncio.create_task(end.recv(timeout=WAIT))
+        await asyncio.sleep(0.05)
+        for n in (1, 2, 3):
+            await sender.send(peer, beat(n), timeout=WAIT)
+        got = await receiving
+        assert isinstance(got, Heartbeat) and got.version == 3
+        assert handed == [1, 2, 3]
+        # Arriving while the next receive waits: handed over, none returned.
+        receiving = asyncio.create_task(end.recv(timeout=0.5))
+        await asyncio.sleep(0.05)
+        for n in (4, 5):
+            await sender.send(peer, beat(n), timeout=WAIT)
+        with pytest.raises(aiowsync.WeightSyncTimeout):
+            await receiving
+        assert handed == [1, 2, 3, 4, 5]
+        # Stopped, and while no receive waits: everything comes through recv().
+        end.take_inline(None)
+        await sender.send(peer, beat(6), timeout=WAIT)
+        receiving = asyncio.create_task(end.recv(timeout=WAIT))
+        await asyncio.sleep(0.05)
+        await sender.send(peer, beat(7), timeout=WAIT)
+        assert [(await receiving).version, (await end.recv(timeout=WAIT)).version] == [6, 7]  # type: ignore[attr-defined]
+        assert handed == [1, 2, 3, 4, 5]
+
+
+async def test_a_message_whose_handler_fails_comes_out_of_recv(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with channels(ZmqChannelFactory()) as (sender, (end,)):
+        (peer,) = await introduce(sender, [end])
+
+        def handler(message: Message) -> bool:
+            raise RuntimeError("handler bug")
+
+        end.take_inline(handler)
+        receiving = asyncio.create_task(end.recv(timeout=WAIT))
+        await asyncio.sleep(0.05)
+        await sender.send(peer, beat(1), timeout=WAIT)
+        got = await receiving
+        assert isinstance(got, Heartbeat) and got.version == 1
+        assert "inline handler failed" in caplog.text

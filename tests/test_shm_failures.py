@@ -1293,3 +1293,66 @@ def test_a_switch_that_timed_out_leaves_nothing_behind_for_later_releases() -> N
     guard.release()
     assert guard.readers == 0
     assert asyncio.run(guard.switch(lambda: 7, timeout=1)) == 7
+
+
+# -- updates handled within the channel's callback ----------------------------------------------
+
+
+async def test_an_update_whose_answer_finds_no_room_is_answered_by_the_background_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An update is switched to as it arrives; when the answer cannot be queued there, the
+    background task sends it, and the version is applied once."""
+    async with system(1) as (sender, src, receivers):
+        r, m = receivers[0]
+        core = r._receiver
+        assert core is not None and core._channel is not None
+        channel = core._channel
+        real = channel.send_nowait
+        refused: list[object] = []
+
+        def full_once(message: Any) -> bool:
+            if not refused:
+                refused.append(message)
+                return False
+            return real(message)
+
+        monkeypatch.setattr(channel, "send_nowait", full_once)
+        switched: list[int] = []
+        real_commit = core._commit
+        monkeypatch.setattr(
+            core, "_commit", lambda v, s, **kw: (switched.append(v), real_commit(v, s, **kw))[1]
+        )
+        bump(src)
+        result = await sender.send(timeout=5)
+        assert result.version == 1 and result.worker_ids == (0,)
+        assert [type(a).__name__ for a in refused] == ["Ack"]
+        assert switched == [1] and r.version == 1 and same(m, src)
+        assert core._late is None
+        bump(src)
+        assert (await sender.send(timeout=5)).version == 2 and same(m, src)
+
+
+async def test_an_update_out_of_order_disconnects_the_worker_and_keeps_its_weights() -> None:
+    """A sender that repeats a version breaks the protocol: the worker stops trusting it,
+    keeps the weights it runs, and applies nothing more from it."""
+    async with system(1) as (sender, src, receivers):
+        r, m = receivers[0]
+        bump(src)
+        await sender.send(timeout=5)
+        held = {k: v.clone() for k, v in m.state_dict().items()}
+        core = sender._sender
+        assert core is not None and core._channel is not None
+        peer = core._peers[0]
+        again = Update(version=1, params=core._plane.params_for(1))
+        assert core._channel.send_nowait(peer.routing, again)
+        deadline = time.monotonic() + 5
+        while r._receiver is not None and r._receiver.protocol_errors == 0:
+            assert time.monotonic() < deadline, "the repeated version went unnoticed"
+            await asyncio.sleep(0.01)
+        assert not r.connected and r.version == 1
+        bump(src)
+        with pytest.raises(aiowsync.WeightSyncTimeout):
+            await sender.send(timeout=0.5)
+        assert r.version == 1
+        assert all(torch.equal(v, held[k]) for k, v in m.state_dict().items())

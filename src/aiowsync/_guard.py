@@ -88,18 +88,29 @@ class ReadGuard:
 
         Raises :class:`TimeoutError` if readers kept holding it for ``timeout`` seconds.
         """
-        with self._cond:
-            idle = self._readers == 0
-            if idle:
-                self._switching = True
-        if not idle:
+        if not self._try_begin_switch():
             await self._wait_idle(timeout)
         try:
             return fn()
         finally:
-            with self._cond:
-                self._switching = False
-                self._cond.notify_all()
+            self._end_switch()
+
+    def _try_begin_switch(self) -> bool:
+        """Start a switch if no reader holds the guard (on the loop); False otherwise.
+
+        Readers that come meanwhile wait until :meth:`_end_switch`, which must follow soon.
+        (The receiver switches this way within its channel's callback, where it cannot wait.)
+        """
+        with self._cond:
+            if self._readers:
+                return False
+            self._switching = True
+            return True
+
+    def _end_switch(self) -> None:
+        with self._cond:
+            self._switching = False
+            self._cond.notify_all()
 
     async def _wait_idle(self, timeout: float) -> None:
         """Wait until no reader holds the guard, then mark a switch as in progress."""

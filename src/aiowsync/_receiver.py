@@ -100,6 +100,9 @@ class ReceiverCore:
         self._live_private = -1
         self._detached = False
         """The model reads no shared memory any more (set by :meth:`_detach`)."""
+        self._late: tuple[Update, Ack | Nack] | None = None
+        """An update switched to within the channel's callback whose answer found no room
+        there; :meth:`run` sends it."""
         self._connections_seen = 0
         self._confirmed = -1
         """The count of connections to the sender when it last showed that it knows this
@@ -216,15 +219,74 @@ class ReceiverCore:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Background task: apply every update as it comes."""
+        """Background task: apply every update as it comes.
+
+        Beats and most updates are handled as they arrive, within the channel's callback
+        (:meth:`_take_inline`); this task gets the rest, in order.
+        """
+        channel = self._channel
+        if channel is not None:
+            channel.take_inline(self._take_inline)
         task_status.started()
-        while self._bye is None:
+        try:
+            while self._bye is None:
+                try:
+                    if await self._step(timeout=self._beats.interval) is not None:
+                        continue
+                except WeightSyncTimeout:
+                    pass
+                await self._announce_reconnection()
+        finally:
+            if channel is not None:
+                channel.take_inline(None)
+
+    def _take_inline(self, message: Message) -> bool:
+        """Handle ``message`` on the spot if that needs no wait; False leaves it to :meth:`run`.
+
+        Called by the channel, on the loop, while :meth:`run` waits for a message: a beat,
+        or an update that a swap-mode receiver without hooks can switch to right now (no
+        reader holds the guard), is handled here, a loop pass and a task wake-up sooner.
+        The outcome is the same as through :meth:`_handle`.
+        """
+        if self._bye is not None:
+            return False
+        if isinstance(message, Heartbeat):
+            self._on_beat(message)
+            return True
+        if (
+            not isinstance(message, Update)
+            or self.hooks
+            or self.apply_mode != "swap"
+            or self._plane.blocking_fetch
+            or not self.guard._try_begin_switch()
+        ):
+            return False
+        version = message.version
+        answer: Ack | Nack
+        try:
             try:
-                if await self._step(timeout=self._beats.interval) is not None:
-                    continue
-            except WeightSyncTimeout:
-                pass
-            await self._announce_reconnection()
+                self._conn.receive(message)
+            except ProtocolError as exc:
+                self._broken(exc)
+                return True
+            try:
+                self._commit(version, self._plane.fetch(message.params))
+                answer = Ack(worker_idx=self.worker_idx, version=version)
+            except Exception as exc:
+                answer = self._failure(version, exc)
+        finally:
+            self.guard._end_switch()
+        channel = self._channel
+        if channel is None:
+            return True
+        self._conn.send(answer)
+        try:
+            if channel.send_nowait(answer):
+                return True
+        except WeightSyncError:
+            pass  # run() tries again and meets the same error the way it always does
+        self._late = (message, answer)
+        return False
 
     async def _announce_reconnection(self) -> None:
         """After the connection to the sender was renewed, beat once on it.
@@ -271,18 +333,23 @@ class ReceiverCore:
         return await self._handle(message)
 
     async def _handle(self, message: Message) -> int | None:
+        late = self._late
+        if late is not None and late[0] is message:
+            # Switched to already (see _take_inline); only the answer is left to send.
+            self._late = None
+            channel = self._channel
+            if channel is not None:
+                await to_the_end(channel.send(late[1], timeout=self._timeouts.control))
+            return message.version
+        if self._bye is not None:
+            return None  # nothing more is taken from a sender that left or broke the protocol
         if isinstance(message, Heartbeat):
-            if message.session and message.session == self._session and self._channel is not None:
-                self._confirmed = self._channel.connections
+            self._on_beat(message)
             return None
         try:
             self._conn.receive(message)
         except ProtocolError as exc:
-            self.protocol_errors += 1
-            # The sender broke the protocol: stop trusting this connection, keep the weights.
-            self._bye = f"protocol error: {exc}"
-            log.warning("worker %d: %s; disconnecting", self.worker_idx, exc)
-            self._notify()
+            self._broken(exc)
             return None
         if isinstance(message, Bye):
             self._bye = message.reason or "sender said goodbye"
@@ -303,6 +370,17 @@ class ReceiverCore:
             return message.version
         return None
 
+    def _on_beat(self, beat: Heartbeat) -> None:
+        if beat.session and beat.session == self._session and self._channel is not None:
+            self._confirmed = self._channel.connections
+
+    def _broken(self, exc: ProtocolError) -> None:
+        """The sender broke the protocol: stop trusting this connection, keep the weights."""
+        self.protocol_errors += 1
+        self._bye = f"protocol error: {exc}"
+        log.warning("worker %d: %s; disconnecting", self.worker_idx, exc)
+        self._notify()
+
     async def _apply_and_answer(self, version: int, params: Mapping[str, ParamValue]) -> Ack | Nack:
         answer: Ack | Nack
         try:
@@ -315,13 +393,17 @@ class ReceiverCore:
             with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
                 await self._answer(self._nack(version, "receiver shut down"))
             raise
-        except (WeightSyncError, OSError, RuntimeError, ValueError, TimeoutError) as exc:
-            log.warning("worker %d could not apply version %d: %s", self.worker_idx, version, exc)
-            answer = self._nack(version, _text(exc), retryable=isinstance(exc, TransportError))
         except Exception as exc:  # a user hook may raise anything; the sender must hear of it
-            answer = self._nack(version, _text(exc))
+            answer = self._failure(version, exc)
         await self._answer(answer)
         return answer
+
+    def _failure(self, version: int, exc: Exception) -> Nack:
+        """The nack for ``exc``, raised while applying ``version`` or by a hook."""
+        if isinstance(exc, (WeightSyncError, OSError, RuntimeError, ValueError, TimeoutError)):
+            log.warning("worker %d could not apply version %d: %s", self.worker_idx, version, exc)
+            return self._nack(version, _text(exc), retryable=isinstance(exc, TransportError))
+        return self._nack(version, _text(exc))
 
     def _nack(self, version: int, error: str, *, retryable: bool = False) -> Nack:
         """A nack of ``version`` that also says which version the model runs now."""

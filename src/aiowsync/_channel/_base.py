@@ -90,6 +90,17 @@ class ReceiverChannel(_Counting, abc.ABC):
     async def recv(self, *, timeout: float | None) -> Message:
         """Next valid message; raises :class:`WeightSyncTimeout` at the deadline, losing nothing."""
 
+    def take_inline(self, handler: Callable[[Message], bool] | None) -> None:
+        """While a :meth:`recv` waits, hand each arriving message to ``handler`` on the loop.
+
+        This saves the waiting task a wake-up per message. ``handler`` returns False for a
+        message it leaves to that task: the waiting ``recv`` returns it, before anything that
+        came later, and nothing more is handed over until then. ``None`` stops it. Channels
+        may ignore the handler (this default does); every message then comes through
+        ``recv``.
+        """
+        del handler
+
     @abc.abstractmethod
     def start_heartbeat(self, beat: Callable[[], Heartbeat], interval: float) -> None:
         """Send ``beat()`` every ``interval`` seconds from a thread, independent of the loop."""

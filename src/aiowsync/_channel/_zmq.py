@@ -8,6 +8,7 @@ cannot swallow a message, which a cancelled ``recv_multipart`` future can.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import ctypes.util
@@ -157,9 +158,16 @@ class _ZmqEnd:
     def _wake(self) -> None:
         self._changed.notify()
 
+    def _notify_waiters(self) -> None:
+        """Wake every waiter, whatever it waits for (a deadline passed, the socket closed)."""
+        self._changed.notify()
+
+    def _someone_waits(self) -> bool:
+        return self._changed.waiting
+
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, math.inf
-        self._changed.notify()
+        self._notify_waiters()
 
     def _ready(self, event: int) -> bool:
         """Whether the socket can do ``event`` now (reading its state also resets the
@@ -172,8 +180,9 @@ class _ZmqEnd:
         while not self._ready(event):
             await self._signalled(deadline)
 
-    async def _signalled(self, deadline: float) -> None:
-        """Wait until the descriptor fires, another operation ran, or ``deadline`` passed.
+    async def _signalled(self, deadline: float, signal: Signal | None = None) -> None:
+        """Wait until the descriptor fires, another operation ran, or ``deadline`` passed
+        (``signal``: what the wait listens to, by default what :meth:`_wake` notifies).
 
         May also return early (another waiter's deadline): callers check and wait again.
         """
@@ -188,7 +197,7 @@ class _ZmqEnd:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer, self._timer_at = loop.call_later(remaining, self._on_timer), deadline
-        await self._changed.wait()
+        await (self._changed if signal is None else signal).wait()
 
     def _try_send(self, *frames: bytes) -> bool:
         """Queue one message of ``frames`` if the socket takes it now; False if it has no room.
@@ -252,7 +261,7 @@ class _ZmqEnd:
 
     def _after_io(self) -> None:
         # An operation may consume the fd's edge that another waiter needed: let them re-check.
-        if self._changed.waiting and self._loop is not None:
+        if self._loop is not None and self._someone_waits():
             self._loop.call_soon(self._wake)
 
     def _close_socket(self, linger_ms: int = 0) -> None:
@@ -265,7 +274,7 @@ class _ZmqEnd:
             self._loop.remove_reader(self._fd)
         self._sock.close(linger=linger_ms)
         # Waiters wake, look at the socket again, and raise TransportError: it is closed.
-        self._changed.notify()
+        self._notify_waiters()
 
 
 class ZmqSenderChannel(_ZmqEnd, SenderChannel):
@@ -380,6 +389,13 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         # unread, and a receiver that outlives its sender gets one per reconnection attempt
         # (ten a second). The loop and the beat thread both read it, one at a time.
         self._monitor_lock = threading.Lock()
+        # Messages arriving while a recv() waits may be handled right in the descriptor's
+        # callback (take_inline); the waiting recv() then listens to a signal of its own.
+        self._incoming = Signal()
+        self._handler: Callable[[Message], bool] | None = None
+        self._receiving = False
+        self._handing = False
+        self._held: collections.deque[Message] = collections.deque()
         self._alive = False
         self._connections = 0
         self._beat: tuple[Callable[[], Heartbeat], float] | None = None
@@ -409,12 +425,73 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
 
     async def recv(self, *, timeout: float | None) -> Message:
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
-        while True:
-            remaining = None if timeout is None else max(0.0, deadline - time.monotonic())
-            frames = await self._recv_frames(remaining)
-            message = self._accept(frames)
-            if message is not None:
-                return message
+        self._receiving = True
+        try:
+            while True:
+                # A message the handler left for us came before anything still in the socket.
+                if self._held:
+                    return self._held.popleft()
+                if self._ready(_POLLIN):
+                    frames = self._recv_frames_nowait()
+                    if frames is not None:
+                        message = self._accept(frames)
+                        if message is not None:
+                            return message
+                        continue
+                try:
+                    await self._signalled(deadline, self._incoming)
+                except TimeoutError:
+                    raise timeout_error("message", timeout) from None
+        finally:
+            self._receiving = False
+
+    def take_inline(self, handler: Callable[[Message], bool] | None) -> None:
+        self._handler = handler
+
+    def _wake(self) -> None:
+        if self._handler is None or not self._receiving or self._held:
+            self._incoming.notify()
+        elif not self._hand_over(self._handler):
+            self._incoming.notify()  # a message is held for the waiting recv()
+        self._changed.notify()
+
+    def _hand_over(self, handler: Callable[[Message], bool]) -> bool:
+        """Give the messages waiting in the socket to ``handler``; False once one is held
+        back for the waiting ``recv()``."""
+        self._handing = True
+        try:
+            for _ in range(_DROPS_PER_TURN):
+                if not self._ready(_POLLIN):
+                    return True
+                frames = self._recv_frames_nowait()
+                if frames is None:
+                    return True
+                message = self._accept(frames)
+                if message is None:
+                    continue
+                try:
+                    taken = handler(message)
+                except Exception:
+                    log.exception("the inline handler failed; the message goes to recv()")
+                    taken = False
+                if not taken:
+                    self._held.append(message)
+                    return False
+        finally:
+            self._handing = False
+        # More is queued than one turn takes: the rest on the loop's next pass.
+        if self._loop is not None:
+            self._loop.call_soon(self._wake)
+        return True
+
+    def _notify_waiters(self) -> None:
+        self._incoming.notify()
+        self._changed.notify()
+
+    def _someone_waits(self) -> bool:
+        # While messages are handed over, the last look at the socket comes after the last
+        # operation on it: nobody else needs waking for those.
+        return not self._handing and (self._changed.waiting or self._incoming.waiting)
 
     def _accept(self, frames: list[bytes]) -> Message | None:
         if len(frames) != 1:
