@@ -449,10 +449,10 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
         self._handler = handler
 
     def _wake(self) -> None:
-        if self._handler is None or not self._receiving or self._held:
+        handler = self._handler
+        # The waiting recv() wakes unless every message went to the handler.
+        if handler is None or not self._receiving or self._held or not self._hand_over(handler):
             self._incoming.notify()
-        elif not self._hand_over(self._handler):
-            self._incoming.notify()  # a message is held for the waiting recv()
         self._changed.notify()
 
     def _hand_over(self, handler: Callable[[Message], bool]) -> bool:
