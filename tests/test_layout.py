@@ -559,6 +559,146 @@ def test_gather_copy_declines_what_it_cannot_copy_as_bytes() -> None:
     assert all(torch.equal(b, torch.zeros_like(b)) for b in dst)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("total", [4 << 20, (64 << 20) + 70, 1 << 30])
+def test_a_parallel_copy_is_cut_into_pieces_that_cover_every_byte_once(
+    threads: int, total: int
+) -> None:
+    from aiowsync._layout import _MAX_MOVE, _cut_moves, _split_sizes
+
+    heads, tails = _split_sizes(total, threads)
+    assert sum(heads) + sum(tails) == total
+    assert len(tails) in (0, threads - 1) and all(n > 0 for n in heads + tails)
+    # Moves laid end to end (sources far from destinations), cut into those groups.
+    sizes = [total // 3, 5, total - total // 3 - 5]
+    moves, at = [], 0
+    for n in sizes:
+        moves.append((at, (1 << 40) + at, n))
+        at += n
+    groups = _cut_moves(moves, heads + tails)
+    assert len(groups) == len(heads) + len(tails)
+    flat = [m for g in groups for m in g]
+    assert all(0 < n <= _MAX_MOVE and s - d == 1 << 40 for d, s, n in flat)
+    covered = 0
+    for d, _, n in flat:  # in order, no gap, no overlap
+        assert d == covered
+        covered += n
+    assert covered == total
+    assert [sum(n for _, _, n in g) for g in groups] == heads + tails
+
+
+def test_a_copy_job_abandoned_stops_taking_pieces() -> None:
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiowsync._layout import CopyJob
+
+    done: list[int] = []
+    jobs: list[CopyJob[int]] = []
+
+    def run(piece: int) -> None:
+        if piece == -1:  # the helper's tail: it ends only once the job is abandoned
+            deadline = time.monotonic() + 5
+            while not jobs[0]._stopped and time.monotonic() < deadline:
+                time.sleep(0.001)
+        done.append(piece)
+
+    with ThreadPoolExecutor(1) as pool:
+        jobs.append(CopyJob(list(range(100)), [-1], run))
+        jobs[0].start(pool, settle=1.0)
+        jobs[0].abandon()
+        assert done == [-1]  # the tail ends; no piece of the head is begun
+        # finish() copies everything, the calling thread included.
+        done.clear()
+        job = CopyJob(list(range(100)), [-1], done.append)
+        job.start(pool)
+        job.finish()
+        assert sorted(done) == [-1, *range(100)]
+
+
+def test_gather_copy_started_early_is_kept_for_the_same_sources_and_redone_otherwise() -> None:
+    from aiowsync._layout import GatherCopy, _gather_pool
+
+    if _gather_pool() is None:
+        pytest.skip("torch does not run on OpenMP here")
+    weights = _mixed_weights(4)
+    layout = Layout.from_weights(weights)
+    gather = GatherCopy(layout)
+    dst = [torch.zeros(n, dtype=torch.uint8) for n in layout.buffer_sizes]
+    src = [weights[k] for k in layout.keys]
+    assert gather.start(dst) is None  # nothing copied yet: nothing to start
+    assert gather.copy(dst, src, keep=True)
+
+    def bump() -> None:
+        for t in src:
+            if t.dtype == torch.bool:
+                t.logical_not_()
+            else:
+                t.add_(1)
+
+    # The same tensors, with new values: the early copy is the copy.
+    bump()
+    early = gather.start(dst)
+    assert early is not None
+    assert gather.copy(dst, src, keep=True, early=early)
+    views = layout.views(dst)
+    assert all(torch.equal(views[k], weights[k]) for k in layout.keys)
+    # A source that moved: the early copy (of the old tensor) is abandoned and redone.
+    key = layout.keys[7]
+    old = weights[key]
+    weights[key] = old.clone() + 5
+    moved = [weights[k] for k in layout.keys]
+    early = gather.start(dst)
+    assert early is not None
+    assert gather.copy(dst, moved, keep=True, early=early)
+    views = layout.views(dst)
+    assert all(torch.equal(views[k], weights[k]) for k in layout.keys)
+    assert not torch.equal(views[key], old)
+    # Sources it cannot copy: declined, and no helper writes into dst afterwards.
+    early = gather.start(dst)
+    assert early is not None
+    strided = [*moved]
+    strided[layout.keys.index("big")] = torch.randn(2 * 3 * 1024 * 1024)[::2]
+    assert not gather.copy(dst, strided, early=early)
+    assert all(f.done() for f in early.job._futures)
+
+
+def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers() -> None:
+    from aiowsync._planes import SharedMemSenderPlane, Source
+
+    layout = Layout.from_weights({"w": torch.zeros(2 << 20), "b": torch.zeros(3)})
+    plane = SharedMemSenderPlane()
+    plane.setup(layout)
+    try:
+        first = layout.allocate()
+        for b in first:
+            b.fill_(1)
+        plane.write_checked(0, lambda: Source(buffers=tuple(first)))
+        assert all(torch.equal(a, b) for a, b in zip(plane._slots[0].parts, first, strict=True))
+        # The same buffers with new values: copied (early) into the other slot.
+        for b in first:
+            b.fill_(2)
+        plane.write_checked(1, lambda: Source(buffers=tuple(first)))
+        assert all(torch.equal(a, b) for a, b in zip(plane._slots[1].parts, first, strict=True))
+        # Other buffers: the early copy of the old ones is abandoned, the new ones copied.
+        other = [torch.full_like(b, 7) for b in first]
+        plane.write_checked(1, lambda: Source(buffers=tuple(other)))
+        assert all(torch.equal(a, b) for a, b in zip(plane._slots[1].parts, other, strict=True))
+
+        # A check that fails stops the early copy before the error comes out.
+        def refuse() -> Source:
+            raise aiowsync.LayoutMismatchError("no")
+
+        with pytest.raises(aiowsync.LayoutMismatchError):
+            plane.write_checked(0, refuse)
+        for b in other:
+            b.fill_(9)
+        plane.write_checked(0, lambda: Source(buffers=tuple(other)))
+        assert all(torch.equal(a, b) for a, b in zip(plane._slots[0].parts, other, strict=True))
+    finally:
+        plane.close()
+
+
 def test_flattening_a_tensordict_names_nested_leaves_and_refuses_non_tensors() -> None:
     grad = torch.ones(3, requires_grad=True)
     td = TensorDict({"a": {"b": torch.zeros(2), "c": {"d": grad}}, "e": torch.ones(1)}, [])

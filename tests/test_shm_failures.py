@@ -856,16 +856,16 @@ def slow_writes(sender: aiowsync.SharedMemWeightSyncScheme, seconds: float) -> l
     core = sender._sender
     assert core is not None
     plane = core._plane
-    original = plane.write
+    original = plane.write_checked  # what a copy off the event loop calls
     events: list[str] = []
 
-    def write(slot: int, source: Any) -> None:
+    def write_checked(slot: int, make: Any) -> None:
         events.append("start")
         time.sleep(seconds)
-        original(slot, source)
+        original(slot, make)
         events.append("end")
 
-    plane.write = write  # type: ignore[method-assign]
+    plane.write_checked = write_checked  # type: ignore[method-assign]
     return events
 
 

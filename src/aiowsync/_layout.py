@@ -17,9 +17,10 @@ import operator
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Generic, TypeVar
 
 import torch
 from torch import nn
@@ -303,7 +304,7 @@ def fused_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None
     mid-sized one; with idle OpenMP threads sleeping (``OMP_WAIT_POLICY=PASSIVE``) every region
     pays to wake them, which made a 1000-tensor 64 MiB copy about 3x slower than one flat copy
     here. Contiguous CPU tensors are therefore copied with plain memmoves: in this thread when
-    they are small in total, else in byte-balanced shares over a few threads. Anything else
+    they are small in total, else in pieces that a few threads take from one queue. Anything else
     takes ``torch._foreach_copy_``.
     """
     if not dst:
@@ -364,45 +365,181 @@ non-temporal stores: faster, but during 1 GiB sends the other processes' event l
 stalled up to 20-30 ms, against a few ms with moves of this size (docs/decisions.md, 21)."""
 
 
-def _parallel_copy(moves: list[tuple[int, int, int]], total: int) -> None:
-    """``moves`` (dst, src, nbytes) spread over up to four threads, this one included.
+_PIECES_PER_THREAD = 8
+"""The shared part of a parallel copy is cut into about this many pieces per thread, which the
+threads take from one queue as they come free. Equal fixed shares finished only as fast as the
+slowest thread: the last one to wake, or one the machine's other processes preempted. Taking
+pieces as they come made a 1000-tensor 64 MiB copy 0.3-0.6 ms faster here (1.06-1.13x one
+flat copy down to 0.93-1.02x), and a flat 256 MiB one 1.05-1.17x down to 1.0x."""
 
-    Every memmove gives up the GIL and must take it back, so threads that each make many
-    small moves mostly wait for one another. This thread therefore takes the small moves,
-    smallest first, up to its fair share of the bytes; the rest are dealt out (largest first,
-    to the least loaded share) to even out the bytes, and moves larger than a fair share (or
-    than ``_MAX_MOVE``) are cut so that one big tensor still uses every thread.
+_TAIL = 0.8
+"""The part of its fair share that each helper thread of a parallel copy copies first, as one
+call: the end of the destination, while the calling thread may still be checking the source
+(see :class:`CopyJob`). The rest is shared through the queue."""
+
+_SETTLE_S = 0.002
+"""How long a copy started ahead of a check waits for its first helper to begin."""
+
+W = TypeVar("W")
+
+
+class CopyJob(Generic[W]):
+    """A copy spread over the calling thread and a few helper threads.
+
+    Each helper first copies its *tail* (a piece given to it alone, taken as one call, which
+    needs the interpreter lock only to start), then, like the calling thread, takes pieces
+    of the *head* from one queue until none is left.
+
+    A job can be started before the caller knows that its source is still the right one:
+    the check of a model's thousand tensors costs about a millisecond of cold Python, which
+    the helpers spend copying. The caller then either :meth:`finish`-es the job or
+    :meth:`abandon`-s it; either way, every helper has stopped once that returns.
     """
+
+    def __init__(self, head: list[W], tails: list[W], run: Callable[[W], None]) -> None:
+        self._head = head
+        self._tails = tails
+        self._run = run
+        self._taken = itertools.count()
+        self._stopped = False
+        self._futures: list[Future[None]] = []
+        self._begun = threading.Event()
+
+    def start(self, executor: ThreadPoolExecutor, *, settle: float = 0.0) -> None:
+        """Set the helpers going (one per tail). ``settle``: wait up to that many seconds for
+        the first helper to begin its tail. A caller about to run Python holds the
+        interpreter lock, which a helper needs to begin at all: without the wait, the helper
+        would start only once the caller's own copy lets the lock go."""
+        self._futures = [executor.submit(self._help, tail) for tail in self._tails]
+        if settle > 0 and self._futures:
+            self._begun.wait(settle)
+
+    def _help(self, tail: W) -> None:
+        self._begun.set()
+        if not self._stopped:
+            self._run(tail)
+        self._drain()
+
+    def _drain(self) -> None:
+        # ``next`` on an itertools.count is atomic under the GIL: each piece is taken once.
+        head, n = self._head, len(self._head)
+        for i in self._taken:
+            if i >= n or self._stopped:
+                return
+            self._run(head[i])
+
+    def finish(self) -> None:
+        """Copy the head's pieces alongside the helpers, then wait for them (a helper's error
+        is raised here)."""
+        try:
+            self._drain()
+        finally:
+            self._wait()
+
+    def abandon(self) -> None:
+        """Stop taking pieces and wait for the helpers; what they copied is to be overwritten,
+        so their errors are dropped."""
+        self._stopped = True
+        with contextlib.suppress(Exception):
+            self._wait()
+
+    def _wait(self) -> None:
+        for future in self._futures:
+            future.result()
+
+
+def _split_sizes(total: int, threads: int) -> tuple[list[int], list[int]]:
+    """Byte counts of the head's pieces and of the helpers' tails for a copy of ``total``
+    bytes over ``threads`` threads: the tails come last in the destination, in this order."""
+    helpers = threads - 1
+    fair = total // threads
+    tail = int(fair * _TAIL) if helpers and fair >= 2 * _SMALL_MOVE else 0
+    head = total - helpers * tail
+    count = max(1, min(threads * _PIECES_PER_THREAD, head // _SMALL_MOVE))
+    piece = -(-head // count)
+    heads = [min(piece, head - start) for start in range(0, head, piece)] if head else []
+    return heads, [tail] * helpers if tail else []
+
+
+def start_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> CopyJob[_Moves] | None:
+    """:func:`fused_copy` of large plain CPU tensors, started in helper threads and to be
+    finished (or abandoned) by the caller; None, having copied nothing, for anything else."""
+    moves: _Moves = []
+    total = 0
+    for d, s in zip(dst, src, strict=True):
+        if not _plain_cpu(d, s):
+            return None
+        moves.append((d.data_ptr(), s.data_ptr(), d.nbytes))
+        total += d.nbytes
+    if total < _PARALLEL_COPY_BYTES:
+        return None
+    job = _move_job(moves, total)
+    job.start(_copy_pool_executor(), settle=_SETTLE_S)
+    return job
+
+
+def _copy_pool_executor() -> ThreadPoolExecutor:
     global _copy_pool
-    count = max(1, min(4, torch.get_num_threads()))
-    fair = max(1, -(-total // count))
-    piece = min(fair, _MAX_MOVE)
-    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
-    load = [0] * count
-    big: list[tuple[int, int, int]] = []
-    for d, s, n in sorted(moves, key=lambda m: m[2]):
-        if n < _SMALL_MOVE and load[0] + n <= fair:
-            shares[0].append((d, s, n))
-            load[0] += n
-            continue
-        for start in range(0, n, piece):
-            big.append((d + start, s + start, min(piece, n - start)))
-    for move in sorted(big, key=lambda m: m[2], reverse=True):
-        k = load.index(min(load))
-        shares[k].append(move)
-        load[k] += move[2]
-    busy = [share for share in shares[1:] if share]
-    if not busy:
-        _copy_share(shares[0])
-        return
     with _copy_pool_lock:
         if _copy_pool is None:
             _copy_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="aiowsync-copy")
-        pool = _copy_pool
-    futures = [pool.submit(_copy_share, share) for share in busy]
-    _copy_share(shares[0])
-    for future in futures:
-        future.result()
+        return _copy_pool
+
+
+def _parallel_copy(moves: list[tuple[int, int, int]], total: int) -> None:
+    """``moves`` (dst, src, nbytes) spread over up to four threads, this one included."""
+    job = _move_job(moves, total)
+    job.start(_copy_pool_executor())
+    job.finish()
+
+
+def _move_job(moves: list[tuple[int, int, int]], total: int) -> CopyJob[_Moves]:
+    """A :class:`CopyJob` for ``moves`` (not started).
+
+    Every memmove gives up the GIL and must take it back, so threads that each make many
+    small moves mostly wait for one another. The calling thread therefore takes the small
+    moves first (its first piece of the head), smallest first, up to its fair share of the
+    bytes; the other moves are laid end to end and cut into the helpers' tails (from the end)
+    and the head's pieces, each cut again into memmoves of at most ``_MAX_MOVE`` bytes.
+    """
+    threads = max(1, min(4, torch.get_num_threads()))
+    fair = max(1, -(-total // threads))
+    own: _Moves = []
+    own_bytes = 0
+    rest: _Moves = []
+    for d, s, n in sorted(moves, key=lambda m: m[2]):
+        if n < _SMALL_MOVE and own_bytes + n <= fair:
+            own.append((d, s, n))
+            own_bytes += n
+        else:
+            rest.append((d, s, n))
+    rest.reverse()  # largest first
+    heads, tails = _split_sizes(total - own_bytes, threads)
+    cut = _cut_moves(rest, heads + tails)
+    head = [g for g in [own, *cut[: len(heads)]] if g]
+    return CopyJob(head, [g for g in cut[len(heads) :] if g], _copy_share)
+
+
+_Moves = list[tuple[int, int, int]]
+
+
+def _cut_moves(moves: _Moves, sizes: list[int]) -> list[_Moves]:
+    """``moves`` laid end to end and cut into consecutive groups of ``sizes`` bytes (the last
+    takes any rest; a group may be empty), every move at most ``_MAX_MOVE`` bytes."""
+    groups: list[_Moves] = [[] for _ in sizes]
+    k, room = 0, sizes[0] if sizes else 0
+    for d, s, n in moves:
+        done = 0
+        while done < n:
+            last = k == len(sizes) - 1
+            take = min(n - done, _MAX_MOVE) if last else min(n - done, room, _MAX_MOVE)
+            groups[k].append((d + done, s + done, take))
+            done += take
+            room -= take
+            if room <= 0 and not last:
+                k += 1
+                room = sizes[k]
+    return groups
 
 
 _KEPT_SOURCES = 2
@@ -417,8 +554,9 @@ class GatherCopy:
     A model of many tensors needs one copy per tensor, and each torch copy or ``memmove`` call
     pays a few microseconds of setup and, from Python, a turn of the interpreter lock: for the
     1000-tensor 64 MiB model that made the copy about 2x one flat copy of the same bytes. Here
-    the destination is cut instead into one contiguous byte range per thread, and each thread
-    fills its range with a single ``torch.cat(pieces, out=range)``: torch copies a contiguous
+    the destination is cut instead into a few contiguous byte ranges per thread (threads take
+    them from one queue, see :data:`_PIECES_PER_THREAD`), and each range is filled with a
+    single ``torch.cat(pieces, out=range)``: torch copies a contiguous
     concatenation with one ``memcpy`` per piece and no per-piece setup, as long as the calling
     thread runs torch single-threaded (see :func:`_gather_pool`). The gaps between tensors
     (alignment padding) are filled from a small zero tensor.
@@ -440,13 +578,36 @@ class GatherCopy:
         """Source pointers whose plans are kept, oldest first."""
         self._recent: collections.deque[tuple[int, ...]] = collections.deque(maxlen=4)
         """Source pointers of the last calls (no reference to the tensors is held)."""
+        self._last: tuple[int, ...] | None = None
+        """Source pointers of the last call that copied (what :meth:`start` copies again)."""
         self._zeros = torch.zeros(layout.alignment, dtype=torch.uint8)
         # Lazy conjugate and negative views exist only for complex tensors (sources match the
         # layout's dtypes), so only complex layouts pay for that check on every call.
         self._lazy_views = any(spec.dtype.is_complex for spec in layout.specs)
 
+    def start(self, dst: Sequence[torch.Tensor]) -> EarlyCopy | None:
+        """Start copying the sources of the last call into ``dst`` again, in helper threads,
+        before the caller has checked that the next sources are the same tensors; None when
+        there is nothing to start (no plan kept for the last call's sources). The result
+        must be passed to :meth:`copy` (which finishes or abandons it) or abandoned."""
+        key = self._last
+        plan = self._plans.get(key) if key is not None else None
+        pool = _gather_pool()
+        if plan is None or key is None or pool is None:
+            return None
+        if len(dst) != len(self.layout.buffer_sizes):
+            raise ValueError(f"expected {len(self.layout.buffer_sizes)} buffers, got {len(dst)}")
+        job = plan.job(dst)
+        job.start(pool.executor, settle=_SETTLE_S)
+        return EarlyCopy(job, key)
+
     def copy(
-        self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, keep: bool = False
+        self,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        *,
+        keep: bool = False,
+        early: EarlyCopy | None = None,
     ) -> bool:
         """Copy ``src`` (one tensor per layout key, in layout order, already checked against
         the layout) into the byte buffers ``dst``. Returns False, having copied nothing, when
@@ -454,35 +615,58 @@ class GatherCopy:
         tensors, or no single-threaded torch threads on this platform.
 
         ``keep`` says the sources will come back (a model's own tensors): their plan is kept
-        from this first call on."""
-        if self.layout.total_bytes < _PARALLEL_COPY_BYTES or len(src) != len(self.layout.specs):
-            return False
+        from this first call on. ``early``, from :meth:`start` with the same ``dst``, is
+        finished when ``src`` are the tensors it copies, else abandoned (and ``src`` copied
+        as usual); either way, no helper thread writes into ``dst`` once this returns."""
+        try:
+            return self._copy(dst, src, keep, early)
+        except BaseException:
+            if early is not None:
+                early.job.abandon()
+            raise
+
+    def _copy(
+        self,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        keep: bool,
+        early: EarlyCopy | None,
+    ) -> bool:
         pool = _gather_pool()
-        if pool is None or not _all_plain(src, self._lazy_views):
+        if (
+            pool is None
+            or self.layout.total_bytes < _PARALLEL_COPY_BYTES
+            or len(src) != len(self.layout.specs)
+            or not _all_plain(src, self._lazy_views)
+        ):
+            if early is not None:
+                early.job.abandon()
             return False
         if len(dst) != len(self.layout.buffer_sizes):
             raise ValueError(f"expected {len(self.layout.buffer_sizes)} buffers, got {len(dst)}")
         key = tuple(map(_data_ptr, src))
-        plan = self._plans.get(key)
-        if plan is None:
-            if not all(t.is_cpu for t in src):
-                return False
-            try:
-                plan = self._plan(src, pool.threads)
-            except RuntimeError:
-                return False  # a source torch cannot view as bytes (a lazy negation): copy it
-            if keep or key in self._kept or key in self._recent:
-                self._keep(key, plan)
+        if early is not None and early.key == key and key in self._plans:
+            job = early.job
+        else:
+            if early is not None:
+                early.job.abandon()
+            plan = self._plans.get(key)
+            if plan is None:
+                if not all(t.is_cpu for t in src):
+                    return False
+                try:
+                    plan = self._plan(src, pool.threads)
+                except RuntimeError:
+                    return False  # a source torch cannot view as bytes (a lazy negation)
+                if keep or key in self._kept or key in self._recent:
+                    self._keep(key, plan)
+            job = plan.job(dst)
+            job.start(pool.executor)
         if not self._recent or self._recent[-1] != key:
             self._recent.append(key)
-        shares = plan.for_destination(dst)
-        futures = [pool.executor.submit(_gather_share, share) for share in shares[1:]]
-        try:
-            with _serial_torch(pool):
-                _gather_share(shares[0])
-        finally:
-            for future in futures:
-                future.result()
+        self._last = key
+        with _serial_torch(pool):
+            job.finish()
         return True
 
     def _keep(self, key: tuple[int, ...], plan: _Plan) -> None:
@@ -497,8 +681,9 @@ class GatherCopy:
         self._plans.clear()
         self._kept.clear()
         self._recent.clear()
+        self._last = None
 
-    def _plan(self, src: Sequence[torch.Tensor], count: int) -> _Plan:
+    def _plan(self, src: Sequence[torch.Tensor], threads: int) -> _Plan:
         layout = self.layout
         # (buffer, start, piece): the bytes of every buffer up to its last tensor, in order.
         segments: list[tuple[int, int, torch.Tensor]] = []
@@ -514,16 +699,17 @@ class GatherCopy:
                     segments.append((b, end, self._zeros[: spec.offset - end]))
                 segments.append((b, spec.offset, byte_view(t)))
                 ends[b] = spec.offset + spec.nbytes
-        total = sum(ends)
-        fair = max(1, -(-total // count))
-        shares: list[list[_Run]] = [[] for _ in range(count)]
-        share, room = 0, fair
+        heads, tails = _split_sizes(sum(ends), threads)
+        sizes = heads + tails
+        groups: list[list[_Run]] = [[] for _ in sizes]
+        k, room = 0, sizes[0] if sizes else 0
         for b, start, piece in segments:
             n, done = piece.numel(), 0
             while done < n:
-                take = min(n - done, room, _MAX_MOVE)
+                last = k == len(sizes) - 1
+                take = min(n - done, _MAX_MOVE) if last else min(n - done, room, _MAX_MOVE)
                 part = piece if take == n else piece[done : done + take]
-                runs = shares[share]
+                runs = groups[k]
                 run = runs[-1] if runs else None
                 at = start + done
                 if run is not None and run.buffer == b and run.end == at:
@@ -533,10 +719,19 @@ class GatherCopy:
                     runs.append(_Run(b, at, at + take, [part]))
                 done += take
                 room -= take
-                if room == 0:
-                    # The last share takes whatever rounding left over.
-                    share, room = share + 1, (fair if share + 2 < count else total)
-        return _Plan([runs for runs in shares if runs])
+                if room <= 0 and not last:
+                    k += 1
+                    room = sizes[k]
+        return _Plan([g for g in groups[: len(heads)] if g], [g for g in groups[len(heads) :] if g])
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyCopy:
+    """A copy :meth:`GatherCopy.start` began before its sources were checked."""
+
+    job: CopyJob[_Share]
+    key: tuple[int, ...]
+    """Pointers of the sources it copies."""
 
 
 @dataclass(slots=True, eq=False)
@@ -556,24 +751,29 @@ _Share = list[tuple[list[torch.Tensor], torch.Tensor]]
 
 @dataclass(slots=True, eq=False)
 class _Plan:
-    """The pieces of one source set, cut into shares, and their output ranges per destination
-    (by the destination buffers' pointers; a sender has a few slots, each met again and
-    again)."""
+    """The pieces of one source set, cut into the head's pieces and the helpers' tails of a
+    :class:`CopyJob`, and their output ranges per destination (by the destination buffers'
+    pointers; a sender has a few slots, each met again and again)."""
 
-    shares: list[list[_Run]]
-    destinations: dict[tuple[int, ...], list[_Share]] = field(default_factory=dict)
+    head: list[list[_Run]]
+    tails: list[list[_Run]]
+    destinations: dict[tuple[int, ...], tuple[list[_Share], list[_Share]]] = field(
+        default_factory=dict
+    )
 
-    def for_destination(self, dst: Sequence[torch.Tensor]) -> list[_Share]:
+    def job(self, dst: Sequence[torch.Tensor]) -> CopyJob[_Share]:
+        """A job (not started) that fills ``dst``."""
         key = tuple(map(_data_ptr, dst))
         cut = self.destinations.get(key)
         if cut is None:
             if len(self.destinations) >= _KEPT_DESTINATIONS:
                 self.destinations.clear()
-            cut = [
-                [(r.pieces, dst[r.buffer][r.start : r.end]) for r in runs] for runs in self.shares
-            ]
-            self.destinations[key] = cut
-        return cut
+
+            def outputs(groups: list[list[_Run]]) -> list[_Share]:
+                return [[(r.pieces, dst[r.buffer][r.start : r.end]) for r in g] for g in groups]
+
+            cut = self.destinations[key] = (outputs(self.head), outputs(self.tails))
+        return CopyJob(cut[0], cut[1], _gather_share)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

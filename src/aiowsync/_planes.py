@@ -17,14 +17,14 @@ import abc
 import logging
 import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
-from ._layout import GatherCopy, Layout, fused_copy
+from ._layout import EarlyCopy, GatherCopy, Layout, fused_copy, start_copy
 from ._protocol import ParamValue
 from ._shm_slots import SlotFile, check_slot_path, remove_stale_slots
 from ._shm_window import SlotWindow, windows_supported
@@ -87,6 +87,12 @@ class SenderPlane(abc.ABC):
 
     @abc.abstractmethod
     def write(self, slot: int, source: Source) -> None: ...
+
+    def write_checked(self, slot: int, make: Callable[[], Source]) -> None:
+        """``write(slot, make())``, where ``make`` checks the weights (blocking, so from a
+        thread). A plane may start copying what its last write copied while ``make`` runs,
+        and keep that copy when the source is the same."""
+        self.write(slot, make())
 
     @abc.abstractmethod
     def publish(self, slot: int, version: int) -> Params: ...
@@ -197,6 +203,10 @@ class SharedMemSenderPlane(SenderPlane):
     def setup(self, layout: Layout) -> None:
         self.layout = layout
         self._gather = GatherCopy(layout)
+        self._last_buffers: tuple[torch.Tensor, ...] | None = None
+        """The buffers the last write copied, when it copied whole buffers."""
+        self._last_tensors = False
+        """The last write copied tensors through ``_gather``."""
         remove_stale_slots()
         try:
             for _ in range(self.num_slots):
@@ -235,18 +245,55 @@ class SharedMemSenderPlane(SenderPlane):
         return len(self._slots) - 1
 
     def write(self, slot: int, source: Source) -> None:
+        self._slots[slot].file.back()
+        self._write(slot, source, None)
+
+    def write_checked(self, slot: int, make: Callable[[], Source]) -> None:
+        # A model's tensors (or its re-homed buffers) come back on every send, and checking a
+        # thousand of them costs about a millisecond of cold Python: their copy starts first,
+        # in helper threads, and is kept if make() returns the same tensors.
         s = self._slots[slot]
         s.file.back()
+        last = self._last_buffers
+        flat = start_copy(s.parts, last) if last is not None else None
+        gather = self._gather.start(s.parts) if last is None and self._last_tensors else None
+        try:
+            source = make()
+            if flat is not None:
+                if source.buffers is not None and _same(source.buffers, last):
+                    flat.finish()
+                    return
+                flat.abandon()
+            self._write(slot, source, gather)
+        except BaseException:
+            if flat is not None:
+                flat.abandon()
+            if gather is not None:
+                gather.job.abandon()
+            raise
+
+    def _write(self, slot: int, source: Source, early: EarlyCopy | None) -> None:
+        """Copy ``source`` into ``slot``; ``early`` (of the gather copy) is finished or
+        abandoned."""
+        s = self._slots[slot]
+        self._last_buffers, self._last_tensors = None, False
         if source.buffers is not None:
-            # Whole buffers: fused_copy cuts them into one share per thread and into moves
-            # of at most 64 MiB (see _MAX_MOVE in _layout).
+            if early is not None:
+                early.job.abandon()
+            # Whole buffers: fused_copy shares them among a few threads, in moves of at most
+            # 64 MiB (see _MAX_MOVE in _layout).
             fused_copy(s.parts, list(source.buffers))
+            self._last_buffers = source.buffers
         elif source.tensors is not None:
             keys, tensors = self.layout.keys, source.tensors
             src = [tensors[k] for k in keys]
-            if not self._gather.copy(s.parts, src, keep=source.model):
+            if self._gather.copy(s.parts, src, keep=source.model, early=early):
+                self._last_tensors = True
+            else:
                 fused_copy([s.views[k] for k in keys], src)
         else:
+            if early is not None:
+                early.job.abandon()
             raise ValueError("empty source")
 
     def publish(self, slot: int, version: int) -> Params:
@@ -274,6 +321,10 @@ class SharedMemSenderPlane(SenderPlane):
             self._gather.clear()
         for s in self._slots:
             s.file.unlink()
+
+
+def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor] | None) -> bool:
+    return b is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 SwitchMode = Literal["auto", "rebind", "remap"]

@@ -745,8 +745,10 @@ class SenderCore:
             self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiowsync-stage")
 
         def stage() -> None:
-            # ``source()`` checks the weights against the layout before any byte is written.
-            self._plane.write(slot, source())
+            # ``source()`` checks the weights against the layout; the plane may start copying
+            # the previous send's tensors meanwhile, and keeps that copy only if they are the
+            # same tensors (see SenderPlane.write_checked).
+            self._plane.write_checked(slot, source)
 
         await to_the_end(asyncio.get_running_loop().run_in_executor(self._stager, stage))
 
