@@ -1,4 +1,5 @@
-"""CURVE authentication of the ZeroMQ control channel: real sockets over tcp loopback."""
+"""Authentication of the ZeroMQ control channel with real sockets: CURVE keys over tcp
+loopback, and the check of the peer's user on Unix sockets."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import contextlib
 import copy
 import gc
 import logging
+import os
 import pickle
 import re
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -400,3 +403,115 @@ async def test_non_loopback_bind_with_keys_serves_authenticated_workers(address:
         assert same(mirror, src)
         raised, _, _ = await intrude(sender.address, ZmqChannelFactory(curve=client_only(keys)))
         assert raised is aiowsync.WeightSyncTimeout
+
+
+# -- Unix sockets without keys: this user only -----------------------------------------------
+
+_KNOCK = r"""
+import os, sys, time
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+address, uid = sys.argv[1], int(sys.argv[2])
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+events = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+monitor = sock.get_monitor_socket(events)
+if uid >= 0:
+    # Only now: the interpreter and its modules may live where that user cannot read.
+    os.setgid(uid)
+    os.setuid(uid)
+sock.connect(address)
+outcome = "nothing"
+if monitor.poll(5000):
+    event = recv_monitor_message(monitor)["event"]
+    outcome = "admitted" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused"
+print(outcome, os.getuid())
+sock.disable_monitor()
+monitor.close(0)
+sock.close(0)
+ctx.term()
+"""
+
+NOBODY = 65534
+
+
+def knock(address: str, uid: int) -> tuple[str, int]:
+    """Connect to ``address`` from a fresh process running as ``uid`` (-1: as this one):
+    ('admitted' | 'refused' | 'nothing', the uid it ran as)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _KNOCK, address, str(uid)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    outcome, ran_as = done.stdout.split()
+    return outcome, int(ran_as)
+
+
+def test_the_peer_uid_is_read_from_unix_socket_credentials_only() -> None:
+    from aiowsync._auth import _peer_uid
+
+    assert _peer_uid(b"localhost:1000:100:4242") == 1000
+    assert _peer_uid(b"localhost:0:0:1") == 0
+    for address in (b"127.0.0.1", b"localhost", b"localhost:x:1:2", b"host:1:2:3", b""):
+        assert _peer_uid(address) is None
+
+
+needs_root = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0 or not sys.platform.startswith("linux"),
+    reason="running a process as another user needs root on Linux",
+)
+
+
+@needs_root
+async def test_a_process_of_another_user_cannot_join_a_unix_socket_sender(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    src, mirror = model(0), model(1)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)  # ipc://@..., no keys
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        assert sender.address.startswith("ipc://")
+        receiver = pickle.loads(pickle.dumps(sender))
+        receiver.init_on_receiver(model=mirror, worker_idx=0)
+        async with receiver:
+            await asyncio.gather(sender.connect(timeout=10), receiver.connect(timeout=10))
+            with caplog.at_level(logging.WARNING, logger="aiowsync.auth"):
+                outcome = await asyncio.to_thread(knock, sender.address, NOBODY)
+            assert outcome == ("refused", NOBODY)
+            assert "another user" in caplog.text
+            core = sender._sender
+            assert core is not None and core._channel is not None
+            assert core._channel._auth.refused >= 1  # type: ignore[attr-defined]
+            # This user's processes still get in, and the worker was not disturbed.
+            assert await asyncio.to_thread(knock, sender.address, -1) == ("admitted", 0)
+            bump(src)
+            assert (await sender.send(timeout=WAIT)).worker_ids == (0,)
+            assert same(mirror, src)
+
+
+@needs_root
+async def test_allow_other_users_admits_any_local_process() -> None:
+    sender = ZmqChannelFactory(allow_other_users=True).bind(
+        "ipc://@*", heartbeat_timeout=HEARTBEAT_TIMEOUT
+    )
+    try:
+        assert await asyncio.to_thread(knock, sender.address, NOBODY) == ("admitted", NOBODY)
+    finally:
+        sender.close()
+    # And the default refuses the same process.
+    sender = ZmqChannelFactory().bind("ipc://@*", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    try:
+        assert await asyncio.to_thread(knock, sender.address, NOBODY) == ("refused", NOBODY)
+    finally:
+        sender.close()

@@ -7,6 +7,7 @@ holds the server public key and one client key pair. See docs/security.md.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 from collections.abc import Iterable
 from typing import Any
@@ -232,7 +233,29 @@ class _AllowedKeys:
 
 
 class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
-    """pyzmq's ZAP thread, with a stop that waits for the thread under a deadline."""
+    """pyzmq's ZAP thread, with a stop that waits for the thread under a deadline, and an
+    optional check of the peer's user on Unix-socket connections (``users``)."""
+
+    users: frozenset[int] | None = None
+    """When set, only peers whose process runs as one of these uids are admitted."""
+    refused_users = 0
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if self.users is not None and len(msg) >= 6:
+            uid = _peer_uid(msg[3])
+            if uid is None or uid not in self.users:
+                self.refused_users += 1
+                # 1st, 10th, 100th...: a peer that keeps retrying must not flood the log.
+                if str(self.refused_users).rstrip("0") == "1":
+                    log.warning(
+                        "refused a control connection from a process of another user "
+                        "(peer %s; %d refused so far)",
+                        msg[3].decode("ascii", "replace"),
+                        self.refused_users,
+                    )
+                self._send_zap_reply(msg[1], b"400", b"another user")
+                return
+        await super().handle_zap_message(msg)
 
     def stop(self) -> None:
         if self.pipe is not None:
@@ -248,6 +271,43 @@ class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
             self.pipe.close(linger=0)
             self.pipe = None  # type: ignore[assignment]
         zmq.auth.Authenticator.stop(self)
+
+
+def _peer_uid(address: bytes) -> int | None:
+    """The uid in a ZAP request's address for a Unix-socket peer, which libzmq fills from the
+    kernel's peer credentials as ``localhost:<uid>:<gid>:<pid>``; None for anything else."""
+    parts = address.split(b":")
+    if len(parts) != 4 or parts[0] != b"localhost" or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+class SameUserServer:
+    """The sender side of an unauthenticated Unix-socket channel: a ZAP handler on ``ctx``
+    that admits only processes running as this process's user (or as root, who can read the
+    slot files anyway), from the peer credentials the kernel gives for the connection."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self._auth = _Authenticator(ctx, log=log)
+        self._auth.users = frozenset({os.getuid(), 0})
+        try:
+            # Running before the ROUTER binds, as for CURVE (see CurveServer).
+            self._auth.start()
+        except (zmq.ZMQError, RuntimeError) as exc:
+            self.close()
+            raise TransportError(f"cannot start the peer-credentials check: {exc}") from None
+
+    @property
+    def refused(self) -> int:
+        """Connections refused so far because their process ran as another user."""
+        return self._auth.refused_users
+
+    def apply(self, sock: zmq.Socket[Any]) -> None:
+        sock.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN.encode("ascii"))
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+    def close(self) -> None:
+        self._auth.stop()
 
 
 def check_server_keys(keys: CurveKeys) -> None:

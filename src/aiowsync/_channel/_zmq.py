@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .._auth import CurveKeys, CurveServer, check_server_keys, client_options
+from .._auth import CurveKeys, CurveServer, SameUserServer, check_server_keys, client_options
 from .._exceptions import TransportError, WeightSyncTimeout
 from .._protocol import MAX_FRAME, Heartbeat, Message, encode
 from .._signal import Signal
@@ -284,9 +284,16 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
         address: str,
         heartbeat_timeout: float,
         curve: CurveKeys | None = None,
+        *,
+        other_users: bool = False,
     ) -> None:
+        address = resolve_local(address)
+        self._auth: CurveServer | SameUserServer | None = None
         try:
-            self._curve = None if curve is None else CurveServer(ctx, curve)
+            if curve is not None:
+                self._auth = CurveServer(ctx, curve)
+            elif urlsplit(address).scheme == "ipc" and not other_users:
+                self._auth = SameUserServer(ctx)
         except BaseException:
             ctx.term()
             raise
@@ -295,14 +302,13 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
         SenderChannel.__init__(self)
         try:
             _base_options(self._sock, heartbeat_timeout)
-            if self._curve is not None:
-                self._curve.apply(self._sock)
+            if self._auth is not None:
+                self._auth.apply(self._sock)
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # Receivers keep their routing id across reconnections (see the receiver channel);
             # the newest connection under an id takes it over.
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + 1024)
-            address = resolve_local(address)
             if urlsplit(address).scheme == "tcp" and urlsplit(address).port in (None, 0):
                 host = address.rsplit(":", 1)[0] if address.count(":") > 1 else address
                 self._sock.bind(f"{host}:*")
@@ -354,8 +360,8 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
     def close(self) -> None:
         self.closed = True
         self._close_socket()
-        if self._curve is not None:
-            self._curve.close()
+        if self._auth is not None:
+            self._auth.close()
         self._ctx.term()
 
 
@@ -620,21 +626,30 @@ class ZmqChannelFactory(ChannelFactory):
 
     Binding an address that is not loopback requires ``curve``, or the explicit opt-out
     ``allow_insecure_bind=True``: anyone who can reach the port could otherwise join.
-    See docs/security.md.
+    Without ``curve``, a sender bound to a Unix socket (``ipc://``, the shared-memory
+    scheme's default) admits only processes that run as its own user or as root: the kernel
+    tells it who connects. See docs/security.md.
 
     Args:
         curve: the CURVE keys, see :class:`CurveKeys`; ``None`` leaves the channel
             unauthenticated (loopback only, unless ``allow_insecure_bind``).
         allow_insecure_bind: allow binding a non-loopback address without authentication.
+        allow_other_users: without ``curve``, let processes of any user connect to a sender
+            bound to a Unix socket.
     """
 
     def __init__(
-        self, *, curve: CurveKeys | None = None, allow_insecure_bind: bool = False
+        self,
+        *,
+        curve: CurveKeys | None = None,
+        allow_insecure_bind: bool = False,
+        allow_other_users: bool = False,
     ) -> None:
         if curve is not None and not isinstance(curve, CurveKeys):
             raise TypeError(f"curve must be CurveKeys or None, got {type(curve).__name__}")
         self.curve = curve
         self.allow_insecure_bind = allow_insecure_bind
+        self.allow_other_users = allow_other_users
 
     def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
         if self.curve is None:
@@ -646,7 +661,13 @@ class ZmqChannelFactory(ChannelFactory):
                 )
         else:
             check_server_keys(self.curve)
-        return ZmqSenderChannel(zmq.Context(), address, heartbeat_timeout, self.curve)
+        return ZmqSenderChannel(
+            zmq.Context(),
+            address,
+            heartbeat_timeout,
+            self.curve,
+            other_users=self.allow_other_users,
+        )
 
     def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel:
         options = None if self.curve is None else client_options(self.curve)
