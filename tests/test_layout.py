@@ -628,6 +628,8 @@ def test_gather_copy_started_early_is_kept_for_the_same_sources_and_redone_other
     src = [weights[k] for k in layout.keys]
     assert gather.start(dst) is None  # nothing copied yet: nothing to start
     assert gather.copy(dst, src, keep=True)
+    assert gather.start(dst) is None  # sources seen once: no guess yet
+    assert gather.copy(dst, src, keep=True)
 
     def bump() -> None:
         for t in src:
@@ -654,7 +656,12 @@ def test_gather_copy_started_early_is_kept_for_the_same_sources_and_redone_other
     views = layout.views(dst)
     assert all(torch.equal(views[k], weights[k]) for k in layout.keys)
     assert not torch.equal(views[key], old)
+    # Two source sets in turn: after the first miss, nothing is started for them.
+    assert gather.start(dst) is None
+    assert gather.copy(dst, src, keep=True) and gather.start(dst) is None
+    assert gather.copy(dst, moved, keep=True) and gather.start(dst) is None
     # Sources it cannot copy: declined, and no helper writes into dst afterwards.
+    assert gather.copy(dst, moved, keep=True)
     early = gather.start(dst)
     assert early is not None
     strided = [*moved]

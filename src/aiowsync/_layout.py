@@ -580,6 +580,10 @@ class GatherCopy:
         """Source pointers of the last calls (no reference to the tensors is held)."""
         self._last: tuple[int, ...] | None = None
         """Source pointers of the last call that copied (what :meth:`start` copies again)."""
+        self._repeated = False
+        """The last call copied the same sources as the one before: :meth:`start` guesses
+        that the next one will too (a sender alternating two source sets would otherwise
+        start, and throw away, a copy of the wrong one at every call)."""
         self._zeros = torch.zeros(layout.alignment, dtype=torch.uint8)
         # Lazy conjugate and negative views exist only for complex tensors (sources match the
         # layout's dtypes), so only complex layouts pay for that check on every call.
@@ -588,10 +592,11 @@ class GatherCopy:
     def start(self, dst: Sequence[torch.Tensor]) -> EarlyCopy | None:
         """Start copying the sources of the last call into ``dst`` again, in helper threads,
         before the caller has checked that the next sources are the same tensors; None when
-        there is nothing to start (no plan kept for the last call's sources). The result
-        must be passed to :meth:`copy` (which finishes or abandons it) or abandoned."""
+        there is nothing to start (no plan kept for the last call's sources, or the last
+        two calls copied different sources). The result must be passed to :meth:`copy`
+        (which finishes or abandons it) or abandoned."""
         key = self._last
-        plan = self._plans.get(key) if key is not None else None
+        plan = self._plans.get(key) if key is not None and self._repeated else None
         pool = _gather_pool()
         if plan is None or key is None or pool is None:
             return None
@@ -664,7 +669,7 @@ class GatherCopy:
             job.start(pool.executor)
         if not self._recent or self._recent[-1] != key:
             self._recent.append(key)
-        self._last = key
+        self._repeated, self._last = key == self._last, key
         with _serial_torch(pool):
             job.finish()
         return True
@@ -681,7 +686,7 @@ class GatherCopy:
         self._plans.clear()
         self._kept.clear()
         self._recent.clear()
-        self._last = None
+        self._last, self._repeated = None, False
 
     def _plan(self, src: Sequence[torch.Tensor], threads: int) -> _Plan:
         layout = self.layout
