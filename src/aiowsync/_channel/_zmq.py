@@ -63,6 +63,11 @@ socket (reachable from this network namespace, no file to clean up, gone when cl
 loopback TCP port elsewhere."""
 
 
+_PEER_CREDENTIALS = sys.platform.startswith("linux")
+"""Whether libzmq reports a Unix-socket peer's uid to the ZAP handler here (from
+``SO_PEERCRED``; the format elsewhere is not relied on)."""
+
+
 def resolve_local(address: str) -> str:
     """``address``, with :data:`LOCAL_BIND` replaced by a concrete address to bind."""
     if address != LOCAL_BIND:
@@ -292,7 +297,7 @@ class ZmqSenderChannel(_ZmqEnd, SenderChannel):
         try:
             if curve is not None:
                 self._auth = CurveServer(ctx, curve)
-            elif urlsplit(address).scheme == "ipc" and not other_users:
+            elif urlsplit(address).scheme == "ipc" and not other_users and _PEER_CREDENTIALS:
                 self._auth = SameUserServer(ctx)
         except BaseException:
             ctx.term()
@@ -628,7 +633,7 @@ class ZmqChannelFactory(ChannelFactory):
     ``allow_insecure_bind=True``: anyone who can reach the port could otherwise join.
     Without ``curve``, a sender bound to a Unix socket (``ipc://``, the shared-memory
     scheme's default) admits only processes that run as its own user or as root: the kernel
-    tells it who connects. See docs/security.md.
+    tells it who connects (Linux). See docs/security.md.
 
     Args:
         curve: the CURVE keys, see :class:`CurveKeys`; ``None`` leaves the channel
