@@ -1,7 +1,8 @@
-"""CURVE keys for the ZeroMQ control channel, and the ZAP handler that checks client keys.
+"""CURVE keys for the ZeroMQ control channel, and the ZAP handlers that check who connects.
 
 A sender holds the server key pair and the set of client public keys it accepts; each receiver
-holds the server public key and one client key pair. See docs/security.md.
+holds the server public key and one client key pair. A sender without keys on a Unix socket
+checks instead that each connecting process runs as its own user. See docs/security.md.
 """
 
 from __future__ import annotations
