@@ -311,16 +311,7 @@ def fused_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None
         return
     dst, src = list(dst), list(src)
     with torch.no_grad():
-        moves: list[tuple[int, int, int]] = []
-        others: list[int] = []
-        total = 0
-        for i, (d, s) in enumerate(zip(dst, src, strict=True)):
-            if _plain_cpu(d, s):
-                n = d.nbytes
-                moves.append((d.data_ptr(), s.data_ptr(), n))
-                total += n
-            else:
-                others.append(i)
+        moves, total, others = _moves(dst, src)
         if others:
             torch._foreach_copy_([dst[i] for i in others], [src[i] for i in others])
         if not moves:
@@ -331,6 +322,28 @@ def fused_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None
             _copy_share(moves)
         else:
             _parallel_copy(moves, total)
+
+
+_Moves = list[tuple[int, int, int]]
+"""(dst, src, nbytes) memmoves."""
+
+
+def _moves(
+    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]
+) -> tuple[_Moves, int, list[int]]:
+    """The (dst, src, nbytes) memmoves of the pairs that are plain CPU tensors, their bytes,
+    and the indices of the other pairs."""
+    moves: _Moves = []
+    others: list[int] = []
+    total = 0
+    for i, (d, s) in enumerate(zip(dst, src, strict=True)):
+        if _plain_cpu(d, s):
+            n = d.nbytes
+            moves.append((d.data_ptr(), s.data_ptr(), n))
+            total += n
+        else:
+            others.append(i)
+    return moves, total, others
 
 
 _PARALLEL_COPY_BYTES = 4 * 1024 * 1024
@@ -464,14 +477,8 @@ def _split_sizes(total: int, threads: int) -> tuple[list[int], list[int]]:
 def start_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> CopyJob[_Moves] | None:
     """:func:`fused_copy` of large plain CPU tensors, started in helper threads and to be
     finished (or abandoned) by the caller; None, having copied nothing, for anything else."""
-    moves: _Moves = []
-    total = 0
-    for d, s in zip(dst, src, strict=True):
-        if not _plain_cpu(d, s):
-            return None
-        moves.append((d.data_ptr(), s.data_ptr(), d.nbytes))
-        total += d.nbytes
-    if total < _PARALLEL_COPY_BYTES:
+    moves, total, others = _moves(dst, src)
+    if others or total < _PARALLEL_COPY_BYTES:
         return None
     job = _move_job(moves, total)
     job.start(_copy_pool_executor(), settle=_SETTLE_S)
@@ -520,25 +527,30 @@ def _move_job(moves: list[tuple[int, int, int]], total: int) -> CopyJob[_Moves]:
     return CopyJob(head, [g for g in cut[len(heads) :] if g], _copy_share)
 
 
-_Moves = list[tuple[int, int, int]]
-
-
-def _cut_moves(moves: _Moves, sizes: list[int]) -> list[_Moves]:
-    """``moves`` laid end to end and cut into consecutive groups of ``sizes`` bytes (the last
-    takes any rest; a group may be empty), every move at most ``_MAX_MOVE`` bytes."""
-    groups: list[_Moves] = [[] for _ in sizes]
-    k, room = 0, sizes[0] if sizes else 0
-    for d, s, n in moves:
+def _cut(lengths: Iterable[int], sizes: list[int]) -> Iterator[tuple[int, int, int, int]]:
+    """Items of ``lengths`` bytes laid end to end and cut into consecutive groups of ``sizes``
+    bytes (the last group takes any rest), no cut longer than ``_MAX_MOVE``: for each cut,
+    (group, item, offset in the item, length)."""
+    k, room, last_group = 0, sizes[0] if sizes else 0, len(sizes) - 1
+    for i, n in enumerate(lengths):
         done = 0
         while done < n:
-            last = k == len(sizes) - 1
+            last = k == last_group
             take = min(n - done, _MAX_MOVE) if last else min(n - done, room, _MAX_MOVE)
-            groups[k].append((d + done, s + done, take))
+            yield k, i, done, take
             done += take
             room -= take
             if room <= 0 and not last:
                 k += 1
                 room = sizes[k]
+
+
+def _cut_moves(moves: _Moves, sizes: list[int]) -> list[_Moves]:
+    """``moves`` cut by :func:`_cut` into groups of ``sizes`` bytes (a group may be empty)."""
+    groups: list[_Moves] = [[] for _ in sizes]
+    for k, i, at, n in _cut([m[2] for m in moves], sizes):
+        d, s, _ = moves[i]
+        groups[k].append((d + at, s + at, n))
     return groups
 
 
@@ -705,28 +717,18 @@ class GatherCopy:
                 segments.append((b, spec.offset, byte_view(t)))
                 ends[b] = spec.offset + spec.nbytes
         heads, tails = _split_sizes(sum(ends), threads)
-        sizes = heads + tails
-        groups: list[list[_Run]] = [[] for _ in sizes]
-        k, room = 0, sizes[0] if sizes else 0
-        for b, start, piece in segments:
-            n, done = piece.numel(), 0
-            while done < n:
-                last = k == len(sizes) - 1
-                take = min(n - done, _MAX_MOVE) if last else min(n - done, room, _MAX_MOVE)
-                part = piece if take == n else piece[done : done + take]
-                runs = groups[k]
-                run = runs[-1] if runs else None
-                at = start + done
-                if run is not None and run.buffer == b and run.end == at:
-                    run.pieces.append(part)
-                    run.end = at + take
-                else:
-                    runs.append(_Run(b, at, at + take, [part]))
-                done += take
-                room -= take
-                if room <= 0 and not last:
-                    k += 1
-                    room = sizes[k]
+        groups: list[list[_Run]] = [[] for _ in heads + tails]
+        for k, i, done, take in _cut([p.numel() for _, _, p in segments], heads + tails):
+            b, start, piece = segments[i]
+            part = piece if take == piece.numel() else piece[done : done + take]
+            runs = groups[k]
+            run = runs[-1] if runs else None
+            at = start + done
+            if run is not None and run.buffer == b and run.end == at:
+                run.pieces.append(part)
+                run.end = at + take
+            else:
+                runs.append(_Run(b, at, at + take, [part]))
         return _Plan([g for g in groups[: len(heads)] if g], [g for g in groups[len(heads) :] if g])
 
 
