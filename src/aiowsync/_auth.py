@@ -211,6 +211,12 @@ def _unpickle(state: dict[str, Any]) -> CurveKeys:
     return CurveKeys(**state)
 
 
+def _worth_logging(refused: int) -> bool:
+    """True for the 1st, 10th, 100th... refusal: a peer that keeps retrying must not flood
+    the log."""
+    return str(refused).rstrip("0") == "1"
+
+
 class _AllowedKeys:
     """The ZAP credentials provider: accepts exactly the configured client public keys."""
 
@@ -222,8 +228,7 @@ class _AllowedKeys:
         if key in self._allowed:
             return True
         self.refused += 1
-        # 1st, 10th, 100th...: a peer retrying with a bad key must not flood the log.
-        if str(self.refused).rstrip("0") == "1":
+        if _worth_logging(self.refused):
             log.warning(
                 "refused a control connection with an unknown CURVE client key %s "
                 "(%d refused so far)",
@@ -246,8 +251,7 @@ class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
             uid = _peer_uid(msg[3])
             if uid is None or uid not in self.users:
                 self.refused_users += 1
-                # 1st, 10th, 100th...: a peer that keeps retrying must not flood the log.
-                if str(self.refused_users).rstrip("0") == "1":
+                if _worth_logging(self.refused_users):
                     log.warning(
                         "refused a control connection from a process of another user "
                         "(peer %s; %d refused so far)",
