@@ -670,6 +670,134 @@ def test_gather_copy_started_early_is_kept_for_the_same_sources_and_redone_other
     assert all(f.done() for f in early.job._futures)
 
 
+def test_gather_copy_guesses_by_hint_for_sources_in_turn() -> None:
+    from aiowsync._layout import GatherCopy, _gather_pool
+
+    if _gather_pool() is None:
+        pytest.skip("torch does not run on OpenMP here")
+    first = _mixed_weights(5)
+    layout = Layout.from_weights(first)
+    second = {k: t.clone() for k, t in first.items()}
+    gather = GatherCopy(layout)
+    dst = [torch.zeros(n, dtype=torch.uint8) for n in layout.buffer_sizes]
+    sources = {"model": first, "weights": second}
+    for turn in range(6):
+        hint = "model" if turn % 2 == 0 else "weights"
+        weights = sources[hint]
+        for t in weights.values():
+            if t.dtype == torch.bool:
+                t.logical_not_()
+            else:
+                t.add_(1)
+        early = gather.start(dst, hint)
+        # The model's plan is kept from its first turn, the weights' once seen again: each is
+        # guessed from the turn after that.
+        assert (early is not None) == (turn >= (2 if hint == "model" else 5)), turn
+        src = [weights[k] for k in layout.keys]
+        assert gather.copy(dst, src, keep=hint == "model", early=early, hint=hint)
+        views = layout.views(dst)
+        assert all(torch.equal(views[k], weights[k]) for k in layout.keys), turn
+    # A hint that now names other tensors: the guess is abandoned and the right ones copied.
+    third = {k: ~t if t.dtype == torch.bool else t - 3 for k, t in first.items()}
+    early = gather.start(dst, "model")
+    assert early is not None
+    assert gather.copy(dst, [third[k] for k in layout.keys], early=early, hint="model")
+    views = layout.views(dst)
+    assert all(torch.equal(views[k], third[k]) for k in layout.keys)
+    # An unknown hint falls back to the last call's sources, once they came twice in a row.
+    assert gather.start(dst, "other") is None
+    assert gather.copy(dst, [first[k] for k in layout.keys], keep=True)
+    assert gather.copy(dst, [first[k] for k in layout.keys], keep=True)
+    early = gather.start(dst, "other")
+    assert early is not None
+    early.job.abandon()
+    gather.clear()
+    assert gather.start(dst, "weights") is None
+
+
+def test_a_plane_guesses_by_hint_between_buffers_and_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiowsync import _planes
+    from aiowsync._planes import SharedMemSenderPlane, Source
+
+    weights = _mixed_weights(6, count=40)
+    layout = Layout.from_weights(weights)
+    homed = layout.allocate()
+    views = layout.views(homed)
+    plane = SharedMemSenderPlane()
+    plane.setup(layout)
+    started: list[str] = []
+    real_start = plane._gather.start
+
+    def spy(dst: list[torch.Tensor], hint: object = None) -> object:
+        early = real_start(dst, hint)
+        if early is not None:
+            started.append(str(hint))
+        return early
+
+    plane._gather.start = spy  # type: ignore[method-assign]
+    real_start_copy = _planes.start_copy
+
+    def spy_flat(dst: list[torch.Tensor], src: list[torch.Tensor]) -> object:
+        job = real_start_copy(dst, src)
+        if job is not None:
+            started.append("homed")
+        return job
+
+    monkeypatch.setattr(_planes, "start_copy", spy_flat)
+    try:
+        for turn in range(6):
+            hint = "homed" if turn % 2 == 0 else "weights"
+            for t in [*homed, *weights.values()]:
+                t.bitwise_not_() if t.dtype in (torch.bool, torch.uint8) else t.add_(1)
+            if hint == "homed":
+                source = Source(buffers=tuple(homed))
+                expected = homed
+            else:
+                source = Source(tensors=weights)
+                expected = [torch.zeros_like(b) for b in homed]
+                layout.pack(weights, layout.views(expected))
+            slot = turn % 2
+            plane.write_checked(slot, lambda source=source: source, hint)
+            got = plane._slots[slot].parts
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), turn
+        # Each kind was copied early once seen (the tensors once their plan was kept), though
+        # every write before it had copied the other kind.
+        assert started == ["homed", "homed", "weights"]
+        assert plane._hinted["homed"] is not None and plane._hinted["weights"] is None
+        assert views  # the homed views stay valid
+    finally:
+        plane.close()
+
+
+def test_helpers_are_woken_away_from_the_callers_cpu_and_take_its_cpus_back() -> None:
+    import os
+    import threading
+
+    from aiowsync import _layout
+
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux and two CPUs")
+    cpus = os.sched_getaffinity(0)
+    src = torch.randn(3 << 20)  # 12 MiB: copied by this thread and a helper
+    dst = torch.zeros_like(src)
+    _layout.fused_copy([dst], [src])
+    assert torch.equal(dst, src)
+    helpers = [t for t in threading.enumerate() if t.name.startswith("aiowsync-copy")]
+    assert helpers
+    assert _layout._steer_helpers() == cpus
+    for t in helpers:
+        assert t.native_id is not None
+        mask = os.sched_getaffinity(t.native_id)
+        assert mask < cpus and len(mask) == len(cpus) - 1  # all but the caller's CPU
+    src.add_(1)
+    _layout.fused_copy([dst], [src])  # a helper takes its share, and its CPUs back
+    assert torch.equal(dst, src)
+    ran = [t for t in helpers if t.native_id and os.sched_getaffinity(t.native_id) == cpus]
+    assert ran
+
+
 def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers() -> None:
     from aiowsync._planes import SharedMemSenderPlane, Source
 

@@ -859,10 +859,10 @@ def slow_writes(sender: aiowsync.SharedMemWeightSyncScheme, seconds: float) -> l
     original = plane.write_checked  # what a copy off the event loop calls
     events: list[str] = []
 
-    def write_checked(slot: int, make: Any) -> None:
+    def write_checked(slot: int, make: Any, hint: Any = None) -> None:
         events.append("start")
         time.sleep(seconds)
-        original(slot, make)
+        original(slot, make, hint)
         events.append("end")
 
     plane.write_checked = write_checked  # type: ignore[method-assign]

@@ -16,10 +16,10 @@ import json
 import operator
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Generic, TypeVar
 
 import torch
@@ -417,17 +417,22 @@ class CopyJob(Generic[W]):
         self._stopped = False
         self._futures: list[Future[None]] = []
         self._begun = threading.Event()
+        self._cpus: set[int] | None = None
 
     def start(self, executor: ThreadPoolExecutor, *, settle: float = 0.0) -> None:
         """Set the helpers going (one per tail). ``settle``: wait up to that many seconds for
         the first helper to begin its tail. A caller about to run Python holds the
         interpreter lock, which a helper needs to begin at all: without the wait, the helper
         would start only once the caller's own copy lets the lock go."""
+        if self._tails:
+            self._cpus = _steer_helpers()
         self._futures = [executor.submit(self._help, tail) for tail in self._tails]
         if settle > 0 and self._futures:
             self._begun.wait(settle)
 
     def _help(self, tail: W) -> None:
+        if self._cpus is not None:
+            _unsteer(self._cpus)
         self._begun.set()
         if not self._stopped:
             self._run(tail)
@@ -489,8 +494,65 @@ def _copy_pool_executor() -> ThreadPoolExecutor:
     global _copy_pool
     with _copy_pool_lock:
         if _copy_pool is None:
-            _copy_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="aiowsync-copy")
+            _copy_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix=_COPY_THREADS)
         return _copy_pool
+
+
+# -- where helper threads run -------------------------------------------------------------------
+#
+# A helper woken by a thread that goes on running (the caller copies its own share, or checks
+# the weights) is placed by Linux on its last CPU, or the waker's, when those look best, even
+# busy, and waits there for the scheduler's next balancing tick while another CPU idles: on
+# the 2-CPU machine of docs/benchmarks.md, helpers began 1-4 ms late and the copies of a
+# 1000-tensor model took 7-9 ms instead of 5-6 (docs/decisions.md, 44). So, just before
+# waking helpers, the caller takes its own CPU out of their affinity, and each helper puts
+# the caller's full set back as soon as it runs. Only our own helper threads are touched,
+# only within the caller's CPU set, and only where Linux offers the calls.
+
+_COPY_THREADS = "aiowsync-copy"
+_GATHER_THREADS = "aiowsync-gather"
+_steering = hasattr(os, "sched_setaffinity")
+
+
+@cache
+def _sched_getcpu() -> Callable[[], int] | None:
+    try:
+        return ctypes.CDLL(None).sched_getcpu
+    except (AttributeError, OSError):
+        return None
+
+
+def _steer_helpers() -> set[int] | None:
+    """Keep the helpers off this thread's CPU until they run; the CPU set they are to get back
+    (None: nothing was changed)."""
+    global _steering
+    if not _steering:
+        return None
+    getcpu = _sched_getcpu()
+    try:
+        cpus = os.sched_getaffinity(0)
+        here = getcpu() if getcpu is not None else -1
+        if here not in cpus:
+            _steering = False  # no telling where this thread runs
+            return None
+        others = cpus - {here}
+        if not others:
+            return None  # one CPU: nowhere else to go
+        for thread in threading.enumerate():
+            tid = thread.native_id
+            if tid is not None and thread.name.startswith((_COPY_THREADS, _GATHER_THREADS)):
+                with contextlib.suppress(ProcessLookupError):  # it just ended
+                    os.sched_setaffinity(tid, others)
+    except OSError:
+        _steering = False  # not allowed here (a sandbox): leave placement to the kernel
+        return None
+    return cpus
+
+
+def _unsteer(cpus: set[int]) -> None:
+    """In a helper: take back the caller's CPU set."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, cpus)
 
 
 def _parallel_copy(moves: list[tuple[int, int, int]], total: int) -> None:
@@ -558,6 +620,8 @@ _KEPT_SOURCES = 2
 """Source sets whose copy plans a :class:`GatherCopy` keeps."""
 _KEPT_DESTINATIONS = 8
 """Destinations whose output ranges a plan keeps (a sender's slots; more are rare)."""
+_KEPT_HINTS = 4
+"""Hints whose last source set a :class:`GatherCopy` remembers (pointers only)."""
 
 
 class GatherCopy:
@@ -580,6 +644,11 @@ class GatherCopy:
     Plans are kept only for source sets seen before among the last few calls, so weights
     passed once are not kept alive by a plan, and for at most :data:`_KEPT_SOURCES` source
     sets (a sender that alternates its model and one copy of its weights keeps both).
+
+    A caller may name where its sources come from with a *hint* (any hashable: the sender
+    passes one for its own model and one per weights object it is given). :meth:`start` then
+    guesses the source set that the last call with the same hint copied, so a sender that
+    alternates two sources still gets its copy started early.
     """
 
     def __init__(self, layout: Layout) -> None:
@@ -593,22 +662,27 @@ class GatherCopy:
         self._last: tuple[int, ...] | None = None
         """Source pointers of the last call that copied (what :meth:`start` copies again)."""
         self._repeated = False
-        """The last call copied the same sources as the one before: :meth:`start` guesses
-        that the next one will too (a sender alternating two source sets would otherwise
-        start, and throw away, a copy of the wrong one at every call)."""
+        """The last call copied the same sources as the one before: without a hint,
+        :meth:`start` guesses that the next one will too (a sender alternating two source
+        sets would otherwise start, and throw away, a copy of the wrong one at every call)."""
+        self._hinted: collections.OrderedDict[Hashable, tuple[int, ...]] = collections.OrderedDict()
+        """Source pointers of the last call with each hint (the last few hints)."""
         self._zeros = torch.zeros(layout.alignment, dtype=torch.uint8)
         # Lazy conjugate and negative views exist only for complex tensors (sources match the
         # layout's dtypes), so only complex layouts pay for that check on every call.
         self._lazy_views = any(spec.dtype.is_complex for spec in layout.specs)
 
-    def start(self, dst: Sequence[torch.Tensor]) -> EarlyCopy | None:
-        """Start copying the sources of the last call into ``dst`` again, in helper threads,
-        before the caller has checked that the next sources are the same tensors; None when
-        there is nothing to start (no plan kept for the last call's sources, or the last
-        two calls copied different sources). The result must be passed to :meth:`copy`
-        (which finishes or abandons it) or abandoned."""
-        key = self._last
-        plan = self._plans.get(key) if key is not None and self._repeated else None
+    def start(self, dst: Sequence[torch.Tensor], hint: Hashable = None) -> EarlyCopy | None:
+        """Start copying a source set seen before into ``dst``, in helper threads, before the
+        caller has checked that the next sources are those tensors: the set last copied with
+        ``hint`` or, for a hint not seen lately, the last call's set if the two calls before
+        copied the same one. None when there is nothing to start (no such set, or no plan
+        kept for it). The result must be passed to :meth:`copy` (which finishes or abandons
+        it) or abandoned."""
+        key = self._hinted.get(hint) if hint is not None else None
+        if key is None and self._repeated:
+            key = self._last
+        plan = self._plans.get(key) if key is not None else None
         pool = _gather_pool()
         if plan is None or key is None or pool is None:
             return None
@@ -625,6 +699,7 @@ class GatherCopy:
         *,
         keep: bool = False,
         early: EarlyCopy | None = None,
+        hint: Hashable = None,
     ) -> bool:
         """Copy ``src`` (one tensor per layout key, in layout order, already checked against
         the layout) into the byte buffers ``dst``. Returns False, having copied nothing, when
@@ -634,9 +709,10 @@ class GatherCopy:
         ``keep`` says the sources will come back (a model's own tensors): their plan is kept
         from this first call on. ``early``, from :meth:`start` with the same ``dst``, is
         finished when ``src`` are the tensors it copies, else abandoned (and ``src`` copied
-        as usual); either way, no helper thread writes into ``dst`` once this returns."""
+        as usual); either way, no helper thread writes into ``dst`` once this returns.
+        ``hint``: where ``src`` comes from (see :meth:`start`)."""
         try:
-            return self._copy(dst, src, keep, early)
+            return self._copy(dst, src, keep, early, hint)
         except BaseException:
             if early is not None:
                 early.job.abandon()
@@ -648,6 +724,7 @@ class GatherCopy:
         src: Sequence[torch.Tensor],
         keep: bool,
         early: EarlyCopy | None,
+        hint: Hashable,
     ) -> bool:
         pool = _gather_pool()
         if (
@@ -682,6 +759,12 @@ class GatherCopy:
         if not self._recent or self._recent[-1] != key:
             self._recent.append(key)
         self._repeated, self._last = key == self._last, key
+        if hint is not None:
+            hinted = self._hinted
+            hinted[hint] = key
+            hinted.move_to_end(hint)
+            if len(hinted) > _KEPT_HINTS:
+                hinted.popitem(last=False)
         with _serial_torch(pool):
             job.finish()
         return True
@@ -698,6 +781,7 @@ class GatherCopy:
         self._plans.clear()
         self._kept.clear()
         self._recent.clear()
+        self._hinted.clear()
         self._last, self._repeated = None, False
 
     def _plan(self, src: Sequence[torch.Tensor], threads: int) -> _Plan:
@@ -853,7 +937,7 @@ def _gather_pool() -> _GatherPool | None:
                 # The calling thread copies one share itself.
                 executor = ThreadPoolExecutor(
                     max_workers=max(1, count - 1),
-                    thread_name_prefix="aiowsync-gather",
+                    thread_name_prefix=_GATHER_THREADS,
                     initializer=_serial_torch_thread,
                     initargs=(omp[0],),
                 )

@@ -14,17 +14,18 @@ A receiver plane turns those parameters into typed views of the staged version.
 from __future__ import annotations
 
 import abc
+import collections
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
-from ._layout import EarlyCopy, GatherCopy, Layout, fused_copy, start_copy
+from ._layout import _KEPT_HINTS, EarlyCopy, GatherCopy, Layout, fused_copy, start_copy
 from ._protocol import ParamValue
 from ._shm_slots import SlotFile, check_slot_path, remove_stale_slots
 from ._shm_window import SlotWindow, windows_supported
@@ -88,10 +89,13 @@ class SenderPlane(abc.ABC):
     @abc.abstractmethod
     def write(self, slot: int, source: Source) -> None: ...
 
-    def write_checked(self, slot: int, make: Callable[[], Source]) -> None:
+    def write_checked(self, slot: int, make: Callable[[], Source], hint: Hashable = None) -> None:
         """``write(slot, make())``, where ``make`` checks the weights (blocking, so from a
-        thread). A plane may start copying what its last write copied while ``make`` runs,
-        and keep that copy when the source is the same."""
+        thread). A plane may start copying what an earlier write copied while ``make`` runs,
+        and keep that copy when the source is the same. ``hint`` names where the weights come
+        from (the sender's own model, or one weights object): the plane guesses the source
+        the last write with the same hint copied."""
+        del hint
         self.write(slot, make())
 
     @abc.abstractmethod
@@ -207,6 +211,11 @@ class SharedMemSenderPlane(SenderPlane):
         """The buffers the last write copied, when it copied whole buffers."""
         self._last_tensors = False
         """The last write copied tensors through ``_gather``."""
+        self._hinted: collections.OrderedDict[Hashable, tuple[torch.Tensor, ...] | None] = (
+            collections.OrderedDict()
+        )
+        """By hint (the last few), what the last write with it copied: whole buffers, or
+        None for tensors through ``_gather``."""
         remove_stale_slots()
         try:
             for _ in range(self.num_slots):
@@ -246,25 +255,34 @@ class SharedMemSenderPlane(SenderPlane):
 
     def write(self, slot: int, source: Source) -> None:
         self._slots[slot].file.back()
-        self._write(slot, source, None)
+        self._write(slot, source, None, None)
 
-    def write_checked(self, slot: int, make: Callable[[], Source]) -> None:
+    def write_checked(self, slot: int, make: Callable[[], Source], hint: Hashable = None) -> None:
         # A model's tensors (or its re-homed buffers) come back on every send, and checking a
         # thousand of them costs about a millisecond of cold Python: their copy starts first,
         # in helper threads, and is kept if make() returns the same tensors.
         s = self._slots[slot]
         s.file.back()
-        last = self._last_buffers
+        if hint is None:
+            last, tensors = self._last_buffers, self._last_tensors
+        elif hint in self._hinted:
+            last = self._hinted[hint]
+            tensors = last is None
+        else:
+            # Weights not seen lately: at most the gather copy's own guess (the last call's
+            # tensors, if they came twice in a row).
+            last, tensors = None, self._last_tensors
         flat = start_copy(s.parts, last) if last is not None else None
-        gather = self._gather.start(s.parts) if last is None and self._last_tensors else None
+        gather = self._gather.start(s.parts, hint) if last is None and tensors else None
         try:
             source = make()
             if flat is not None:
                 if source.buffers is not None and _same(source.buffers, last):
                     flat.finish()
+                    self._wrote(source.buffers, hint)
                     return
                 flat.abandon()
-            self._write(slot, source, gather)
+            self._write(slot, source, gather, hint)
         except BaseException:
             if flat is not None:
                 flat.abandon()
@@ -272,23 +290,24 @@ class SharedMemSenderPlane(SenderPlane):
                 gather.job.abandon()
             raise
 
-    def _write(self, slot: int, source: Source, early: EarlyCopy | None) -> None:
+    def _write(self, slot: int, source: Source, early: EarlyCopy | None, hint: Hashable) -> None:
         """Copy ``source`` into ``slot``; ``early`` (of the gather copy) is finished or
         abandoned."""
         s = self._slots[slot]
         self._last_buffers, self._last_tensors = None, False
+        self._hinted.pop(hint, None)
         if source.buffers is not None:
             if early is not None:
                 early.job.abandon()
             # Whole buffers: fused_copy shares them among a few threads, in moves of at most
             # 64 MiB (see _MAX_MOVE in _layout).
             fused_copy(s.parts, list(source.buffers))
-            self._last_buffers = source.buffers
+            self._wrote(source.buffers, hint)
         elif source.tensors is not None:
             keys, tensors = self.layout.keys, source.tensors
             src = [tensors[k] for k in keys]
-            if self._gather.copy(s.parts, src, keep=source.model, early=early):
-                self._last_tensors = True
+            if self._gather.copy(s.parts, src, keep=source.model, early=early, hint=hint):
+                self._wrote(None, hint)
             else:
                 fused_copy([s.views[k] for k in keys], src)
         else:
@@ -315,10 +334,21 @@ class SharedMemSenderPlane(SenderPlane):
                 return {"slot": index, "path": s.file.path, "nbytes": s.file.nbytes}
         raise KeyError(f"version {version} is in no slot")
 
+    def _wrote(self, buffers: tuple[torch.Tensor, ...] | None, hint: Hashable) -> None:
+        """Remember what a write copied: whole ``buffers``, or (None) tensors through
+        ``_gather``."""
+        self._last_buffers, self._last_tensors = buffers, buffers is None
+        if hint is not None:
+            self._hinted[hint] = buffers
+            self._hinted.move_to_end(hint)
+            if len(self._hinted) > _KEPT_HINTS:
+                self._hinted.popitem(last=False)
+
     def close(self) -> None:
         self._closed = True
         if hasattr(self, "_gather"):
             self._gather.clear()
+            self._hinted.clear()
         for s in self._slots:
             s.file.unlink()
 

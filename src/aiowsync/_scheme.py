@@ -31,6 +31,9 @@ __all__ = ["WeightSyncScheme"]
 
 log = logging.getLogger("aiowsync")
 
+_OWN_WEIGHTS = "the sender's own model or weights"
+"""The staging hint of ``send()`` without weights (see ``SenderPlane.write_checked``)."""
+
 _Role = Literal["sender", "receiver"]
 
 
@@ -576,7 +579,15 @@ class WeightSyncScheme(abc.ABC):
         if sender is None or self._tg is None:
             raise RuntimeError("send() needs an initialised sender inside `async with scheme`")
         targets = self._targets_of(worker_ids)
-        return await sender.send(lambda: self._snapshot_source(weights), targets, timeout)  # type: ignore[arg-type]
+        # Where the weights come from: the plane starts copying what the last send from the
+        # same place copied while it checks these (a trainer sends the same tensors again).
+        hint = _OWN_WEIGHTS if weights is None else id(weights)
+        return await sender.send(
+            lambda: self._snapshot_source(weights),  # type: ignore[arg-type]
+            targets,
+            timeout,
+            hint,
+        )
 
     def _targets_of(self, worker_ids: int | Sequence[int] | None) -> list[int]:
         if worker_ids is None:

@@ -13,7 +13,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -608,8 +608,14 @@ class SenderCore:
         return pinned
 
     async def send(
-        self, source: Callable[[], Source], targets: list[int], timeout: float | None
+        self,
+        source: Callable[[], Source],
+        targets: list[int],
+        timeout: float | None,
+        hint: Hashable = None,
     ) -> SendResult:
+        """Stage ``source()`` as the next version and deliver it to ``targets``. ``hint``
+        names where the weights come from (see :meth:`SenderPlane.write_checked`)."""
         started = time.perf_counter()
         self.check_targets(targets)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -624,7 +630,7 @@ class SenderCore:
                 try:
                     self.check_targets(targets)
                     version, pending, stage_s, route = await self._stage_and_announce(
-                        source, targets, move_by
+                        source, targets, move_by, hint
                     )
                 except BaseException:
                     self._send_lock.release()
@@ -673,7 +679,7 @@ class SenderCore:
         )
 
     async def _stage_and_announce(
-        self, source: Callable[[], Source], targets: list[int], move_by: float
+        self, source: Callable[[], Source], targets: list[int], move_by: float, hint: Hashable
     ) -> tuple[int, _Pending, float, Any]:
         slot = self._plane.reserve(self._pinned_versions())
         t0 = time.perf_counter()
@@ -682,7 +688,7 @@ class SenderCore:
                 # ``source()`` checks the weights against the layout before any byte is written.
                 self._plane.write(slot, source())
             else:
-                await self._stage_off_loop(slot, source)
+                await self._stage_off_loop(slot, source, hint)
                 if time.monotonic() >= move_by:
                     # The copy cannot be interrupted, so its deadline is checked here: a version
                     # staged too late is never announced.
@@ -735,7 +741,9 @@ class SenderCore:
             raise
         return version, pending, stage_s, route
 
-    async def _stage_off_loop(self, slot: int, source: Callable[[], Source]) -> None:
+    async def _stage_off_loop(
+        self, slot: int, source: Callable[[], Source], hint: Hashable = None
+    ) -> None:
         """Check ``source`` and copy it into ``slot`` in this sender's staging thread.
 
         The slot goes back only once its copy has ended, however the send is cancelled: a copy
@@ -746,9 +754,9 @@ class SenderCore:
 
         def stage() -> None:
             # ``source()`` checks the weights against the layout; the plane may start copying
-            # the previous send's tensors meanwhile, and keeps that copy only if they are the
+            # an earlier send's tensors meanwhile, and keeps that copy only if they are the
             # same tensors (see SenderPlane.write_checked).
-            self._plane.write_checked(slot, source)
+            self._plane.write_checked(slot, source, hint)
 
         await to_the_end(asyncio.get_running_loop().run_in_executor(self._stager, stage))
 
