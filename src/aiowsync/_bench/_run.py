@@ -112,6 +112,19 @@ def available_bytes() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+async def settle_memory(step: float = 0.25, most: float = 10.0, slack: int = 64 * MIB) -> None:
+    """Wait (``most`` seconds at most) until the memory available stops growing: processes
+    that just ended are still handing theirs back."""
+    last = available_bytes()
+    deadline = time.monotonic() + most
+    while time.monotonic() < deadline:
+        await asyncio.sleep(step)
+        now = available_bytes()
+        if now - last < slack:
+            return
+        last = now
+
+
 class Progress:
     """Lines on stderr: every phase change, and the running samples at most every few seconds."""
 
@@ -227,9 +240,20 @@ async def _cell(
         paired = nbytes <= settings.pair_up_to
         if isinstance(limit, RawGloo):
             per_batch = 1 + samples * (2 if paired else 1)  # the warm-up, then every sample
-            await limit.open(rounds=per_batch * max(1, len(batches)) + settings.gap_sends)
+            rounds = per_batch * max(1, len(batches)) + 1 + settings.gap_sends
+            await limit.open(rounds=rounds)
         for floor in floors:
             await floor.open()
+        # Gaps and mixed reads first, before any TorchRL tree of the cell: closing a tree hands
+        # gigabytes back at once, and every process of the machine then stalls for tens of ms
+        # (30 ms during the first 1 GiB gap phase after the trees closed, 6 ms later on).
+        for c in (*ours, limit):
+            await c.sample()  # first-send costs (pages, connections) are no gap
+        await settle_memory()  # the previous cell's trees may still be handing memory back
+        for c in (*ours, limit):
+            progress.say(f"{label}: {c.name}: loop gaps, then readers during sends")
+            await c.measure_gap(settings.gap_sends, settings.idle_s)
+            await c.measure_tear(settings.tear_sends, settings.tear_max_s)
         for batch in batches or [[]]:
             theirs += await _batch(
                 batch,
@@ -243,12 +267,6 @@ async def _cell(
                 label,
                 paired=paired,
             )
-        # Processes of closed TorchRL trees may still be handing their memory back.
-        await asyncio.sleep(1.0 if batches else 0.0)
-        for c in (*ours, limit):
-            progress.say(f"{label}: {c.name}: loop gaps, then readers during sends")
-            await c.measure_gap(settings.gap_sends, settings.idle_s)
-            await c.measure_tear(settings.tear_sends, settings.tear_max_s)
         await session.verify()
     finally:
         try:
