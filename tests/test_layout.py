@@ -522,7 +522,7 @@ def test_gather_copy_fills_every_tensor_and_reuses_its_plan(bucket_bytes: int | 
     other = [torch.zeros(n, dtype=torch.uint8) for n in layout.buffer_sizes]
     assert gather.copy(other, moved) and gather.copy(dst, moved)
     assert gather._plans[tuple(t.data_ptr() for t in moved)] is plan
-    assert len(plan.destinations) == 2
+    assert len(plan._destinations) == 2
     for buffers in (other, dst):
         views = layout.views(buffers)
         assert all(torch.equal(views[k], weights[k]) for k in layout.keys)
@@ -559,16 +559,19 @@ def test_gather_copy_declines_what_it_cannot_copy_as_bytes() -> None:
     assert all(torch.equal(b, torch.zeros_like(b)) for b in dst)
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 @pytest.mark.parametrize("total", [4 << 20, (64 << 20) + 70, 1 << 30])
 def test_a_parallel_copy_is_cut_into_pieces_that_cover_every_byte_once(
-    threads: int, total: int
+    threads: int, total: int, early: bool
 ) -> None:
-    from aiowsync._layout import _MAX_MOVE, _cut_moves, _split_sizes
+    from aiowsync._layout import _EARLY_TAILS, _MAX_MOVE, _cut_moves, _split_sizes
 
-    heads, tails = _split_sizes(total, threads)
+    heads, tails = _split_sizes(total, threads, early)
     assert sum(heads) + sum(tails) == total
     assert len(tails) in (0, threads - 1) and all(n > 0 for n in heads + tails)
+    if early and tails:  # started before a check: the helpers' tails take most of it
+        assert sum(tails) == pytest.approx(_EARLY_TAILS * total, rel=1e-3)
     # Moves laid end to end (sources far from destinations), cut into those groups.
     sizes = [total // 3, 5, total - total // 3 - 5]
     moves, at = [], 0
