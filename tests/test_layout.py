@@ -837,6 +837,31 @@ def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers() -> None:
         plane.close()
 
 
+def test_flattening_a_tensordict_walks_its_entries_and_falls_back_for_other_kinds() -> None:
+    from tensordict import LazyStackedTensorDict
+
+    from aiowsync._weights import _walk_plain
+
+    inner = TensorDict({"w": torch.randn(3, 2), "deep": {"b": torch.arange(4)}}, [])
+    td = TensorDict({"a": inner, "s": torch.tensor(1.5), "p": nn.Parameter(torch.ones(2))}, [])
+    walked: dict[str, torch.Tensor] = {}
+    assert _walk_plain(td, "", walked)
+    assert list(walked) == ["a.w", "a.deep.b", "s", "p"]
+    flat = flatten_weights(td)
+    assert list(flat) == list(walked)
+    assert all(flat[k].data_ptr() == walked[k].data_ptr() for k in flat)
+    assert not flat["p"].requires_grad  # detached as before
+    # A lazy stack inside: not walked here, flattened through to_dict() as before.
+    stack = LazyStackedTensorDict.lazy_stack(
+        [TensorDict({"x": torch.zeros(2)}, []), TensorDict({"x": torch.ones(2)}, [])]
+    )
+    td["stack"] = stack
+    assert not _walk_plain(td, "", {})
+    flat = flatten_weights(td)
+    assert list(flat) == ["a.w", "a.deep.b", "s", "p", "stack.x"]
+    assert torch.equal(flat["stack.x"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+
+
 def test_flattening_a_tensordict_names_nested_leaves_and_refuses_non_tensors() -> None:
     grad = torch.ones(3, requires_grad=True)
     td = TensorDict({"a": {"b": torch.zeros(2), "c": {"d": grad}}, "e": torch.ones(1)}, [])

@@ -34,11 +34,16 @@ def _flatten(weights: WeightsLike) -> dict[str, torch.Tensor]:
         flat.update(weights.named_buffers())
         return flat
     if type(weights) is TensorDict:
-        # A plain TensorDict: its nested-dict form is about 3x quicker to walk than
-        # ``items(include_nested=True)``, and its keys need no checking (TensorDict keys are
-        # strings), so the walk does nothing per leaf but name it; the leaves are checked in
-        # one pass after (1000 leaves: 0.6 ms in all, against 1.2 ms).
+        # A plain TensorDict of tensors and plain TensorDicts: its own key-to-value dicts are
+        # walked directly (1000 leaves, caches cold: 0.28 ms against 0.89 ms through
+        # ``to_dict``). That attribute is tensordict's, not public: anything else found there
+        # (another kind of TensorDict, non-tensor data), or no such attribute, takes the
+        # nested-dict form, about 3x quicker to walk than ``items(include_nested=True)``.
+        # TensorDict keys are strings, so the walk does nothing per leaf but name it.
         out: dict[str, Any] = {}
+        if _walk_plain(weights, "", out):
+            return out
+        out.clear()
         _flatten_plain(weights.to_dict(), "", out)
         if not all(map(_is_tensor, out.values())):
             name, bad = next((k, v) for k, v in out.items() if not _is_tensor(v))
@@ -60,6 +65,23 @@ def _flatten(weights: WeightsLike) -> dict[str, torch.Tensor]:
         "weights must be an nn.Module, a TensorDictBase or a state_dict mapping of str to "
         f"tensors, got {type(weights).__name__}"
     )
+
+
+def _walk_plain(td: TensorDict, prefix: str, out: dict[str, Any]) -> bool:
+    """Name every leaf of ``td`` into ``out``; False, part done, if ``td`` holds anything but
+    tensors and plain TensorDicts, or keeps its entries otherwise than tensordict 0.14-0.15."""
+    entries = getattr(td, "_tensordict", None)
+    if type(entries) is not dict:
+        return False
+    for key, value in entries.items():
+        if isinstance(value, torch.Tensor):
+            out[prefix + key] = value
+        elif type(value) is TensorDict:
+            if not _walk_plain(value, prefix + key + ".", out):
+                return False
+        else:
+            return False
+    return True
 
 
 def _flatten_plain(m: dict[str, Any], prefix: str, out: dict[str, Any]) -> None:
