@@ -636,7 +636,17 @@ _KEPT_DESTINATIONS = 8
 """Destinations whose output ranges a plan keeps, per kind of copy (a sender's slots; more are
 rare)."""
 _KEPT_HINTS = 4
-"""Hints whose last source set a :class:`GatherCopy` remembers (pointers only)."""
+"""Hints whose last source set a :class:`GatherCopy` (or a plane) remembers."""
+
+V = TypeVar("V")
+
+
+def remember_hint(table: collections.OrderedDict[Hashable, V], hint: Hashable, value: V) -> None:
+    """``table[hint] = value``, keeping only the :data:`_KEPT_HINTS` hints set last."""
+    table[hint] = value
+    table.move_to_end(hint)
+    if len(table) > _KEPT_HINTS:
+        table.popitem(last=False)
 
 
 class GatherCopy:
@@ -775,11 +785,7 @@ class GatherCopy:
             self._recent.append(key)
         self._repeated, self._last = key == self._last, key
         if hint is not None:
-            hinted = self._hinted
-            hinted[hint] = key
-            hinted.move_to_end(hint)
-            if len(hinted) > _KEPT_HINTS:
-                hinted.popitem(last=False)
+            remember_hint(self._hinted, hint, key)
         with _serial_torch(pool):
             job.finish()
         return True

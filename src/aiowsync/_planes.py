@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
-from ._layout import _KEPT_HINTS, EarlyCopy, GatherCopy, Layout, fused_copy, start_copy
+from ._layout import EarlyCopy, GatherCopy, Layout, fused_copy, remember_hint, start_copy
 from ._protocol import ParamValue
 from ._shm_slots import SlotFile, check_slot_path, remove_stale_slots
 from ._shm_window import SlotWindow, windows_supported
@@ -339,10 +339,7 @@ class SharedMemSenderPlane(SenderPlane):
         ``_gather``."""
         self._last_buffers, self._last_tensors = buffers, buffers is None
         if hint is not None:
-            self._hinted[hint] = buffers
-            self._hinted.move_to_end(hint)
-            if len(self._hinted) > _KEPT_HINTS:
-                self._hinted.popitem(last=False)
+            remember_hint(self._hinted, hint, buffers)
 
     def close(self) -> None:
         self._closed = True
