@@ -12,9 +12,10 @@ the new version and acknowledged it). Contenders, measured in the same run:
 * ``send() re-homed``: a second session with ``init_on_sender(..., rehome=True)``: the model's
   tensors are views of one flat buffer, so a snapshot is one memcpy per flat buffer;
 * ``raw copy``: ``dst.copy_(src)`` of one flat uint8 tensor of exactly the model's payload
-  bytes, on the loop thread. Sends and raw copies alternate (send, raw, send, raw, the pair order
-  and the variant order rotating each round), so drift of the shared machine hits both alike;
-  each send is compared with the raw copies of its own session.
+  bytes, on the loop thread. Sends and raw copies strictly alternate (send, raw, send, raw, the
+  variant order rotating each round), so drift of the shared machine hits both alike and every
+  send finds the caches as the raw copy before it left them; each send is compared with the raw
+  copies of its own session.
 
 Models: ``1MiB``, ``64MiB``, ``256MiB``, ``1GiB`` (four float32 matrices of 1/2, 1/4, 1/8, 1/8
 of the size) and ``1000t-64MiB`` (1000 tensors of varied sizes, a tenth of them int64 buffers,
@@ -407,10 +408,11 @@ async def measure(
         gc.collect()
         if floor is not None and r % 2 == 0:
             samples[FLOOR].append(await floor.timed() * 1e3)
+        # Strict alternation, send then raw copy, the variants rotating: every variant follows
+        # a raw copy and precedes one, and none ever directly follows a send of its own.
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
-            pair = (name, RAW) if r % 2 == 0 else (RAW, name)
-            for item in pair:
+            for item in (name, RAW):
                 if item == RAW:
                     t0 = clock()
                     model.raw_copy()
@@ -423,11 +425,13 @@ async def measure(
         if floor is not None and r % 2 == 1:
             samples[FLOOR].append(await floor.timed() * 1e3)
     raw = summarize(samples[RAW])
+    raw["samples_ms"] = samples[RAW]
     results: dict[str, Any] = {RAW: raw}
     if samples[FLOOR]:
         results[FLOOR] = summarize(samples[FLOOR])
     for name in names:
         s = summarize(samples[name])
+        s["samples_ms"], s["stage_samples_ms"] = samples[name], stage[name]
         s["stage_median_ms"] = statistics.median(stage[name])
         s["stage_ratio_vs_raw"] = s["stage_median_ms"] / raw["median_ms"]
         # everything but the copy: Python on both sides, thread hops, control messages, acks

@@ -559,19 +559,23 @@ def test_gather_copy_declines_what_it_cannot_copy_as_bytes() -> None:
     assert all(torch.equal(b, torch.zeros_like(b)) for b in dst)
 
 
-@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("early", [0.0, 0.01, 0.5, 2.0])
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 @pytest.mark.parametrize("total", [4 << 20, (64 << 20) + 70, 1 << 30])
 def test_a_parallel_copy_is_cut_into_pieces_that_cover_every_byte_once(
-    threads: int, total: int, early: bool
+    threads: int, total: int, early: float
 ) -> None:
-    from aiowsync._layout import _EARLY_TAILS, _MAX_MOVE, _cut_moves, _split_sizes
+    from aiowsync._layout import _EARLY_TAILS, _MAX_MOVE, _TAIL, _cut_moves, _split_sizes
 
     heads, tails = _split_sizes(total, threads, early)
     assert sum(heads) + sum(tails) == total
     assert len(tails) in (0, threads - 1) and all(n > 0 for n in heads + tails)
-    if early and tails:  # started before a check: the helpers' tails take most of it
-        assert sum(tails) == pytest.approx(_EARLY_TAILS * total, rel=1e-3)
+    usual = _TAIL * (threads - 1) / threads
+    if tails:
+        # Started before a check: the tails take the check's expected share of the copy, up
+        # to _EARLY_TAILS, and never less than usual.
+        want = max(usual, min(early, _EARLY_TAILS))
+        assert sum(tails) == pytest.approx(want * total, rel=1e-3)
     # Moves laid end to end (sources far from destinations), cut into those groups.
     sizes = [total // 3, 5, total - total // 3 - 5]
     moves, at = [], 0
@@ -742,8 +746,8 @@ def test_a_plane_guesses_by_hint_between_buffers_and_tensors(
     plane._gather.start = spy  # type: ignore[method-assign]
     real_start_copy = _planes.start_copy
 
-    def spy_flat(dst: list[torch.Tensor], src: list[torch.Tensor]) -> object:
-        job = real_start_copy(dst, src)
+    def spy_flat(dst: list[torch.Tensor], src: list[torch.Tensor], early: float = 0.0) -> object:
+        job = real_start_copy(dst, src, early)
         if job is not None:
             started.append("homed")
         return job
@@ -872,3 +876,45 @@ def test_flattening_a_tensordict_names_nested_leaves_and_refuses_non_tensors() -
     td["a", "note"] = "not weights"
     with pytest.raises(TypeError, match=r"'a\.note' is a .*, not a tensor"):
         flatten_weights(td)
+
+
+def test_the_early_share_follows_what_the_check_is_expected_to_cost() -> None:
+    from aiowsync._layout import _EARLY_TAILS, _TAIL, _split_sizes, early_share
+
+    mib = 1 << 20
+    # A thousand tensors in 64 MiB: the check may outlast half the copy, the tails take the most.
+    many = early_share(1000, 64 * mib)
+    assert many > _EARLY_TAILS
+    heads, tails = _split_sizes(64 * mib, 2, many)
+    assert sum(tails) == pytest.approx(_EARLY_TAILS * 64 * mib, rel=1e-3)
+    # Four tensors in 256 MiB check in microseconds: cut as a copy started after the check.
+    few = early_share(4, 256 * mib)
+    assert few < 0.01
+    assert _split_sizes(256 * mib, 2, few) == _split_sizes(256 * mib, 2)
+    assert sum(_split_sizes(256 * mib, 2, few)[1]) == pytest.approx(_TAIL / 2 * 256 * mib, 1e-3)
+    assert early_share(10, 0) == 0.0
+
+
+def test_a_gather_copy_started_early_cuts_by_its_layout() -> None:
+    from aiowsync._layout import _EARLY_TAILS, GatherCopy, _split_sizes
+
+    few = {f"w{i}": torch.randn(1 << 20) for i in range(4)}  # 16 MiB in 4 tensors
+    lay = Layout.from_weights(few)
+    gather = GatherCopy(lay)
+    dst = lay.allocate()
+    src = [few[k] for k in lay.keys]
+    hint = "model"
+    assert gather.copy(dst, src, keep=True, hint=hint)
+    early = gather.start(dst, hint)
+    assert early is not None
+    try:
+        # the helper's tail is the usual one: the check of four tensors takes no time
+        usual_tails = _split_sizes(lay.total_bytes, gather._plans[early.key]._threads)[1]
+        tail_bytes = sum(out.numel() for share in early.job._tails for _, out in share)
+        assert tail_bytes == sum(usual_tails)
+        assert tail_bytes < _EARLY_TAILS * lay.total_bytes
+    finally:
+        assert gather.copy(dst, src, early=early, hint=hint)
+    for spec in lay.specs:
+        got = dst[spec.buffer][spec.offset : spec.offset + spec.nbytes].view(torch.float32)
+        assert torch.equal(got, few[spec.key])

@@ -391,14 +391,34 @@ call: the end of the destination, while the calling thread may still be checking
 (see :class:`CopyJob`). The rest is shared through the queue."""
 
 _EARLY_TAILS = 0.55
-"""The part of a copy started before the caller's check that the helpers' tails take, all
-together. While the caller checks (its Python holds the interpreter lock), a helper can copy
-only its tail: the tail should outlast the check, yet leave the caller a part as long as the
-rest of the helper's. With a check of ``c`` seconds and ``t`` seconds for one thread to copy
-everything, that is ``c / t <= share <= (1 + c / t) / 2``. Here one thread copies 64 MiB in
-about 6.6 ms; a model's own 1000 tensors check in about 0.6 ms (0.09-0.55) and a
+"""At most this part of a copy started before the caller's check goes to the helpers' tails,
+all together. While the caller checks (its Python holds the interpreter lock), a helper can
+copy only its tail: the tail should outlast the check, yet leave the caller a part as long as
+the rest of the helper's. With a check of ``c`` seconds and ``t`` seconds for one thread to
+copy everything, that is ``c / t <= share <= (1 + c / t) / 2``. Here one thread copies 64 MiB
+in about 6.6 ms; a model's own 1000 tensors check in about 0.6 ms (0.09-0.55) and a
 ``TensorDict`` of 1000 leaves in 3.5-4.5 ms beside a copy (0.53-0.84): 0.55 is at the edge of
-both. (It was 80% of a fair share, 0.4 with two threads, before decision 44.)"""
+both. A few large tensors check in microseconds (``c / t`` near 0): their early copy is cut
+like any other (see :func:`early_share`)."""
+
+_CHECK_S_PER_TENSOR = 4.5e-6
+"""The most a check was seen to cost per tensor, beside a running copy (a ``TensorDict``)."""
+_COPY_BYTES_PER_S = 10e9
+"""About what one thread copies per second between large buffers here (64 MiB in 6.6 ms)."""
+
+
+def early_share(tensors: int, nbytes: int) -> float:
+    """For a copy of ``nbytes`` bytes started before a check of ``tensors`` tensors: the
+    expected ``c / t`` of :data:`_EARLY_TAILS`, the check's cost over one thread's copy, from
+    the worst cost per tensor seen. Below the usual tail share, the copy is cut as usual.
+
+    With the early share applied to a few large tensors, the helper's fixed tail ran past
+    the caller's part: in a send of 256 MiB to 4 workers, the staging thread had copied its
+    45% and waited 4-10 ms for the helper's 55% (docs/decisions.md, 45)."""
+    if nbytes <= 0:
+        return 0.0
+    return tensors * _CHECK_S_PER_TENSOR * _COPY_BYTES_PER_S / nbytes
+
 
 _SETTLE_S = 0.002
 """How long a copy started ahead of a check waits for its first helper to begin."""
@@ -476,13 +496,17 @@ class CopyJob(Generic[W]):
             future.result()
 
 
-def _split_sizes(total: int, threads: int, early: bool = False) -> tuple[list[int], list[int]]:
+def _split_sizes(total: int, threads: int, early: float = 0.0) -> tuple[list[int], list[int]]:
     """Byte counts of the head's pieces and of the helpers' tails for a copy of ``total``
     bytes over ``threads`` threads: the tails come last in the destination, in this order.
-    ``early``: for a copy started before the caller's check (see :data:`_EARLY_TAILS`)."""
+    ``early``: for a copy started before the caller's check, the check's expected cost over
+    one thread's copy (:func:`early_share`); the tails take that part of the bytes, if it is
+    more than usual, up to :data:`_EARLY_TAILS`."""
     helpers = threads - 1
     fair = total // threads
-    share = int(total * _EARLY_TAILS) // max(1, helpers) if early else int(fair * _TAIL)
+    share = int(fair * _TAIL)
+    if early > 0 and helpers:
+        share = max(share, int(total * min(early, _EARLY_TAILS)) // helpers)
     tail = share if helpers and fair >= 2 * _SMALL_MOVE else 0
     head = total - helpers * tail
     count = max(1, min(threads * _PIECES_PER_THREAD, head // _SMALL_MOVE))
@@ -491,13 +515,16 @@ def _split_sizes(total: int, threads: int, early: bool = False) -> tuple[list[in
     return heads, [tail] * helpers if tail else []
 
 
-def start_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> CopyJob[_Moves] | None:
+def start_copy(
+    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], early: float = 0.0
+) -> CopyJob[_Moves] | None:
     """:func:`fused_copy` of large plain CPU tensors, started in helper threads and to be
-    finished (or abandoned) by the caller; None, having copied nothing, for anything else."""
+    finished (or abandoned) by the caller, who checks meanwhile (``early``: see
+    :func:`_split_sizes`); None, having copied nothing, for anything else."""
     moves, total, others = _moves(dst, src)
     if others or total < _PARALLEL_COPY_BYTES:
         return None
-    job = _move_job(moves, total, early=True)
+    job = _move_job(moves, total, early)
     job.start(_copy_pool_executor(), settle=_SETTLE_S)
     return job
 
@@ -574,9 +601,7 @@ def _parallel_copy(moves: list[tuple[int, int, int]], total: int) -> None:
     job.finish()
 
 
-def _move_job(
-    moves: list[tuple[int, int, int]], total: int, early: bool = False
-) -> CopyJob[_Moves]:
+def _move_job(moves: list[tuple[int, int, int]], total: int, early: float = 0.0) -> CopyJob[_Moves]:
     """A :class:`CopyJob` for ``moves`` (not started; ``early``: see :func:`_split_sizes`).
 
     Every memmove gives up the GIL and must take it back, so threads that each make many
@@ -696,6 +721,8 @@ class GatherCopy:
         # Lazy conjugate and negative views exist only for complex tensors (sources match the
         # layout's dtypes), so only complex layouts pay for that check on every call.
         self._lazy_views = any(spec.dtype.is_complex for spec in layout.specs)
+        self._early = early_share(len(layout.specs), layout.total_bytes)
+        """How the copies that :meth:`start` begins are cut (see :func:`_split_sizes`)."""
 
     def start(self, dst: Sequence[torch.Tensor], hint: Hashable = None) -> EarlyCopy | None:
         """Start copying a source set seen before into ``dst``, in helper threads, before the
@@ -713,7 +740,7 @@ class GatherCopy:
             return None
         if len(dst) != len(self.layout.buffer_sizes):
             raise ValueError(f"expected {len(self.layout.buffer_sizes)} buffers, got {len(dst)}")
-        job = plan.job(dst, early=True)
+        job = plan.job(dst, early=self._early)
         job.start(pool.executor, settle=_SETTLE_S)
         return EarlyCopy(job, key)
 
@@ -859,10 +886,10 @@ class _Plan:
         """(buffer, start, piece): the bytes of every buffer up to its last tensor, in order."""
         self._total = total
         self._threads = threads
-        self._cuts: dict[bool, tuple[list[list[_Run]], list[list[_Run]]]] = {}
-        self._destinations: dict[tuple[bool, tuple[int, ...]], tuple[list[_Share], ...]] = {}
+        self._cuts: dict[float, tuple[list[list[_Run]], list[list[_Run]]]] = {}
+        self._destinations: dict[tuple[float, tuple[int, ...]], tuple[list[_Share], ...]] = {}
 
-    def _groups(self, early: bool) -> tuple[list[list[_Run]], list[list[_Run]]]:
+    def _groups(self, early: float) -> tuple[list[list[_Run]], list[list[_Run]]]:
         cut = self._cuts.get(early)
         if cut is not None:
             return cut
@@ -884,8 +911,9 @@ class _Plan:
         self._cuts[early] = cut
         return cut
 
-    def job(self, dst: Sequence[torch.Tensor], early: bool = False) -> CopyJob[_Share]:
-        """A job (not started) that fills ``dst``; ``early``: started before the check."""
+    def job(self, dst: Sequence[torch.Tensor], early: float = 0.0) -> CopyJob[_Share]:
+        """A job (not started) that fills ``dst``; ``early``: started before the check (see
+        :func:`_split_sizes`)."""
         key = (early, tuple(map(_data_ptr, dst)))
         cut = self._destinations.get(key)
         if cut is None:

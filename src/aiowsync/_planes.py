@@ -25,7 +25,15 @@ from typing import Any, Literal
 import torch
 
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
-from ._layout import EarlyCopy, GatherCopy, Layout, fused_copy, remember_hint, start_copy
+from ._layout import (
+    EarlyCopy,
+    GatherCopy,
+    Layout,
+    early_share,
+    fused_copy,
+    remember_hint,
+    start_copy,
+)
 from ._protocol import ParamValue
 from ._shm_slots import SlotFile, check_slot_path, remove_stale_slots
 from ._shm_window import SlotWindow, windows_supported
@@ -272,7 +280,8 @@ class SharedMemSenderPlane(SenderPlane):
             # Weights not seen lately: at most the gather copy's own guess (the last call's
             # tensors, if they came twice in a row).
             last, tensors = None, self._last_tensors
-        flat = start_copy(s.parts, last) if last is not None else None
+        early = early_share(len(self.layout.specs), self.layout.total_bytes)
+        flat = start_copy(s.parts, last, early) if last is not None else None
         gather = self._gather.start(s.parts, hint) if last is None and tensors else None
         try:
             source = make()
