@@ -32,7 +32,10 @@ Also measured:
   interval) runs on the sender's loop and on every worker's loop; its max gap over an idle
   window is compared with its max gap over a window of back-to-back sends, for every worker
   count and both sessions (plain and re-homed). When the bound is missed, where the longest
-  gap fell (which send, how far into it) is printed. A control window runs as many raw copies
+  gap fell (which send, how far into it) is printed. When the hypervisor took 20 ms or more
+  of CPU time from the machine (``/proc/stat`` steal) during the idle or the busy window, the
+  pair is measured again, at most twice more; the attempts set aside are kept in the JSON and
+  printed with the steal that disqualified them. A control window runs as many raw copies
   of the same bytes in a thread of the sender (no aiowsync code involved), to tell the stalls
   the machine itself causes under such a copy from those aiowsync causes;
 * private memory per worker (swap mode), after several versions were applied: Private_Clean +
@@ -116,6 +119,10 @@ LATENCY_TARGETS: list[tuple[str, int, str | None, str, float]] = [
     ("1MiB", 4, None, "p50_ms", 1.0),
 ]
 GAP_SLACK_MS = 10.0
+GAP_STEAL_MS = 20.0
+"""A gap window pair (idle, sends) is measured again when the host stole this much CPU time
+(``/proc/stat`` steal, all CPUs; counted in 10 ms ticks) during either window."""
+GAP_RETAKES = 2
 MEMORY_FRACTION = 0.10
 MEMORY_JUDGED_FROM = 64 * MIB
 
@@ -350,9 +357,21 @@ async def run_session(
             phase("memory")
 
             if gap:
-                out["gap"] = await gap_phase(
-                    pool, ids, first, model.raw_copy, args.idle_s, args.gap_sends
-                )
+                # A window in which the hypervisor took the machine's CPUs away (every process
+                # stops at once, ours and the control's alike) says nothing about aiowsync's
+                # loops: it is measured again, at most GAP_RETAKES times. Every attempt is kept.
+                attempts = []
+                for _ in range(1 + GAP_RETAKES):
+                    attempts.append(
+                        await gap_phase(
+                            pool, ids, first, model.raw_copy, args.idle_s, args.gap_sends
+                        )
+                    )
+                    stolen = attempts[-1]["steal_ms"]
+                    if max(stolen["idle"], stolen["busy"]) < GAP_STEAL_MS:
+                        break
+                out["gap"] = attempts[-1]
+                out["gap"]["attempts_set_aside"] = attempts[:-1]
                 phase("gap")
         finally:
             if joined:
@@ -569,6 +588,15 @@ def print_report(report: dict[str, Any]) -> None:
                 f"sends {g['steal_ms']['busy']:.0f}, control {g['steal_ms']['control']:.0f}; "
                 f"every process stopped together for {g['all_stopped_together_ms']:.1f} ms"
             )
+            for k, a in enumerate(g.get("attempts_set_aside", []), 1):
+                sides_a = [a["sender"], *a["workers"]]
+                worst = max(x["busy_max_gap_ms"] - x["idle_max_gap_ms"] for x in sides_a)
+                print(
+                    f"    set aside, attempt {k}: the host stole {a['steal_ms']['idle']:.0f} ms "
+                    f"(idle) / {a['steal_ms']['busy']:.0f} ms (sends); worst excess there "
+                    f"{worst:.1f} ms, every process stopped together "
+                    f"{a['all_stopped_together_ms']:.1f} ms"
+                )
             if not ok:
                 sides = [("sender", g["sender"])] + [
                     (f"worker {i}", x) for i, x in enumerate(g["workers"])
