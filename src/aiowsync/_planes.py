@@ -215,6 +215,8 @@ class SharedMemSenderPlane(SenderPlane):
     def setup(self, layout: Layout) -> None:
         self.layout = layout
         self._gather = GatherCopy(layout)
+        self._early = early_share(len(layout.specs), layout.total_bytes)
+        """How a copy of whole buffers started before the check is cut (see start_copy)."""
         self._last_buffers: tuple[torch.Tensor, ...] | None = None
         """The buffers the last write copied, when it copied whole buffers."""
         self._last_tensors = False
@@ -280,8 +282,7 @@ class SharedMemSenderPlane(SenderPlane):
             # Weights not seen lately: at most the gather copy's own guess (the last call's
             # tensors, if they came twice in a row).
             last, tensors = None, self._last_tensors
-        early = early_share(len(self.layout.specs), self.layout.total_bytes)
-        flat = start_copy(s.parts, last, early) if last is not None else None
+        flat = start_copy(s.parts, last, self._early) if last is not None else None
         gather = self._gather.start(s.parts, hint) if last is None and tensors else None
         try:
             source = make()
