@@ -595,6 +595,9 @@ class ZmqReceiverChannel(_ZmqEnd, ReceiverChannel):
             _base_options(sock, self._heartbeat_timeout)
             self._set_curve(sock)
             sock.setsockopt(zmq.SNDHWM, 8)
+            # A beat is news only while it is fresh: with no live connection it is dropped,
+            # not queued for whichever sender binds the address next.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.connect(self._address)
         except BaseException:
             sock.close(linger=0)
