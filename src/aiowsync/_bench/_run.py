@@ -316,15 +316,7 @@ async def _batch(
         everyone = [*standing, *theirs]
         for c in everyone:  # warm-up: first-send costs (pages, connections) are not samples
             await c.sample()
-        for r in range(samples):
-            gc.collect()  # untimed, so that a collection never lands inside a sample
-            shift = r % len(everyone)
-            for c in everyone[shift:] + everyone[:shift]:
-                if paired:
-                    c.samples_lead.append(await c.sample())
-                c.samples.append(await c.sample())
-            last = " | ".join(f"{c.name} {c.samples[-1] * 1e3:.1f}" for c in everyone)
-            progress.say(f"{label}: round {r + 1}/{samples} ms: {last}", force=False)
+        await _rounds(everyone, samples, progress, label, paired)
         for contender in theirs:
             await contender.verify()
             progress.say(f"{label}: {contender.name}: loop gaps, then readers during sends")
@@ -338,6 +330,34 @@ async def _batch(
         for tree in trees:
             await tree.close()
     return theirs
+
+
+async def _rounds(
+    everyone: list[Contender], samples: int, progress: Progress, label: str, paired: bool
+) -> None:
+    """``samples`` rounds, each contender's turn in a rotating order.
+
+    Before each round the garbage is collected (untimed), so that a collection never lands
+    inside a sample; what exists before the first round (torch, the sessions, the trees) is
+    frozen out of those collections. A full collection of this process walks every object of
+    its heap: 64-99 ms here, after which the 1 MiB sends of the next few milliseconds took
+    0.9-1.1 ms instead of 0.62-0.66 ms, and the bare ZeroMQ round trip 0.36 ms instead of
+    0.26 ms (docs/benchmarks.md). bench_shm.py and bench_dist.py freeze the same way.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        for r in range(samples):
+            gc.collect()  # only what the rounds made since
+            shift = r % len(everyone)
+            for c in everyone[shift:] + everyone[:shift]:
+                if paired:
+                    c.samples_lead.append(await c.sample())
+                c.samples.append(await c.sample())
+            last = " | ".join(f"{c.name} {c.samples[-1] * 1e3:.1f}" for c in everyone)
+            progress.say(f"{label}: round {r + 1}/{samples} ms: {last}", force=False)
+    finally:
+        gc.unfreeze()
 
 
 GAP_STEAL_MS = 20.0
