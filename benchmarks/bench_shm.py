@@ -95,6 +95,8 @@ import _workers as w
 import aiowsync
 from aiowsync._bench._contenders import RawZmq
 from aiowsync._bench._pool import WorkerPool
+from aiowsync._bench._probe import host_steal_ms as steal_ms
+from aiowsync._bench._run import GAP_RETAKES, GAP_STEAL_MS  # the rule of `aiowsync bench`
 
 MIB = 1 << 20
 MODELS: dict[str, Callable[[], w.Spec]] = {
@@ -119,10 +121,6 @@ LATENCY_TARGETS: list[tuple[str, int, str | None, str, float]] = [
     ("1MiB", 4, None, "p50_ms", 1.0),
 ]
 GAP_SLACK_MS = 10.0
-GAP_STEAL_MS = 20.0
-"""A gap window pair (idle, sends) is measured again when the host stole this much CPU time
-(``/proc/stat`` steal, all CPUs; counted in 10 ms ticks) during either window."""
-GAP_RETAKES = 2
 MEMORY_FRACTION = 0.10
 MEMORY_JUDGED_FROM = 64 * MIB
 
@@ -131,16 +129,6 @@ MEMORY_JUDGED_FROM = 64 * MIB
 
 
 # -- statistics ---------------------------------------------------------------------------------
-
-
-def steal_ms() -> float:
-    """CPU time the hypervisor took from this virtual machine so far, all CPUs, in ms."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
