@@ -111,6 +111,24 @@ def test_models_are_the_advertised_sizes() -> None:
         model_spec("3MiB")
 
 
+async def test_the_raw_copy_moves_whole_pages_of_at_least_the_models_bytes() -> None:
+    """The 1000-tensor model's 64 MiB less 70 bytes is rounded up to a page: torch's copy of
+    that odd length runs slower than the same bytes can move (docs/benchmarks.md)."""
+    from aiowsync._bench._contenders import RawCopy
+    from aiowsync._bench._models import raw_copy_bytes
+
+    assert [raw_copy_bytes(n) for n in (0, 1, 4096, 4097)] == [0, 4096, 4096, 8192]
+    odd = spec_bytes(model_spec("1000t-64MiB"))
+    assert raw_copy_bytes(odd) == 64 * MIB
+    for n in (MIB, 3 * 4096 + 5):
+        raw = RawCopy(n)
+        assert raw.nbytes == raw_copy_bytes(n) == raw.src.numel() == raw.dst.numel()
+        assert raw.info == {"bytes": raw.nbytes, "model_bytes": n}
+        raw.samples.append(await raw.sample())
+        assert torch.equal(raw.dst, raw.src)  # every byte of the limit was copied
+        raw.close()
+
+
 def test_reader_sees_a_mix_of_two_fills() -> None:
     tensors = [torch.zeros(4), torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.bool)]
     reader = Reader(lambda: tensors, refresh=False)

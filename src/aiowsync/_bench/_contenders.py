@@ -19,7 +19,15 @@ import zmq
 
 from .. import DistributedWeightSyncScheme, Heartbeats, SharedMemWeightSyncScheme
 from .._channel._zmq import LOCAL_BIND, resolve_local
-from ._models import SendSources, Spec, build_model, fill, fingerprint, random_init
+from ._models import (
+    SendSources,
+    Spec,
+    build_model,
+    fill,
+    fingerprint,
+    random_init,
+    raw_copy_bytes,
+)
 from ._pool import WorkerPool
 from ._probe import Ticker
 from ._rawgloo import RawRoot
@@ -228,12 +236,15 @@ class AiowsyncSend(Contender):
 
 
 class RawCopy(Contender):
-    """``dst.copy_(src)`` of one flat uint8 tensor of the model's bytes, on the loop thread."""
+    """``dst.copy_(src)`` of one flat uint8 tensor of the model's bytes, rounded up to a whole
+    page (see :func:`~aiowsync._bench._models.raw_copy_bytes`), on the loop thread."""
 
     def __init__(self, nbytes: int) -> None:
         super().__init__("raw copy_", "shm")
-        self.src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
-        self.dst = torch.zeros(nbytes, dtype=torch.uint8)
+        self.nbytes = raw_copy_bytes(nbytes)
+        self.info = {"bytes": self.nbytes, "model_bytes": nbytes}
+        self.src = torch.empty(self.nbytes, dtype=torch.uint8).random_(0, 256)
+        self.dst = torch.zeros(self.nbytes, dtype=torch.uint8)
 
     async def timed(self) -> float:
         t0 = time.perf_counter()

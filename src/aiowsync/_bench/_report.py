@@ -252,7 +252,8 @@ def markdown(report: dict[str, Any]) -> str:
         "## Send latency",
         "",
         "Median of the samples (contenders alternated sample by sample within a cell). "
-        "*vs limit*: median / the limit's median in the same cell (raw `copy_` for one host, "
+        "*vs limit*: median / the limit's median in the same cell (raw `copy_` of the model's "
+        "bytes rounded up to a whole page for one host, "
         "raw gloo broadcast for torch.distributed). *aiowsync speed-up*: the TorchRL "
         "contender's median / the matching aiowsync contender's. *Loop gap*: the longest "
         "interval between wake-ups of a 1 ms sleeper, idle / during sends, in ms (TorchRL's "
