@@ -208,3 +208,58 @@ def test_rehoming_refuses_overlapping_memory_only() -> None:
     o = Overlap()
     with pytest.raises(ValueError, match="share memory"):
         rehome(o, Layout.from_weights(o))
+
+
+@pytest.mark.parametrize("rehome", [False, True])
+async def test_sending_the_bound_model_by_name_is_the_same_as_send(
+    rehome: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``send(model)`` with the model given at init goes the way of ``send()``: it does not walk
+    and detach every parameter again (about a millisecond for 1000 of them), and what the
+    model holds, even a replaced parameter, still arrives. Another module of the same layout
+    is still walked, and sent."""
+    from aiowsync import _scheme
+
+    torch.manual_seed(0)
+    src, mirror, other = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(8, 4)
+    walked: list[object] = []
+    real = _scheme.flatten_weights
+
+    def counting(weights: Any, **kw: Any) -> Any:
+        walked.append(weights)
+        return real(weights, **kw)
+
+    async with pair(src, mirror, rehome=rehome) as (sender, r):
+        monkeypatch.setattr(_scheme, "flatten_weights", counting)
+        with torch.no_grad():
+            src.weight.add_(1.0)
+        await sender.send(src, timeout=10)
+        assert same(mirror, src) and r.version == 1
+        src.bias = nn.Parameter(torch.full((4,), 5.0))  # a new tensor object
+        await sender.send(src, timeout=10)
+        assert same(mirror, src) and float(mirror.bias.detach()[0]) == 5.0
+        assert walked == []
+        await sender.send(other, timeout=10)
+        assert same(mirror, other) and walked == [other]
+
+
+@pytest.mark.parametrize("kind", ["tensordict", "named_parameters"])
+async def test_weights_that_require_grad_are_sent_as_they_are(kind: str) -> None:
+    """Leaves that require grad (``TensorDict.from_module`` of a live model) are read as they
+    are, big enough for the threaded copy: every byte arrives, and the sender's tensors keep
+    their grad state and gain no graph."""
+    torch.manual_seed(0)
+    src, mirror, other = OddStride(), OddStride(), OddStride()
+    async with pair(src, mirror) as (sender, r):
+        for step in range(1, 3):
+            with torch.no_grad():
+                other.big.add_(1.0)
+            weights: Any = dict(other.named_parameters())
+            if kind == "tensordict":
+                weights = TensorDict.from_module(other)
+            leaves = list(weights.values())
+            assert all(t.requires_grad for t in leaves)
+            result = await sender.send(weights, timeout=10)
+            assert result.version == r.version == step
+            assert same(mirror, other)
+            assert all(t.requires_grad and t.grad_fn is None and t.grad is None for t in leaves)
