@@ -319,3 +319,40 @@ def test_the_gap_check_says_what_was_measured_again() -> None:
         gap["value"]
         == "7.0 (measured again: 1 window pair(s) in which the host took 180 ms of CPU)"
     )
+
+
+async def test_rounds_shuffle_who_goes_after_whom() -> None:
+    """Every contender samples once per round; the order changes from round to round, so a
+    contender does not always follow the same one, and the orders are the same in every run
+    of a cell."""
+    from aiowsync._bench import _run
+    from aiowsync._bench._contenders import Contender
+
+    def contenders() -> list[Contender]:
+        out = []
+        for name in "abcdefg":
+            c = Contender(name, "shm")
+
+            async def timed(c: Contender = c) -> float:
+                c.notes.append("sampled")  # counts the calls
+                return float(len(c.notes) - 1)
+
+            c.timed = timed  # type: ignore[method-assign]
+            out.append(c)
+        return out
+
+    first, second = contenders(), contenders()
+    for everyone in (first, second):
+        await _run._rounds(everyone, 12, _run.Progress(1), "64MiB x4 shm", paired=False)
+    for c in first:
+        assert c.samples == [float(k) for k in range(12)]
+        assert len(c.after) == 12 and c.name not in c.after
+        assert len(set(c.after)) >= 4  # a rotation would give one name and the round start
+    assert [c.after for c in first] == [c.after for c in second]
+    rounds = [[c.name for c in first if c.after[r] == _run.ROUND_START] for r in range(12)]
+    assert all(len(starters) == 1 for starters in rounds)
+    assert len({s[0] for s in rounds}) >= 3
+
+    paired = contenders()
+    await _run._rounds(paired, 3, _run.Progress(1), "1MiB x4 shm", paired=True)
+    assert all(c.samples_lead == [0.0, 2.0, 4.0] and c.samples == [1.0, 3.0, 5.0] for c in paired)

@@ -13,8 +13,9 @@ torch.distributed, gloo), one *cell* measures in the same run:
   and MultiProcessWeightSyncScheme (``shm`` cells), DistributedWeightSyncScheme (``dist``
   cells), each in a process tree of its own, driven through TorchRL's public API.
 
-Contenders take their samples in turn, one each per round, the order rotating every round, so
-drift of the machine hits all of them alike. Afterwards each contender with workers measures
+Contenders take their samples in turn, one each per round, in an order shuffled every round, so
+drift of the machine, and whatever a contender leaves behind for the next, hits all of them
+alike. Afterwards each contender with workers measures
 its event-loop gaps (idle, then during a few sends) and its mixed reads (readers on every
 worker check each read during a few sends). Contenders that would not fit in memory beside the
 others are skipped and the report says so.

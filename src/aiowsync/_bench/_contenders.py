@@ -59,6 +59,7 @@ class Contender:
         self.info: dict[str, Any] | None = None  # what setting it up reported
         self.samples_outside: list[float] = []  # timed during the gap probe, not alternated
         self.samples_lead: list[float] = []  # the first of each back-to-back pair (small models)
+        self.after: list[str] = []  # per sample, the contender whose turn came just before
         self.pool: WorkerPool | None = None  # the processes whose event loops receive, if any
         self.ids: list[int] = []
         self.timeout = 120.0

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import gc
 import os
+import random
 import sys
 import time
 import traceback
@@ -335,7 +336,14 @@ async def _batch(
 async def _rounds(
     everyone: list[Contender], samples: int, progress: Progress, label: str, paired: bool
 ) -> None:
-    """``samples`` rounds, each contender's turn in a rotating order.
+    """``samples`` rounds, each contender's turn once per round, in an order shuffled anew
+    every round (seeded by ``label``, so a cell's orders are the same in every run).
+
+    A rotating order changed only who went first: every contender followed the same one
+    every round, and a contender that leaves the machine busy (TorchRL's MultiProcess
+    ``send()`` of 1000 tensors takes two seconds of many processes) slowed whoever came
+    next, always the same. Shuffled, each contender follows each other one about equally
+    often; ``Contender.after`` records, sample by sample, whose turn came just before.
 
     Before each round the garbage is collected (untimed), so that a collection never lands
     inside a sample; what exists before the first round (torch, the sessions, the trees) is
@@ -344,20 +352,30 @@ async def _rounds(
     0.9-1.1 ms instead of 0.62-0.66 ms, and the bare ZeroMQ round trip 0.36 ms instead of
     0.26 ms (docs/benchmarks.md). bench_shm.py and bench_dist.py freeze the same way.
     """
+    rng = random.Random(label)
     gc.collect()
     gc.freeze()
     try:
         for r in range(samples):
             gc.collect()  # only what the rounds made since
-            shift = r % len(everyone)
-            for c in everyone[shift:] + everyone[:shift]:
+            order = list(everyone)
+            rng.shuffle(order)
+            before = ROUND_START
+            for c in order:
+                c.after.append(before)
                 if paired:
                     c.samples_lead.append(await c.sample())
                 c.samples.append(await c.sample())
+                before = c.name
             last = " | ".join(f"{c.name} {c.samples[-1] * 1e3:.1f}" for c in everyone)
             progress.say(f"{label}: round {r + 1}/{samples} ms: {last}", force=False)
     finally:
         gc.unfreeze()
+
+
+ROUND_START = "(round start)"
+"""What :attr:`Contender.after` records for the first turn of a round (after the untimed
+garbage collection)."""
 
 
 GAP_STEAL_MS = 20.0
@@ -396,6 +414,7 @@ def _row(c: Contender) -> dict[str, Any]:
         "samples_s": c.samples,
         "gap_samples_s": c.samples_outside,
         "lead_samples_s": c.samples_lead,
+        "after": c.after,
         "gap": c.gap,
         "tear": c.tear,
         "notes": c.notes,
