@@ -356,3 +356,36 @@ async def test_rounds_shuffle_who_goes_after_whom() -> None:
     paired = contenders()
     await _run._rounds(paired, 3, _run.Progress(1), "1MiB x4 shm", paired=True)
     assert all(c.samples_lead == [0.0, 2.0, 4.0] and c.samples == [1.0, 3.0, 5.0] for c in paired)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+async def test_the_raw_gloo_limit_has_rounds_for_every_retaken_gap_window(
+    monkeypatch: pytest.MonkeyPatch, paired: bool
+) -> None:
+    """The raw gloo receivers are told their number of rounds up front. A cell whose gap
+    windows were all measured again (the host kept stealing) then two batches of TorchRL
+    trees must not run out of them, as full run 12 did in its 64MiB x8 dist cell."""
+    from aiowsync._bench import _run
+    from aiowsync._bench._contenders import Contender
+
+    calls = 0
+
+    class Counting(Contender):
+        async def timed(self) -> float:
+            nonlocal calls
+            calls += 1
+            return 0.001
+
+    steal = iter(float(100 * k) for k in range(100))  # 100 ms stolen in every window pair
+    monkeypatch.setattr(_run, "host_steal_ms", lambda: next(steal))
+    settings = _run.Settings(cells=(), gap_sends=3, idle_s=0.01)
+    progress = _run.Progress(1)
+    limit = Counting("raw gloo broadcast", "dist")
+    samples, batches = 4, 2
+    await limit.sample()  # the cell's warm-up
+    await _run._measure_gap(limit, settings, progress, "cell")
+    assert limit.gap is not None and len(limit.gap["set_aside"]) == _run.GAP_RETAKES
+    for _ in range(batches):
+        await limit.sample()  # each batch's warm-up
+        await _run._rounds([limit], samples, progress, "cell", paired)
+    assert calls == _run.raw_gloo_rounds(samples, paired, batches, settings)

@@ -241,9 +241,7 @@ async def _cell(
         await session.open()
         paired = nbytes <= settings.pair_up_to
         if isinstance(limit, RawGloo):
-            per_batch = 1 + samples * (2 if paired else 1)  # the warm-up, then every sample
-            rounds = per_batch * max(1, len(batches)) + 1 + settings.gap_sends
-            await limit.open(rounds=rounds)
+            await limit.open(rounds=raw_gloo_rounds(samples, paired, len(batches), settings))
         for floor in floors:
             await floor.open()
         # Gaps and mixed reads first, before any TorchRL tree of the cell: closing a tree hands
@@ -282,6 +280,15 @@ async def _cell(
             await session.close()
     out["contenders"] = [_row(c) for c in (*ours, limit, *floors, *theirs)]
     return out
+
+
+def raw_gloo_rounds(samples: int, paired: bool, batches: int, settings: Settings) -> int:
+    """How many rounds the raw gloo limit of a cell may take, at most (its receivers are told
+    the number up front; the rounds left over run untimed at the end): the warm-up and the gap
+    windows, each measured again up to :data:`GAP_RETAKES` times, then per batch of TorchRL
+    trees a warm-up and every sample."""
+    per_batch = 1 + samples * (2 if paired else 1)
+    return 1 + settings.gap_sends * (1 + GAP_RETAKES) + per_batch * max(1, batches)
 
 
 async def _batch(
@@ -339,11 +346,13 @@ async def _rounds(
     """``samples`` rounds, each contender's turn once per round, in an order shuffled anew
     every round (seeded by ``label``, so a cell's orders are the same in every run).
 
-    A rotating order changed only who went first: every contender followed the same one
-    every round, and a contender that leaves the machine busy (TorchRL's MultiProcess
-    ``send()`` of 1000 tensors takes two seconds of many processes) slowed whoever came
-    next, always the same. Shuffled, each contender follows each other one about equally
-    often; ``Contender.after`` records, sample by sample, whose turn came just before.
+    A rotating order changed only who went first: every contender followed the same one in
+    every round, so whatever one turn left behind (TorchRL's MultiProcess ``send()`` of the
+    1000-tensor model is two seconds of many busy processes) fell on the same next contender.
+    In that cell aiowsync's ``send()``, always next, came out 1.4-1.6 ms slower than
+    ``send(weights)`` in two of three rotating runs, and level with it once shuffled.
+    Shuffled, each contender follows each other one about equally often;
+    ``Contender.after`` records, sample by sample, whose turn came just before.
 
     Before each round the garbage is collected (untimed), so that a collection never lands
     inside a sample; what exists before the first round (torch, the sessions, the trees) is
