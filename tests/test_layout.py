@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 import re
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,6 +34,20 @@ class Mixed(nn.Module):
         with torch.no_grad():
             self.bn.running_mean.uniform_()
             self.bn.num_batches_tracked.fill_(11)
+
+
+@pytest.fixture(params=["streamed", "plain"])
+def copies(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a copy test with non-temporal copies (where built) and with plain ones."""
+    from aiowsync._layout import set_streaming, streaming
+
+    if request.param == "streamed" and not streaming():
+        pytest.skip("non-temporal copies are not available here")
+    before = set_streaming(request.param == "streamed")
+    try:
+        yield request.param
+    finally:
+        set_streaming(before)
 
 
 def assert_same_values(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -440,7 +456,7 @@ def test_tied_weights_stay_tied() -> None:
     assert torch.equal(model.out(torch.ones(1, 4)), torch.full((1, 6), 12.0))
 
 
-def test_fused_copy_of_a_large_mixed_list_copies_every_byte() -> None:
+def test_fused_copy_of_a_large_mixed_list_copies_every_byte(copies: str) -> None:
     from aiowsync._layout import fused_copy
 
     g = torch.Generator().manual_seed(3)
@@ -474,7 +490,9 @@ def _mixed_weights(seed: int, count: int = 400) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("bucket_bytes", [None, 2 * 1024 * 1024])
-def test_gather_copy_fills_every_tensor_and_reuses_its_plan(bucket_bytes: int | None) -> None:
+def test_gather_copy_fills_every_tensor_and_reuses_its_plan(
+    bucket_bytes: int | None, copies: str
+) -> None:
     from aiowsync._layout import GatherCopy, _gather_pool
 
     if _gather_pool() is None:
@@ -623,7 +641,9 @@ def test_a_copy_job_abandoned_stops_taking_pieces() -> None:
         assert sorted(done) == [-1, *range(100)]
 
 
-def test_gather_copy_started_early_is_kept_for_the_same_sources_and_redone_otherwise() -> None:
+def test_gather_copy_started_early_is_kept_for_the_same_sources_and_redone_otherwise(
+    copies: str,
+) -> None:
     from aiowsync._layout import GatherCopy, _gather_pool
 
     if _gather_pool() is None:
@@ -677,7 +697,7 @@ def test_gather_copy_started_early_is_kept_for_the_same_sources_and_redone_other
     assert all(f.done() for f in early.job._futures)
 
 
-def test_gather_copy_guesses_by_hint_for_sources_in_turn() -> None:
+def test_gather_copy_guesses_by_hint_for_sources_in_turn(copies: str) -> None:
     from aiowsync._layout import GatherCopy, _gather_pool
 
     if _gather_pool() is None:
@@ -805,7 +825,7 @@ def test_helpers_are_woken_away_from_the_callers_cpu_and_take_its_cpus_back() ->
     assert ran
 
 
-def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers() -> None:
+def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers(copies: str) -> None:
     from aiowsync._planes import SharedMemSenderPlane, Source
 
     layout = Layout.from_weights({"w": torch.zeros(2 << 20), "b": torch.zeros(3)})
@@ -895,7 +915,15 @@ def test_the_early_share_follows_what_the_check_is_expected_to_cost() -> None:
     assert early_share(10, 0) == 0.0
 
 
-def test_a_gather_copy_started_early_cuts_by_its_layout() -> None:
+def _share_bytes(share: object) -> int:
+    """Bytes one thread's share of a gather copy fills, plain or packed."""
+    if isinstance(share, array.array):
+        return sum(share[2::3])  # packed (dst, src, nbytes) moves
+    assert isinstance(share, list)
+    return sum(out.numel() for _, out in share)
+
+
+def test_a_gather_copy_started_early_cuts_by_its_layout(copies: str) -> None:
     from aiowsync._layout import _EARLY_TAILS, GatherCopy, _split_sizes
 
     few = {f"w{i}": torch.randn(1 << 20) for i in range(4)}  # 16 MiB in 4 tensors
@@ -910,7 +938,7 @@ def test_a_gather_copy_started_early_cuts_by_its_layout() -> None:
     try:
         # the helper's tail is the usual one: the check of four tensors takes no time
         usual_tails = _split_sizes(lay.total_bytes, gather._plans[early.key]._threads)[1]
-        tail_bytes = sum(out.numel() for share in early.job._tails for _, out in share)
+        tail_bytes = sum(map(_share_bytes, early.job._tails))
         assert tail_bytes == sum(usual_tails)
         assert tail_bytes < _EARLY_TAILS * lay.total_bytes
     finally:

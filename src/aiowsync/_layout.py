@@ -7,6 +7,7 @@ starts on an ``alignment``-byte boundary, so a typed view of a byte buffer is al
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import ctypes
@@ -20,7 +21,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache, cached_property
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +29,11 @@ from torch import nn
 from ._exceptions import LayoutMismatchError
 from ._protocol import TensorDesc
 from ._weights import WeightsLike, flatten_weights
+
+try:
+    from . import _stream
+except ImportError:  # built without its C part (no compiler at install): plain copies
+    _stream = None  # type: ignore[assignment]
 
 __all__ = ["GatherCopy", "Layout", "TensorSpec"]
 
@@ -365,10 +371,48 @@ def _plain_cpu(d: torch.Tensor, s: torch.Tensor) -> bool:
 
 
 def _copy_share(moves: list[tuple[int, int, int]]) -> None:
+    if streaming():
+        assert _stream is not None
+        _stream.copy_moves(pack_moves(moves))
+        return
     # ctypes releases the GIL around memmove, so shares in several threads copy in parallel.
     move = ctypes.memmove
     for dst, src, n in moves:
         move(dst, src, n)
+
+
+# -- non-temporal copies ------------------------------------------------------------------------
+#
+# A staging copy writes memory that the copying process will not read again. Ordinary stores
+# read each destination cache line before overwriting it; the non-temporal stores of the small
+# C module ``_stream`` do not, so they move two bytes over the memory bus per byte copied
+# instead of three. Here that took the 1000-tensor 64 MiB gather from 4.9-5.1 ms to
+# 3.5-3.7 ms with two threads (docs/decisions.md, 49). Every staging copy goes through it
+# when it was built, on x86-64; elsewhere, the copies above are used.
+
+_streaming = _stream is not None and _stream.STREAMS and os.environ.get("AIOWSYNC_STREAM") != "0"
+
+
+def streaming() -> bool:
+    """Whether copies use non-temporal stores (the ``_stream`` module was built, on x86-64,
+    and ``AIOWSYNC_STREAM=0`` is not set)."""
+    return _streaming
+
+
+def set_streaming(on: bool) -> bool:
+    """Turn non-temporal copies on or off for this process (benchmarks compare the two);
+    returns the previous setting. Turning them on where they are not available raises
+    ``RuntimeError``."""
+    global _streaming
+    if on and (_stream is None or not _stream.STREAMS):
+        raise RuntimeError("non-temporal copies are not available: aiowsync._stream was not built")
+    before, _streaming = _streaming, on
+    return before
+
+
+def pack_moves(moves: Iterable[tuple[int, int, int]]) -> array.array[int]:
+    """``moves`` (dst, src, nbytes) as the packed native uint64 triples ``_stream`` reads."""
+    return array.array("Q", itertools.chain.from_iterable(moves))
 
 
 _SMALL_MOVE = 256 * 1024
@@ -855,7 +899,7 @@ class GatherCopy:
 class EarlyCopy:
     """A copy :meth:`GatherCopy.start` began before its sources were checked."""
 
-    job: CopyJob[_Share]
+    job: _GatherJob
     key: tuple[int, ...]
     """Pointers of the sources it copies."""
 
@@ -873,6 +917,10 @@ class _Run:
 
 _Share = list[tuple[list[torch.Tensor], torch.Tensor]]
 """One thread's work: (pieces, the output range they fill) pairs."""
+if TYPE_CHECKING:
+    _Packed: TypeAlias = array.array[int]
+    """One thread's work as packed (dst, src, nbytes) moves, for :func:`_copy_packed`."""
+    _GatherJob: TypeAlias = CopyJob[_Share] | CopyJob[_Packed]
 
 
 class _Plan:
@@ -888,6 +936,10 @@ class _Plan:
         self._threads = threads
         self._cuts: dict[float, tuple[list[list[_Run]], list[list[_Run]]]] = {}
         self._destinations: dict[tuple[float, tuple[int, ...]], tuple[list[_Share], ...]] = {}
+        """Output ranges per (cut, destination pointers). They hold the views whose
+        addresses :attr:`_packed` copies between."""
+        self._packed: dict[tuple[float, tuple[int, ...]], tuple[list[_Packed], ...]] = {}
+        """The same shares as packed moves, for non-temporal copies."""
 
     def _groups(self, early: float) -> tuple[list[list[_Run]], list[list[_Run]]]:
         cut = self._cuts.get(early)
@@ -911,7 +963,7 @@ class _Plan:
         self._cuts[early] = cut
         return cut
 
-    def job(self, dst: Sequence[torch.Tensor], early: float = 0.0) -> CopyJob[_Share]:
+    def job(self, dst: Sequence[torch.Tensor], early: float = 0.0) -> _GatherJob:
         """A job (not started) that fills ``dst``; ``early``: started before the check (see
         :func:`_split_sizes`)."""
         key = (early, tuple(map(_data_ptr, dst)))
@@ -919,12 +971,21 @@ class _Plan:
         if cut is None:
             if len(self._destinations) >= _KEPT_DESTINATIONS:
                 self._destinations.clear()
+                self._packed.clear()
 
             def outputs(groups: list[list[_Run]]) -> list[_Share]:
                 return [[(r.pieces, dst[r.buffer][r.start : r.end]) for r in g] for g in groups]
 
             head, tails = self._groups(early)
             cut = self._destinations[key] = (outputs(head), outputs(tails))
+        if streaming():
+            packed = self._packed.get(key)
+            if packed is None:
+                packed = self._packed[key] = (
+                    [_share_moves(s) for s in cut[0]],
+                    [_share_moves(s) for s in cut[1]],
+                )
+            return CopyJob(packed[0], packed[1], _copy_packed)
         return CopyJob(cut[0], cut[1], _gather_share)
 
 
@@ -937,6 +998,23 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 def _gather_share(share: _Share) -> None:
     for pieces, out in share:
         torch.cat(pieces, out=out)
+
+
+def _share_moves(share: _Share) -> _Packed:
+    """The memmoves that fill ``share``'s output ranges with their pieces, packed."""
+    moves = []
+    for pieces, out in share:
+        at = out.data_ptr()
+        for piece in pieces:
+            n = piece.numel()
+            moves.append((at, piece.data_ptr(), n))
+            at += n
+    return pack_moves(moves)
+
+
+def _copy_packed(moves: _Packed) -> None:
+    assert _stream is not None
+    _stream.copy_moves(moves)
 
 
 _data_ptr = torch.Tensor.data_ptr

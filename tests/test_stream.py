@@ -1,0 +1,93 @@
+"""Non-temporal copies (``aiowsync._stream``): every byte lands, nothing else is touched."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import threading
+
+import pytest
+import torch
+
+from aiowsync import _layout
+from aiowsync._layout import pack_moves, set_streaming, streaming
+
+stream = pytest.importorskip("aiowsync._stream")
+
+_X86 = platform.machine().lower() in {"x86_64", "amd64"}
+
+
+def test_the_module_is_built_and_streams_where_a_compiler_and_x86_64_are() -> None:
+    if not (_X86 and (shutil.which("cc") or shutil.which("gcc"))):
+        pytest.skip("no x86-64 compiler here")
+    assert stream.STREAMS is True
+    assert streaming() is True  # on by default
+
+
+SIZES = [0, 1, 15, 16, 63, 64, 65, 4095, 4096, 4097, 4096 + 48, 65536 + 13, (1 << 20) + 7]
+
+
+@pytest.mark.parametrize("dst_shift", [0, 1, 8, 15, 16, 33])
+@pytest.mark.parametrize("src_shift", [0, 3, 16])
+def test_every_length_and_alignment_is_copied_exactly_and_nothing_around_it(
+    dst_shift: int, src_shift: int
+) -> None:
+    g = torch.Generator().manual_seed(dst_shift * 100 + src_shift)
+    pad = 64
+    moves = []
+    checks = []
+    keep = []
+    for n in SIZES:
+        src = torch.randint(0, 256, (n + src_shift + pad,), dtype=torch.uint8, generator=g)
+        dst = torch.full((n + dst_shift + 2 * pad,), 0xAB, dtype=torch.uint8)
+        keep += [src, dst]
+        moves.append((dst.data_ptr() + pad + dst_shift, src.data_ptr() + src_shift, n))
+        checks.append((dst, src, n))
+    stream.copy_moves(pack_moves(moves))
+    for dst, src, n in checks:
+        start = pad + dst_shift
+        assert torch.equal(dst[start : start + n], src[src_shift : src_shift + n]), n
+        assert bool((dst[:start] == 0xAB).all()), f"{n}: bytes before the range changed"
+        assert bool((dst[start + n :] == 0xAB).all()), f"{n}: bytes after the range changed"
+
+
+def test_moves_copy_into_one_buffer_end_to_end_from_two_threads() -> None:
+    g = torch.Generator().manual_seed(7)
+    pieces = [
+        torch.randint(0, 256, (int(n),), dtype=torch.uint8, generator=g)
+        for n in torch.randint(1, 200_000, (300,), generator=g)
+    ]
+    total = sum(p.numel() for p in pieces)
+    out = torch.zeros(total, dtype=torch.uint8)
+    moves, at = [], out.data_ptr()
+    for p in pieces:
+        moves.append((at, p.data_ptr(), p.numel()))
+        at += p.numel()
+    half = len(moves) // 2
+    other = threading.Thread(target=stream.copy_moves, args=(pack_moves(moves[half:]),))
+    other.start()
+    stream.copy_moves(pack_moves(moves[:half]))
+    other.join(timeout=30)
+    assert not other.is_alive()
+    assert torch.equal(out, torch.cat(pieces))
+
+
+def test_a_buffer_of_partial_triples_or_no_buffer_is_refused() -> None:
+    with pytest.raises(ValueError, match="whole"):
+        stream.copy_moves(b"\0" * 23)
+    with pytest.raises(TypeError):
+        stream.copy_moves("not a buffer")
+    stream.copy_moves(b"")  # no moves: nothing to do
+
+
+def test_streaming_can_be_turned_off_and_on() -> None:
+    before = set_streaming(False)
+    try:
+        assert streaming() is False
+        src = torch.randn(2_000_000)
+        dst = torch.zeros_like(src)
+        _layout.fused_copy([dst], [src])
+        assert torch.equal(dst, src)
+    finally:
+        set_streaming(before)
+    assert streaming() is before
