@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -353,9 +356,12 @@ async def test_rounds_shuffle_who_goes_after_whom() -> None:
     assert all(len(starters) == 1 for starters in rounds)
     assert len({s[0] for s in rounds}) >= 3
 
+    # Every sample waited for a quiet machine first (a pair: before its first send only).
+    assert all(len(c.quiet) == 12 for c in first)
     paired = contenders()
     await _run._rounds(paired, 3, _run.Progress(1), "1MiB x4 shm", paired=True)
     assert all(c.samples_lead == [0.0, 2.0, 4.0] and c.samples == [1.0, 3.0, 5.0] for c in paired)
+    assert all(len(c.quiet) == 3 for c in paired)
 
 
 @pytest.mark.parametrize("paired", [False, True])
@@ -389,3 +395,49 @@ async def test_the_raw_gloo_limit_has_rounds_for_every_retaken_gap_window(
         await limit.sample()  # each batch's warm-up
         await _run._rounds([limit], samples, progress, "cell", paired)
     assert calls == _run.raw_gloo_rounds(samples, paired, batches, settings)
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+async def test_a_sample_waits_for_a_quiet_machine_and_gives_up_in_time() -> None:
+    """Busy processes keep the machine from being quiet: the wait gives up after its limit
+    and says so; once they are gone it finds the machine quiet."""
+    from aiowsync._bench._probe import runnable_tasks, wait_quiet
+
+    count = runnable_tasks()
+    if count is None:
+        pytest.skip("Linux does not say how many tasks are runnable here")
+    assert count >= 1  # the reader itself
+    ctx = multiprocessing.get_context("spawn")
+    busy = [ctx.Process(target=_spin, args=(30.0,), daemon=True) for _ in range(2)]
+    for p in busy:
+        p.start()
+    try:
+        await asyncio.sleep(1.0)  # past the interpreter's start-up, into the loop
+        started = time.perf_counter()
+        waited, quiet = await wait_quiet(most=0.3)
+        took = time.perf_counter() - started
+        assert not quiet and 0.3 <= waited <= took < 2.0
+    finally:
+        for p in busy:
+            p.kill()
+            p.join(timeout=10)
+    assert not any(p.is_alive() for p in busy)
+    waited, quiet = await wait_quiet(most=10.0)
+    assert quiet and waited < 10.0
+
+
+def test_the_report_says_how_long_samples_waited_for_quiet() -> None:
+    from aiowsync._bench._report import _quiet_text
+
+    def report(waits: list[float], found: list[bool]) -> dict[str, object]:
+        row = {"quiet_wait_s": waits, "quiet_found": found}
+        return {"run": {"cells": [{"contenders": [row]}]}}
+
+    text = _quiet_text(report([0.002, 0.004, 1.0], [True, True, False]))
+    assert "4 ms median, 1000 ms at most; 1 of 3 samples" in text
+    assert _quiet_text({"run": {"cells": [{"contenders": [{}]}]}}) == ""  # an older run

@@ -29,7 +29,7 @@ from ._models import (
     raw_copy_bytes,
 )
 from ._pool import WorkerPool
-from ._probe import Ticker
+from ._probe import Ticker, wait_quiet
 from ._rawgloo import RawRoot
 from ._torchrl import TorchRLTree
 
@@ -60,6 +60,7 @@ class Contender:
         self.samples_outside: list[float] = []  # timed during the gap probe, not alternated
         self.samples_lead: list[float] = []  # the first of each back-to-back pair (small models)
         self.after: list[str] = []  # per sample, the contender whose turn came just before
+        self.quiet: list[tuple[float, bool]] = []  # per sample: waited (s), machine found quiet
         self.pool: WorkerPool | None = None  # the processes whose event loops receive, if any
         self.ids: list[int] = []
         self.timeout = 120.0
@@ -73,6 +74,13 @@ class Contender:
 
     async def sample(self) -> float:
         self.prepare()
+        return await self.timed()
+
+    async def sample_when_quiet(self, most: float) -> float:
+        """:meth:`sample`, its timed part started once the machine is quiet, waiting at most
+        ``most`` seconds (see :func:`wait_quiet`); the wait is recorded in :attr:`quiet`."""
+        self.prepare()
+        self.quiet.append(await wait_quiet(most))
         return await self.timed()
 
     async def measure_gap(self, sends: int, idle_s: float) -> None:

@@ -10,7 +10,15 @@ import re
 import threading
 import time
 
-__all__ = ["ThreadTicker", "Ticker", "host_steal_ms", "malloc_trim", "private_memory"]
+__all__ = [
+    "ThreadTicker",
+    "Ticker",
+    "host_steal_ms",
+    "malloc_trim",
+    "private_memory",
+    "runnable_tasks",
+    "wait_quiet",
+]
 
 
 def host_steal_ms() -> float:
@@ -22,6 +30,47 @@ def host_steal_ms() -> float:
         return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def runnable_tasks() -> int | None:
+    """Tasks of the whole machine that are running or ready to run right now, the caller
+    included (the fourth field of ``/proc/loadavg``); None where Linux does not say."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+QUIET_READS = 3
+"""Consecutive reads, :data:`QUIET_STEP_S` apart, that must find no task but the reader's
+for the machine to count as quiet."""
+QUIET_STEP_S = 0.001
+QUIET_MOST_S = 0.5
+"""The longest :func:`wait_quiet` waits."""
+QUIET_AGAIN_S = 0.05
+"""The longest it waits right after a wait that gave up: a machine that some other program
+keeps busy for good would otherwise cost :data:`QUIET_MOST_S` per sample."""
+
+
+async def wait_quiet(most: float = QUIET_MOST_S) -> tuple[float, bool]:
+    """Wait until no task of the machine but this one is running or ready to run, in
+    :data:`QUIET_READS` reads in a row, or until ``most`` seconds have passed. Returns the
+    seconds waited and whether the machine was found quiet (always True where Linux does not
+    say how many tasks are runnable)."""
+    start = time.perf_counter()
+    streak = 0
+    while True:
+        count = runnable_tasks()
+        if count is None:
+            return 0.0, True
+        streak = streak + 1 if count <= 1 else 0
+        waited = time.perf_counter() - start
+        if streak >= QUIET_READS:
+            return waited, True
+        if waited >= most:
+            return waited, False
+        await asyncio.sleep(QUIET_STEP_S)
 
 
 class Ticker:

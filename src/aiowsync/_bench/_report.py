@@ -228,6 +228,33 @@ def _gap(row: dict[str, Any]) -> tuple[str, str]:
     return sender, workers
 
 
+def _copies_text(env: dict[str, Any]) -> str:
+    copies = env.get("copies")  # runs made before it was recorded do not say
+    return f" (staging copies with {copies})" if copies else ""
+
+
+def _quiet_text(report: dict[str, Any]) -> str:
+    """What the report says of the quiet waits before the samples (runs made before they
+    existed say nothing)."""
+    waits: list[float] = []
+    gave_up = 0
+    for cell in report["run"]["cells"]:
+        for row in cell.get("contenders", []):
+            waits += row.get("quiet_wait_s", [])
+            gave_up += sum(1 for q in row.get("quiet_found", []) if not q)
+    if not waits:
+        return ""
+    waits.sort()
+    return (
+        "Each sample's timed part began once no other task of the machine was running or "
+        "ready to run (three reads of `/proc/loadavg` in a row, 1 ms apart; at most 0.5 s of "
+        "waiting, 0.05 s right after a wait that gave up), so that no contender pays for "
+        "work a previous turn left running: waits "
+        f"{waits[len(waits) // 2] * 1e3:.0f} ms median, {waits[-1] * 1e3:.0f} ms at most; "
+        f"{gave_up} of {len(waits)} samples began without finding the machine quiet. "
+    )
+
+
 def markdown(report: dict[str, Any]) -> str:
     env = report["env"]
     lines = [
@@ -235,7 +262,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"`{env['command']}` on {env['date']}: {env['cpus']} CPUs, "
         f"{env['mem_gib']:.0f} GiB, Python {env['python']}, torch {env['torch']}, "
-        f"tensordict {env['tensordict']}, aiowsync {env['aiowsync']}; {env['torchrl_status']}. "
+        f"tensordict {env['tensordict']}, aiowsync {env['aiowsync']}"
+        f"{_copies_text(env)}; {env['torchrl_status']}. "
         f"Took {report['run']['seconds'] / 60:.1f} min; load average "
         f"{env['load_start'][0]:.1f} at start, {report['run']['load_end'][0]:.1f} at the end.",
         "",
@@ -252,6 +280,7 @@ def markdown(report: dict[str, Any]) -> str:
         "## Send latency",
         "",
         "Median of the samples (contenders alternated sample by sample within a cell). "
+        f"{_quiet_text(report)}"
         "*vs limit*: median / the limit's median in the same cell (raw `copy_` of the model's "
         "bytes rounded up to a whole page for one host, "
         "raw gloo broadcast for torch.distributed). *aiowsync speed-up*: the TorchRL "

@@ -24,7 +24,7 @@ from ._contenders import (
 )
 from ._models import MIB, model_spec, spec_bytes
 from ._pool import WorkerPool
-from ._probe import host_steal_ms
+from ._probe import QUIET_AGAIN_S, QUIET_MOST_S, host_steal_ms
 from ._torchrl import TorchRLError, TorchRLTree
 
 __all__ = [
@@ -354,6 +354,16 @@ async def _rounds(
     Shuffled, each contender follows each other one about equally often;
     ``Contender.after`` records, sample by sample, whose turn came just before.
 
+    Each sample's timed part starts once no other task of the machine is running or ready to
+    run (:func:`~aiowsync._bench._probe.wait_quiet`). TorchRL's trees of the 1000-tensor
+    model keep their processes busy for a while after their ``send()`` returns, and
+    whichever contender came next paid for it: in full runs 9-13 the raw copy of that cell
+    took 8-11 ms in half its samples, against 5.0-5.7 ms in the others (exactly twice as
+    long: one of its two threads had no CPU), and once it was aiowsync's sends that took
+    9-10 ms instead of 6.6-7.4. With the wait, both were steady. Waits are usually a few
+    milliseconds; after one that gave up, the next waits at most
+    :data:`~aiowsync._bench._probe.QUIET_AGAIN_S`.
+
     Before each round the garbage is collected (untimed), so that a collection never lands
     inside a sample; what exists before the first round (torch, the sessions, the trees) is
     frozen out of those collections. A full collection of this process walks every object of
@@ -362,6 +372,7 @@ async def _rounds(
     0.26 ms (docs/benchmarks.md). bench_shm.py and bench_dist.py freeze the same way.
     """
     rng = random.Random(label)
+    most = QUIET_MOST_S
     gc.collect()
     gc.freeze()
     try:
@@ -372,9 +383,12 @@ async def _rounds(
             before = ROUND_START
             for c in order:
                 c.after.append(before)
-                if paired:
-                    c.samples_lead.append(await c.sample())
-                c.samples.append(await c.sample())
+                if paired:  # two sends back to back; the quiet wait comes before the first
+                    c.samples_lead.append(await c.sample_when_quiet(most))
+                    c.samples.append(await c.sample())
+                else:
+                    c.samples.append(await c.sample_when_quiet(most))
+                most = QUIET_MOST_S if c.quiet[-1][1] else QUIET_AGAIN_S
                 before = c.name
             last = " | ".join(f"{c.name} {c.samples[-1] * 1e3:.1f}" for c in everyone)
             progress.say(f"{label}: round {r + 1}/{samples} ms: {last}", force=False)
@@ -424,6 +438,8 @@ def _row(c: Contender) -> dict[str, Any]:
         "gap_samples_s": c.samples_outside,
         "lead_samples_s": c.samples_lead,
         "after": c.after,
+        "quiet_wait_s": [w for w, _ in c.quiet],
+        "quiet_found": [q for _, q in c.quiet],
         "gap": c.gap,
         "tear": c.tear,
         "notes": c.notes,
