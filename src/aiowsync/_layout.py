@@ -383,12 +383,14 @@ def _copy_share(moves: list[tuple[int, int, int]]) -> None:
 
 # -- non-temporal copies ------------------------------------------------------------------------
 #
-# A staging copy writes memory that the copying process will not read again. Ordinary stores
-# read each destination cache line before overwriting it; the non-temporal stores of the small
-# C module ``_stream`` do not, so they move two bytes over the memory bus per byte copied
-# instead of three. Here that took the 1000-tensor 64 MiB gather from 4.9-5.1 ms to
-# 3.5-3.7 ms with two threads (docs/decisions.md, 49). Every staging copy goes through it
-# when it was built, on x86-64; elsewhere, the copies above are used.
+# Ordinary stores read each destination cache line before overwriting it; the non-temporal
+# stores of the small C module ``_stream`` do not, so they move two bytes over the memory bus
+# per byte copied instead of three, and leave the copy out of the caches. What these copies
+# write is read later, mostly by other processes (a sender's slot) or after the next
+# optimizer step (a receiver's private copy), so little is lost by that. Here the
+# 1000-tensor 64 MiB gather went from 4.9-5.1 ms to 3.5-3.7 ms with two threads
+# (docs/decisions.md, 49). Every copy of this module goes through it where it was built, on
+# x86-64; elsewhere, the copies above are used.
 
 _streaming = _stream is not None and _stream.STREAMS and os.environ.get("AIOWSYNC_STREAM") != "0"
 
@@ -417,9 +419,10 @@ def pack_moves(moves: Iterable[tuple[int, int, int]]) -> array.array[int]:
 
 _SMALL_MOVE = 256 * 1024
 _MAX_MOVE = 64 * 1024 * 1024
-"""No single memmove is longer. glibc copies much longer ones (190 MiB and up here) with
-non-temporal stores: faster, but during 1 GiB sends the other processes' event loops then
-stalled up to 20-30 ms, against a few ms with moves of this size (docs/decisions.md, 21)."""
+"""No single memmove is longer. glibc copied much longer ones (190 MiB and up here) with its
+own non-temporal stores, and during 1 GiB sends the other processes' event loops then stalled
+up to 20-30 ms, against a few ms with moves of this size (docs/decisions.md, 21). ``_stream``
+keeps to the same length, and the loops did not stall (decision 49)."""
 
 
 _PIECES_PER_THREAD = 8
@@ -729,7 +732,9 @@ class GatherCopy:
     single ``torch.cat(pieces, out=range)``: torch copies a contiguous
     concatenation with one ``memcpy`` per piece and no per-piece setup, as long as the calling
     thread runs torch single-threaded (see :func:`_gather_pool`). The gaps between tensors
-    (alignment padding) are filled from a small zero tensor.
+    (alignment padding) are filled from a small zero tensor. Where ``_stream`` copies (see
+    :func:`streaming`), each thread's ranges go instead to one ``copy_moves`` call, as
+    packed (destination, piece, length) moves, kept with the ranges.
 
     The pieces are views of the sources, which take about 2 us each to make; they are kept
     (a *plan* per source set) while the same source tensors come back, as a model's do on
