@@ -91,3 +91,34 @@ def test_streaming_can_be_turned_off_and_on() -> None:
     finally:
         set_streaming(before)
     assert streaming() is before
+
+
+def test_without_the_module_copies_are_plain_and_cannot_be_turned_on() -> None:
+    """An install that could not build ``_stream`` (no compiler) still copies, with plain
+    stores, and says so."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["aiowsync._stream"] = None  # as if it had not been built
+import torch
+from aiowsync import _layout
+assert _layout._stream is None and not _layout.streaming()
+try:
+    _layout.set_streaming(True)
+except RuntimeError as e:
+    assert "not built" in str(e)
+else:
+    raise AssertionError("turned on without the module")
+src = [torch.randn(300_000) for _ in range(8)]
+dst = [torch.zeros_like(t) for t in src]
+_layout.fused_copy(dst, src)
+assert all(torch.equal(d, s) for d, s in zip(dst, src))
+print("plain ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "plain ok" in done.stdout
