@@ -360,8 +360,11 @@ async def _rounds(
     whichever contender came next paid for it: in full runs 9-13 the raw copy of that cell
     took 8-11 ms in half its samples, against 5.0-5.7 ms in the others (exactly twice as
     long: one of its two threads had no CPU), and once it was aiowsync's sends that took
-    9-10 ms instead of 6.6-7.4. With the wait, both were steady. Waits are usually a few
-    milliseconds; after one that gave up, the next waits at most
+    9-10 ms instead of 6.6-7.4. With the wait, the next run of that cell was steady, but
+    full run 14 and another run of the cell alone still had the raw copy at about twice its
+    time in five and seven of ten samples: the wait takes away what other processes leave
+    running, not whatever else slows that copy (docs/benchmarks.md). Waits are usually a
+    few milliseconds; after one that gave up, the next waits at most
     :data:`~aiowsync._bench._probe.QUIET_AGAIN_S`.
 
     Before each round the garbage is collected (untimed), so that a collection never lands
