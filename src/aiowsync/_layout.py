@@ -372,8 +372,7 @@ def _plain_cpu(d: torch.Tensor, s: torch.Tensor) -> bool:
 
 def _copy_share(moves: list[tuple[int, int, int]]) -> None:
     if streaming():
-        assert _stream is not None
-        _stream.copy_moves(pack_moves(moves))
+        _copy_packed(pack_moves(moves))
         return
     # ctypes releases the GIL around memmove, so shares in several threads copy in parallel.
     move = ctypes.memmove
@@ -940,11 +939,8 @@ class _Plan:
         self._total = total
         self._threads = threads
         self._cuts: dict[float, tuple[list[list[_Run]], list[list[_Run]]]] = {}
-        self._destinations: dict[tuple[float, tuple[int, ...]], tuple[list[_Share], ...]] = {}
-        """Output ranges per (cut, destination pointers). They hold the views whose
-        addresses :attr:`_packed` copies between."""
-        self._packed: dict[tuple[float, tuple[int, ...]], tuple[list[_Packed], ...]] = {}
-        """The same shares as packed moves, for non-temporal copies."""
+        self._destinations: dict[tuple[float, tuple[int, ...]], _Outputs] = {}
+        """Output ranges per (cut, destination pointers)."""
 
     def _groups(self, early: float) -> tuple[list[list[_Run]], list[list[_Run]]]:
         cut = self._cuts.get(early)
@@ -972,26 +968,35 @@ class _Plan:
         """A job (not started) that fills ``dst``; ``early``: started before the check (see
         :func:`_split_sizes`)."""
         key = (early, tuple(map(_data_ptr, dst)))
-        cut = self._destinations.get(key)
-        if cut is None:
+        out = self._destinations.get(key)
+        if out is None:
             if len(self._destinations) >= _KEPT_DESTINATIONS:
                 self._destinations.clear()
-                self._packed.clear()
 
             def outputs(groups: list[list[_Run]]) -> list[_Share]:
                 return [[(r.pieces, dst[r.buffer][r.start : r.end]) for r in g] for g in groups]
 
             head, tails = self._groups(early)
-            cut = self._destinations[key] = (outputs(head), outputs(tails))
+            out = self._destinations[key] = _Outputs(outputs(head), outputs(tails))
         if streaming():
-            packed = self._packed.get(key)
-            if packed is None:
-                packed = self._packed[key] = (
-                    [_share_moves(s) for s in cut[0]],
-                    [_share_moves(s) for s in cut[1]],
+            if out.packed is None:
+                out.packed = (
+                    [_share_moves(s) for s in out.head],
+                    [_share_moves(s) for s in out.tails],
                 )
-            return CopyJob(packed[0], packed[1], _copy_packed)
-        return CopyJob(cut[0], cut[1], _gather_share)
+            return CopyJob(out.packed[0], out.packed[1], _copy_packed)
+        return CopyJob(out.head, out.tails, _gather_share)
+
+
+@dataclass(slots=True, eq=False)
+class _Outputs:
+    """A plan's shares for one destination: the head's and the tails', and the same as
+    packed moves once a non-temporal copy asked for them (their addresses stay valid while
+    the shares hold the views)."""
+
+    head: list[_Share]
+    tails: list[_Share]
+    packed: tuple[list[_Packed], list[_Packed]] | None = None
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
