@@ -19,7 +19,6 @@ import warnings
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import torch
 import zmq
 from torch import nn
 from zmq.auth.thread import AuthenticationThread
@@ -27,6 +26,7 @@ from zmq.auth.thread import AuthenticationThread
 import aiowsync
 from aiowsync import CurveKeys, ZmqChannelFactory
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, Welcome, encode
+from helpers import bump, model, same
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,22 +34,6 @@ FAST = aiowsync.Heartbeats(interval=0.1, missed=50)  # no test here waits for a 
 HEARTBEAT_TIMEOUT = 3.0
 WAIT = 5.0
 INTRUDER_DEADLINE = 1.0
-
-
-def model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def same(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def bump(m: nn.Module, by: float = 1.0) -> None:
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(by)
 
 
 def hello(worker_idx: int = 0) -> Hello:
