@@ -13,7 +13,6 @@ import gc
 import os
 import pickle
 import tempfile
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -22,8 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 import aiowsync
+import helpers
 from aiowsync._dist_plane import Buckets, DistReceiverPlane
 from aiowsync._planes import Source
+from helpers import bump, same
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -38,42 +39,20 @@ def model(seed: int = 0, width: int = 64) -> nn.Module:
     return m
 
 
-def same(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def bump(m: nn.Module, by: float = 1.0) -> None:
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(by)
-        m.steps.add_(1)  # type: ignore[operator]
-
-
-@contextlib.asynccontextmanager
-async def system(
-    n: int = 2, *, bucket_bytes: int = 4096, **sender_kw: object
-) -> AsyncIterator[tuple[aiowsync.DistributedWeightSyncScheme, nn.Module, list]]:
-    src = model(0)
-    sender = aiowsync.DistributedWeightSyncScheme(
+def system(
+    n: int = 2, *, bucket_bytes: int = 4096, **sender_kw: Any
+) -> contextlib.AbstractAsyncContextManager[
+    tuple[aiowsync.DistributedWeightSyncScheme, nn.Module, list[Any]]
+]:
+    return helpers.system(
+        aiowsync.DistributedWeightSyncScheme,
+        n,
+        make_model=model,
+        connect_timeout=30,
         bucket_bytes=bucket_bytes,
         heartbeats=FAST,
-        **sender_kw,  # type: ignore[arg-type]
+        **sender_kw,
     )
-    sender.init_on_sender(model=src, num_workers=n)
-    async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(sender)
-        receivers = []
-        for i in range(n):
-            r = pickle.loads(pickle.dumps(sender))
-            m = model(100 + i)
-            r.init_on_receiver(model=m, worker_idx=i)
-            await stack.enter_async_context(r)
-            receivers.append((r, m))
-        await asyncio.gather(
-            sender.connect(timeout=30), *(r.connect(timeout=30) for r, _ in receivers)
-        )
-        yield sender, src, receivers
 
 
 # -- buckets and packing ----------------------------------------------------------------------
