@@ -46,6 +46,7 @@ from aiowsync._protocol import (
     encode,
 )
 from aiowsync._protocol._codec import MAGIC
+from helpers import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,16 +103,6 @@ async def introduce(sender: SenderChannel, receivers: list[ReceiverChannel]) -> 
         peers[message.worker_idx] = peer
     assert len(set(peers.values())) == len(receivers)
     return [peers[i] for i in range(len(receivers))]
-
-
-async def eventually(predicate: Callable[[], bool], within: float = WAIT) -> bool:
-    """Poll ``predicate`` until it holds, for at most ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return predicate()
 
 
 # -- round trips ------------------------------------------------------------------------------
