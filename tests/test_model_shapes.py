@@ -3,9 +3,6 @@ error must be clear. Real ZeroMQ and real /dev/shm slots, receivers in this proc
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -14,29 +11,9 @@ from tensordict import TensorDict
 from torch import nn
 
 import aiowsync
+from helpers import pair, same
 
 pytestmark = pytest.mark.timeout(60)
-
-BEATS = aiowsync.Heartbeats(interval=0.1, missed=50)
-
-
-@contextlib.asynccontextmanager
-async def pair(
-    src: Any, mirror: Any, *, rehome: bool = False, **receiver_kw: Any
-) -> AsyncIterator[tuple[aiowsync.SharedMemWeightSyncScheme, aiowsync.SharedMemWeightSyncScheme]]:
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
-    sender.init_on_sender(model=src, num_workers=1, rehome=rehome)
-    async with sender:
-        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, **receiver_kw)
-        r.init_on_receiver(model=mirror, worker_idx=0)
-        async with r:
-            await asyncio.gather(sender.connect(timeout=20), r.connect(timeout=20))
-            yield sender, r
-
-
-def same(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 @pytest.mark.parametrize("apply_mode", ["swap", "copy"])
