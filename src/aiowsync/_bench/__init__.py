@@ -110,7 +110,7 @@ def _git_commit() -> str | None:
 
 
 def _environment(argv: list[str], torchrl_line: str) -> dict[str, Any]:
-    from .._layout import streaming  # imports torch: only when a run starts
+    from .._copy import default_policy  # imports torch: only when a run starts
 
     with open("/proc/meminfo") as f:
         mem_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
@@ -125,7 +125,7 @@ def _environment(argv: list[str], torchrl_line: str) -> dict[str, Any]:
         "torchrl": _version("torchrl"),
         "aiowsync": f"{_version('aiowsync')} ({_git_commit() or 'no git'})",
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "copies": "non-temporal stores" if streaming() else "ordinary stores",
+        "copies": "non-temporal stores" if default_policy().streaming else "ordinary stores",
         "torchrl_status": torchrl_line,
         "load_start": os.getloadavg(),
     }
