@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -28,7 +27,9 @@ import zmq.asyncio
 from torch import nn
 
 import aiowsync
+import helpers
 from aiowsync._protocol import Ack, Bye, Heartbeat, Hello, Update, decode, encode
+from helpers import bump, eventually, model, same
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,62 +38,22 @@ pytestmark = pytest.mark.timeout(60)
 FAST = aiowsync.Heartbeats(interval=0.1, missed=20)
 
 
-def model(seed: int = 0, *, big: bool = False) -> nn.Module:
-    """A small model, staged on the loop; ``big`` adds 4 MiB, so that it is staged in a thread
-    and gathered tensor by tensor."""
-    torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    if big:
-        m.append(nn.Linear(1024, 1024))
-    return m
+def system(
+    n: int = 2, **sender_kw: Any
+) -> contextlib.AbstractAsyncContextManager[
+    tuple[aiowsync.SharedMemWeightSyncScheme, nn.Module, list[Any]]
+]:
+    """A shared-memory sender and ``n`` receivers in this process, on quick beats."""
+    return helpers.system(aiowsync.SharedMemWeightSyncScheme, n, heartbeats=FAST, **sender_kw)
 
 
-def same(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def bump(m: nn.Module, by: float = 1.0) -> None:
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(by)
-
-
-@contextlib.asynccontextmanager
-async def system(
-    n: int = 2, **sender_kw: object
-) -> AsyncIterator[tuple[aiowsync.SharedMemWeightSyncScheme, nn.Module, list]]:
-    src = model(0)
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST, **sender_kw)  # type: ignore[arg-type]
-    sender.init_on_sender(model=src, num_workers=n)
-    async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(sender)
-        receivers = []
-        for i in range(n):
-            r = pickle.loads(pickle.dumps(sender))
-            m = model(100 + i)
-            r.init_on_receiver(model=m, worker_idx=i)
-            await stack.enter_async_context(r)
-            receivers.append((r, m))
-        await asyncio.gather(
-            sender.connect(timeout=10), *(r.connect(timeout=10) for r, _ in receivers)
-        )
-        yield sender, src, receivers
-
-
-@contextlib.asynccontextmanager
-async def pair(
-    src: nn.Module, mirror: nn.Module, *, rehome: bool = False, **receiver_kw: object
-) -> AsyncIterator[tuple[aiowsync.SharedMemWeightSyncScheme, aiowsync.SharedMemWeightSyncScheme]]:
-    """A sender of ``src`` and one connected receiver into ``mirror``: (sender, receiver)."""
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
-    sender.init_on_sender(model=src, num_workers=1, rehome=rehome)
-    async with sender:
-        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, **receiver_kw)  # type: ignore[arg-type]
-        r.init_on_receiver(model=mirror, worker_idx=0)
-        async with r:
-            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
-            yield sender, r
+def pair(
+    src: nn.Module, mirror: nn.Module, **kw: Any
+) -> contextlib.AbstractAsyncContextManager[
+    tuple[aiowsync.SharedMemWeightSyncScheme, aiowsync.SharedMemWeightSyncScheme]
+]:
+    """A sender of ``src`` and one receiver into ``mirror``, on quick beats."""
+    return helpers.pair(src, mirror, heartbeats=FAST, **kw)
 
 
 async def test_scheme_pickles_to_configuration_and_address_only() -> None:
@@ -805,15 +766,6 @@ async def test_a_big_rehomed_parameter_transposed_in_place_arrives_transposed() 
         assert same(mirror, src)
 
 
-async def taken_back(core: Any) -> None:
-    """Wait until the sender ``core`` counts no worker as lost (5 s at most)."""
-    for _ in range(100):
-        if not core.lost_workers():
-            return
-        await asyncio.sleep(0.05)
-    assert core.lost_workers() == set()
-
-
 @pytest.mark.parametrize("pull", [False, True])
 async def test_a_worker_whose_connection_was_renewed_is_taken_back(pull: bool) -> None:
     # The sender gave up on the worker (as after a stop longer than the heartbeat timeout) and
@@ -830,7 +782,7 @@ async def test_a_worker_whose_connection_was_renewed_is_taken_back(pull: bool) -
         sock.connect(sender.address)
         time.sleep(0.5)  # the loop blocked: the drop and the reconnection happen unobserved
         pulls = [] if not pull else [asyncio.create_task(r.receive(timeout=10))]
-        await taken_back(core)
+        assert await eventually(lambda: not core.lost_workers())
         bump(src)
         assert (await sender.send(timeout=5)).worker_ids == (0,)
         if pulls:
@@ -849,7 +801,7 @@ async def test_a_worker_given_up_on_whose_connection_stayed_up_is_taken_back() -
         assert core is not None
         core._mark_lost(core._peers[0], "given up on by the test")
         assert core.lost_workers() == {0}
-        await taken_back(core)
+        assert await eventually(lambda: not core.lost_workers())
         bump(src)
         assert (await sender.send(timeout=5)).worker_ids == (0,)
         assert r.version == 1 and same(mirror, src)
