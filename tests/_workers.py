@@ -12,7 +12,7 @@ import hashlib
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
@@ -322,3 +322,22 @@ async def ten_sends_reach_every_worker(
                 seen = await asyncio.to_thread(w.collect, "version", 4)
                 assert {(e[1], e[2]) for e in seen} == {(i, step) for i in range(4)}
                 assert all(e[3] == expected for e in seen), f"content differs at version {step}"
+
+
+@contextlib.asynccontextmanager
+async def on_version_1(
+    scheme: aiowsync.WeightSyncScheme, n: int
+) -> AsyncIterator[tuple[nn.Module, Workers]]:
+    """``n`` spawned receivers of ``scheme``, connected and holding its version 1 of a "small"
+    model: (the sender's model, the workers)."""
+    model = make_model("small")
+    scheme.init_on_sender(model=model, num_workers=n)
+    with workers() as w:
+        async with scheme:
+            for i in range(n):
+                w.start(i, "small", scheme=scheme)
+            await connect_all(scheme, w, n)
+            randomize(model, 1)
+            await scheme.send(timeout=20)
+            await asyncio.to_thread(w.collect, "version", n)
+            yield model, w

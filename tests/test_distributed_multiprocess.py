@@ -18,6 +18,7 @@ from _workers import (
     digest,
     fill,
     make_model,
+    on_version_1,
     randomize,
     sends_without_mixed_reads,
     ten_sends_reach_every_worker,
@@ -88,18 +89,9 @@ async def test_no_mixed_reads_while_sending_back_to_back(kind: str) -> None:
 async def _four_receivers_on_version_1(
     **kw: Any,
 ) -> AsyncIterator[tuple[aiowsync.DistributedWeightSyncScheme, torch.nn.Module, Workers]]:
-    model = make_model("small")
     scheme = scheme_for("small", **kw)
-    scheme.init_on_sender(model=model, num_workers=4)
-    with workers() as w:
-        async with scheme:
-            for i in range(4):
-                w.start(i, "small", scheme=scheme)
-            await connect_all(scheme, w, 4)
-            randomize(model, 1)
-            await scheme.send(timeout=20)
-            await asyncio.to_thread(w.collect, "version", 4)
-            yield scheme, model, w
+    async with on_version_1(scheme, 4) as (model, w):
+        yield scheme, model, w
 
 
 async def test_killed_receiver_is_named_by_the_timeout_the_others_commit_and_it_rejoins() -> None:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -16,16 +14,17 @@ import torch
 import aiowsync
 from _workers import (
     SPAWN,
-    Workers,
     connect_all,
     digest,
     fill,
     make_model,
+    on_version_1,
     randomize,
     sends_without_mixed_reads,
     ten_sends_reach_every_worker,
     workers,
 )
+from helpers import eventually
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -99,26 +98,9 @@ async def test_no_mixed_reads_while_sending_back_to_back(kind: str) -> None:
     assert await sends_without_mixed_reads(scheme, model, kind) >= 10
 
 
-@contextlib.asynccontextmanager
-async def _three_workers_on_version_1() -> AsyncIterator[
-    tuple[aiowsync.SharedMemWeightSyncScheme, torch.nn.Module, Workers]
-]:
-    model = make_model("small")
-    scheme = aiowsync.SharedMemWeightSyncScheme()  # default beats: these tests lose a worker
-    scheme.init_on_sender(model=model, num_workers=3)
-    with workers() as w:
-        async with scheme:
-            for i in range(3):
-                w.start(i, "small", scheme=scheme)
-            await connect_all(scheme, w, 3)
-            randomize(model, 1)
-            await scheme.send(timeout=20)
-            await asyncio.to_thread(w.collect, "version", 3)
-            yield scheme, model, w
-
-
 async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_version() -> None:
-    async with _three_workers_on_version_1() as (scheme, model, w):
+    scheme = aiowsync.SharedMemWeightSyncScheme()  # default beats: these tests lose a worker
+    async with on_version_1(scheme, 3) as (model, w):
         w.kill(1)
         randomize(model, 2)
         started = time.monotonic()
@@ -132,10 +114,9 @@ async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_vers
         assert {(e[1], e[2]) for e in seen} == {(0, 2), (2, 2)}
 
         # Once declared lost, a send naming it fails at once.
-        for _ in range(100):
-            if 1 in scheme._sender.lost_workers():  # type: ignore[union-attr]
-                break
-            await asyncio.sleep(0.05)
+        sender = scheme._sender
+        assert sender is not None
+        await eventually(lambda: 1 in sender.lost_workers(), within=10)
         started = time.monotonic()
         with pytest.raises(aiowsync.WorkerLostError) as lost:
             await scheme.send(timeout=30)
@@ -184,11 +165,7 @@ async def test_receivers_keep_weights_and_report_disconnected_when_the_sender_di
             assert scheme.connected and scheme.version == 0
             os.kill(sender.pid, signal.SIGKILL)
             sender.join(10)
-            for _ in range(300):
-                if not scheme.connected:
-                    break
-                await asyncio.sleep(0.05)
-            assert not scheme.connected
+            assert await eventually(lambda: not scheme.connected, within=15)
             assert scheme.version == 0
             assert all(bool((t == 7).all()) for t in model.state_dict().values())
         # The dead sender's slot files are removed by the next sender to start.
@@ -235,11 +212,7 @@ async def test_a_sender_restarted_on_the_same_address_is_not_taken_for_the_old_o
             assert await asyncio.to_thread(queue.get, True, 30) == "connected"
             os.kill(procs[0].pid, signal.SIGKILL)
             procs[0].join(10)
-            for _ in range(300):
-                if not scheme.connected:
-                    break
-                await asyncio.sleep(0.05)
-            assert not scheme.connected
+            assert await eventually(lambda: not scheme.connected, within=15)
 
             procs.append(
                 SPAWN.Process(target=_sender_process, args=(queue, "small", 9, bind), daemon=True)
@@ -271,17 +244,18 @@ async def test_a_sender_restarted_on_the_same_address_is_not_taken_for_the_old_o
 
 
 async def test_frozen_worker_is_not_waited_for_and_its_slot_is_never_rewritten() -> None:
-    async with _three_workers_on_version_1() as (scheme, model, w):
+    scheme = aiowsync.SharedMemWeightSyncScheme()  # default beats: these tests lose a worker
+    async with on_version_1(scheme, 3) as (model, w):
         frozen = w.procs[2]
         os.kill(frozen.pid, signal.SIGSTOP)
         try:
             # Wait until the sender has given up on it (polled: a loaded machine may take
             # longer than the heartbeat timeout to notice).
-            assert scheme._sender is not None
-            deadline = time.monotonic() + 30
-            while 2 not in scheme._sender.lost_workers():
-                assert time.monotonic() < deadline, "the frozen worker was never declared lost"
-                await asyncio.sleep(0.05)
+            sender = scheme._sender
+            assert sender is not None
+            assert await eventually(lambda: 2 in sender.lost_workers(), within=30), (
+                "the frozen worker was never declared lost"
+            )
             randomize(model, 2)
             with pytest.raises(aiowsync.WorkerLostError) as info:
                 await scheme.send(timeout=10)
@@ -297,11 +271,7 @@ async def test_frozen_worker_is_not_waited_for_and_its_slot_is_never_rewritten()
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
         # Back in time: its beats revive it and it takes the latest version.
-        for _ in range(200):
-            if 2 not in scheme._sender.lost_workers():
-                break
-            await asyncio.sleep(0.05)
-        assert 2 not in scheme._sender.lost_workers()
+        assert await eventually(lambda: 2 not in sender.lost_workers(), within=10)
         randomize(model, 6)
         result = await scheme.send(timeout=20)
         assert result.worker_ids == (0, 1, 2) and result.version == 5
@@ -332,12 +302,9 @@ async def test_workers_closing_together_are_seen_leaving_not_lost(
             time.sleep(1.5)  # the loop blocked: the goodbyes queue up, the sockets go away
             done = await asyncio.to_thread(w.collect, "done", 3)
             assert sorted(e[1] for e in done) == [0, 1, 2]
-            assert scheme._sender is not None
-            for _ in range(100):
-                if scheme._sender.lost_workers() == {0, 1, 2}:
-                    break
-                await asyncio.sleep(0.05)
-            assert scheme._sender.lost_workers() == {0, 1, 2}
+            sender = scheme._sender
+            assert sender is not None
+            assert await eventually(lambda: sender.lost_workers() == {0, 1, 2}, within=10)
     said = [r.getMessage() for r in caplog.records if r.name == "aiowsync.sender"]
     assert [m for m in said if "lost" in m and "said goodbye" not in m] == []
     assert sum("said goodbye" in m for m in said) == 3
