@@ -4,7 +4,7 @@ from ._auth import CurveKeys
 from ._channel import ChannelFactory, MemoryChannelFactory, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
 from ._dist_plane import Backend
-from ._distributed import DistributedWeightSyncScheme
+from ._distributed import DistributedPlane, DistributedWeightSyncScheme
 from ._exceptions import (
     ConnectError,
     LayoutMismatchError,
@@ -20,11 +20,13 @@ from ._exceptions import (
 )
 from ._guard import ReadGuard
 from ._layout import Layout, TensorSpec
-from ._planes import SwitchMode
+from ._memory_plane import MemoryPlane
+from ._plane import DataPlane
 from ._receiver import Hook
-from ._scheme import WeightSyncScheme
+from ._scheme import SchemeOptions, WeightSyncScheme
 from ._sender import SendResult
 from ._shared_mem import SharedMemWeightSyncScheme
+from ._shm_plane import SharedMemPlane, SwitchMode
 from ._strategy import StrategyName, WeightStrategy
 from ._weights import WeightsLike
 
@@ -36,7 +38,13 @@ __all__ = [
     "SendResult",
     "SharedMemWeightSyncScheme",
     "WeightSyncScheme",
+    "SchemeOptions",
     "ReadGuard",
+    # data planes
+    "DataPlane",
+    "DistributedPlane",
+    "MemoryPlane",
+    "SharedMemPlane",
     # control channels
     "ChannelFactory",
     "CurveKeys",

@@ -4,22 +4,98 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import torch
 
-from ._channel import ChannelFactory
-from ._config import Heartbeats, Timeouts
 from ._dist_plane import Backend, DistReceiverPlane, DistSenderPlane, host_of
-from ._planes import ReceiverPlane, SenderPlane
-from ._scheme import WeightSyncScheme
-from ._strategy import StrategyName
-from ._weights import flatten_weights
+from ._plane import DataPlane, ReceiverContext, ReceiverPlane, SenderContext, SenderPlane
+from ._scheme import SchemeOptions, WeightSyncScheme
 
-__all__ = ["DistributedWeightSyncScheme"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "DistributedPlane", "DistributedWeightSyncScheme"]
 
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DistributedPlane(DataPlane):
+    """torch.distributed process groups of the sender's own (gloo or NCCL).
+
+    Args:
+        backend: ``"gloo"`` (CPU tensors, any host) or ``"nccl"`` (CUDA tensors, GPU hosts;
+            experimental: written for GPU hosts, not yet proven on one).
+        bucket_bytes: size of one bucket; see the distributed page of the docs.
+        data_host: the address the sender's store and process groups listen on; by default
+            the host of the scheme's ``bind``. Needed when ``bind`` is a wildcard.
+        max_slots: the most version copies the sender keeps (two are made up front; more
+            only while a stalled transfer still reads an old one).
+    """
+
+    backend: Backend = "gloo"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    data_host: str | None = None
+    max_slots: int = 4
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        size = self.bucket_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"bucket_bytes must be a positive integer, got {size!r}")
+        if self.max_slots < 2:
+            raise ValueError(f"max_slots must be at least 2, got {self.max_slots}")
+
+    def _device(self, tensors: Iterable[torch.Tensor]) -> torch.device:
+        """Where the slots live: CPU for gloo; the model's GPU (or the current one) for NCCL."""
+        if self.backend != "nccl":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='nccl' needs CUDA, and torch sees no GPU here")
+        for t in tensors:
+            if t.device.type == "cuda":
+                return t.device
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _host(self, bind: str) -> str:
+        if self.data_host is None and urlsplit(bind).scheme != "tcp":
+            raise ValueError(
+                f"bind={bind!r} is not a tcp:// address, so it names no host for the "
+                "process groups; pass data_host= with the address receivers should reach them on"
+            )
+        host = self.data_host or host_of(bind)
+        try:
+            wildcard = ipaddress.ip_address(host).is_unspecified
+        except ValueError:
+            wildcard = False
+        if wildcard or host == "*":
+            raise ValueError(
+                f"bind={bind!r} listens on every interface; pass data_host= with the "
+                "address receivers should reach the sender's process groups on"
+            )
+        return host
+
+    def sender(self, context: SenderContext) -> SenderPlane:
+        return DistSenderPlane(
+            backend=self.backend,
+            bucket_bytes=self.bucket_bytes,
+            host=self._host(context.bind),
+            device=self._device(context.tensors.values()),
+            max_slots=self.max_slots,
+            announce_host=bool(self.data_host),
+        )
+
+    def receiver(self, context: ReceiverContext) -> ReceiverPlane:
+        return DistReceiverPlane(
+            address=context.address,
+            worker_idx=context.worker_idx,
+            backend=self.backend,
+            device=self._device(context.tensors.values()),
+        )
 
 
 class DistributedWeightSyncScheme(WeightSyncScheme):
@@ -35,18 +111,20 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     the version is retried on a fresh group with the workers that are still alive.
 
     Args:
-        backend: ``"gloo"`` (CPU tensors, any host) or ``"nccl"`` (CUDA tensors, GPU hosts).
-        bucket_bytes: size of one bucket; see docs/distributed.md for how to choose it.
+        backend: ``"gloo"`` (CPU tensors, any host) or ``"nccl"`` (CUDA tensors, GPU hosts;
+            experimental: it has not run on a GPU host yet).
+        bucket_bytes: size of one bucket; see the distributed page of the docs.
         data_host: the address the sender's store and process groups listen on; by default
             the host of ``bind``. Needed when ``bind`` is a wildcard such as ``0.0.0.0``.
         max_slots: the most version copies the sender keeps (two are made up front; more
             only while a stalled transfer still reads an old one).
+        plane: another data plane instead of the one built from the arguments above.
 
     See :class:`WeightSyncScheme` for the other arguments. Receivers built from an address take
     the same arguments; ``backend`` must match the sender's.
     """
 
-    _same_host = False
+    _CONFIG = (*WeightSyncScheme._CONFIG, "backend", "bucket_bytes", "data_host", "max_slots")
 
     def __init__(
         self,
@@ -56,88 +134,22 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         data_host: str | None = None,
         max_slots: int = 4,
-        strategy: StrategyName = "tensordict",
-        model_id: str = "policy",
-        bind: str = "tcp://127.0.0.1:0",
-        timeouts: Timeouts | None = None,
-        heartbeats: Heartbeats | None = None,
-        channels: ChannelFactory | None = None,
-        apply_mode: Literal["auto", "swap", "copy"] = "auto",
-        background: bool = True,
+        plane: DataPlane | None = None,
+        **options: Unpack[SchemeOptions],
     ) -> None:
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
-        if max_slots < 2:
-            raise ValueError(f"max_slots must be at least 2, got {max_slots}")
+        options.setdefault("bind", "tcp://127.0.0.1:0")
         self.backend: Backend = backend
         self.bucket_bytes = bucket_bytes
         self.data_host = data_host
         self.max_slots = max_slots
         super().__init__(
             address,
-            strategy=strategy,
-            model_id=model_id,
-            bind=bind,
-            timeouts=timeouts,
-            heartbeats=heartbeats,
-            channels=channels,
-            apply_mode=apply_mode,
-            background=background,
-        )
-
-    def _extra_config(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "bucket_bytes": self.bucket_bytes,
-            "data_host": self.data_host,
-            "max_slots": self.max_slots,
-        }
-
-    def _device(self, tensors: Iterable[torch.Tensor]) -> torch.device:
-        """Where the slots live: CPU for gloo; the model's GPU (or the current one) for NCCL."""
-        if self.backend != "nccl":
-            return torch.device("cpu")
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend='nccl' needs CUDA, and torch sees no GPU here")
-        for t in tensors:
-            if t.device.type == "cuda":
-                return t.device
-        return torch.device("cuda", torch.cuda.current_device())
-
-    def _sender_plane(self) -> SenderPlane:
-        if self.data_host is None and urlsplit(self.bind).scheme != "tcp":
-            raise ValueError(
-                f"bind={self.bind!r} is not a tcp:// address, so it names no host for the "
-                "process groups; pass data_host= with the address receivers should reach them on"
-            )
-        host = self.data_host or host_of(self.bind)
-        try:
-            wildcard = ipaddress.ip_address(host).is_unspecified
-        except ValueError:
-            wildcard = False
-        if wildcard or host == "*":
-            raise ValueError(
-                f"bind={self.bind!r} listens on every interface; pass data_host= with the "
-                "address receivers should reach the sender's process groups on"
-            )
-        source = self._model if self._model is not None else self._weights
-        assert source is not None
-        return DistSenderPlane(
-            backend=self.backend,
-            bucket_bytes=self.bucket_bytes,
-            host=host,
-            device=self._device(flatten_weights(source).values()),
-            max_slots=self.max_slots,
-            announce_host=bool(self.data_host),
-        )
-
-    def _receiver_plane(self) -> ReceiverPlane:
-        assert self.worker_idx is not None
-        return DistReceiverPlane(
-            address=self.address,
-            worker_idx=self.worker_idx,
-            backend=self.backend,
-            device=self._device(self._targets.values()),
+            plane=plane
+            or DistributedPlane(
+                backend=backend,
+                bucket_bytes=bucket_bytes,
+                data_host=data_host,
+                max_slots=max_slots,
+            ),
+            **options,
         )

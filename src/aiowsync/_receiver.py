@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Literal, TypeAlias
+from collections.abc import Mapping
 
 import anyio
 import torch
 
+from ._apply import Applier, ApplyMode, Hook
 from ._channel import ChannelFactory, ReceiverChannel
 from ._config import Heartbeats, Timeouts
 from ._exceptions import (
@@ -25,8 +22,9 @@ from ._exceptions import (
     WeightSyncTimeout,
 )
 from ._guard import ReadGuard
-from ._layout import Layout, bind_views
-from ._planes import ReceiverPlane, Staged
+from ._layout import Layout
+from ._libc import libc
+from ._plane import ReceiverPlane
 from ._protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -44,18 +42,20 @@ from ._protocol import (
 )
 from ._shield import to_the_end
 from ._signal import Signal
+from ._text import error_text
 
 __all__ = ["ApplyMode", "Hook", "ReceiverCore"]
 
 log = logging.getLogger("aiowsync.receiver")
 
-ApplyMode: TypeAlias = Literal["swap", "copy"]
-Hook: TypeAlias = Callable[[int], Awaitable[None] | None]
 
-
-_BYE_FLUSH_S = 1.0
+BYE_FLUSH_S = 1.0
 """How long closing may wait for a queued goodbye to leave (it takes microseconds when the
 sender is there)."""
+BYE_WINDOW_S = 0.5
+"""How long closing spends on its goodbye (and a cancelled apply on its nack)."""
+BYE_SEND_S = 0.2
+"""How long the goodbye may wait for room on the socket."""
 
 
 class ReceiverCore:
@@ -78,7 +78,6 @@ class ReceiverCore:
         self._channels = channels
         self._plane = plane
         self.layout = layout
-        self._targets = dict(targets)
         self.worker_idx = worker_idx
         self.model_id = model_id
         self.address = address
@@ -91,15 +90,19 @@ class ReceiverCore:
         self.hooks = hooks
         self.shield_updates = False
         self.protocol_errors = 0
-        self.version = -1
         self._bye: str | None = None
         self._session = ""
         self._changed = Signal()
-        self._private: list[Staged] = []
-        self._live: Staged | None = None
-        self._live_private = -1
-        self._detached = False
-        """The model reads no shared memory any more (set by :meth:`_detach`)."""
+        self._applier = Applier(
+            plane=plane,
+            layout=layout,
+            targets=targets,
+            mode=apply_mode,
+            guard=guard,
+            hooks=hooks,
+            timeouts=timeouts,
+            on_switch=self._notify,
+        )
         self._late: tuple[Update, Ack | Nack] | None = None
         """An update switched to within the channel's callback whose answer found no room
         there; :meth:`run` sends it."""
@@ -107,11 +110,11 @@ class ReceiverCore:
         self._confirmed = -1
         """The count of connections to the sender when it last showed that it knows this
         worker's session (see :attr:`connected`)."""
-        if apply_mode == "copy":
-            device = next(iter(self._targets.values())).device if self._targets else "cpu"
-            for _ in range(2):
-                buffers = layout.allocate(device)
-                self._private.append(Staged(buffers, layout.views(buffers)))
+
+    @property
+    def version(self) -> int:
+        """The version the model runs (-1 before the first)."""
+        return self._applier.version
 
     # -- status -------------------------------------------------------------------------------
 
@@ -253,29 +256,23 @@ class ReceiverCore:
         if isinstance(message, Heartbeat):
             self._on_beat(message)
             return True
-        if (
-            not isinstance(message, Update)
-            or self.hooks
-            or self.apply_mode != "swap"
-            or self._plane.blocking_fetch
-            or not self.guard._try_begin_switch()
-        ):
+        if not isinstance(message, Update):
             return False
         version = message.version
-        answer: Ack | Nack
         try:
-            try:
-                self._conn.receive(message)
-            except ProtocolError as exc:
-                self._broken(exc)
-                return True
-            try:
-                self._commit(version, self._plane.fetch(message.params))
-                answer = Ack(worker_idx=self.worker_idx, version=version)
-            except Exception as exc:
-                answer = self._failure(version, exc)
-        finally:
-            self.guard._end_switch()
+            switched = self._applier.switch_now(
+                version, message.params, lambda: self._conn.receive(message)
+            )
+        except ProtocolError as exc:
+            self._broken(exc)
+            return True
+        if switched is False:
+            return False
+        answer: Ack | Nack
+        if isinstance(switched, Exception):
+            answer = self._failure(version, switched)
+        else:
+            answer = Ack(worker_idx=self.worker_idx, version=version)
         channel = self._channel
         if channel is None:
             return True
@@ -384,13 +381,12 @@ class ReceiverCore:
     async def _apply_and_answer(self, version: int, params: Mapping[str, ParamValue]) -> Ack | Nack:
         answer: Ack | Nack
         try:
-            await self._apply(version, params)
+            await self._applier.apply(version, params)
             if self.hooks:
-                with anyio.fail_after(self._timeouts.ack):
-                    await self._run_hooks(version)
+                await self._applier.run_hooks(version)
             answer = Ack(worker_idx=self.worker_idx, version=version)
         except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(BYE_WINDOW_S):
                 await self._answer(self._nack(version, "receiver shut down"))
             raise
         except Exception as exc:  # a user hook may raise anything; the sender must hear of it
@@ -402,8 +398,8 @@ class ReceiverCore:
         """The nack for ``exc``, raised while applying ``version`` or by a hook."""
         if isinstance(exc, (WeightSyncError, OSError, RuntimeError, ValueError, TimeoutError)):
             log.warning("worker %d could not apply version %d: %s", self.worker_idx, version, exc)
-            return self._nack(version, _text(exc), retryable=isinstance(exc, TransportError))
-        return self._nack(version, _text(exc))
+            return self._nack(version, error_text(exc), retryable=isinstance(exc, TransportError))
+        return self._nack(version, error_text(exc))
 
     def _nack(self, version: int, error: str, *, retryable: bool = False) -> Nack:
         """A nack of ``version`` that also says which version the model runs now."""
@@ -425,57 +421,6 @@ class ReceiverCore:
             return
         await to_the_end(channel.send(answer, timeout=self._timeouts.control))
 
-    async def _apply(self, version: int, params: Mapping[str, ParamValue]) -> None:
-        if self._plane.blocking_fetch:
-            # On shutdown the wait is abandoned; the receive ends by its own deadline.
-            staged = await anyio.to_thread.run_sync(
-                self._plane.fetch, params, abandon_on_cancel=True
-            )
-        else:
-            staged = self._plane.fetch(params)
-        index = -1
-        if self.apply_mode == "copy":
-            index = 1 - self._live_private if self._live_private >= 0 else 0
-            target = self._private[index]
-            # The spare copy is read by nothing: the model points at the other one. The copy
-            # ends before this returns, even if cancelled, so two never overlap in it.
-            await to_the_end(
-                anyio.to_thread.run_sync(_copy_buffers, target.buffers, staged.buffers)
-            )
-            staged = target
-
-        def commit() -> None:
-            self._commit(version, staged)
-            if index >= 0:
-                # Only now is the other buffer the spare: after a switch that did not happen,
-                # the model still reads the old one, which the next copy must not touch.
-                self._live_private = index
-
-        try:
-            await self.guard.switch(commit, timeout=self._timeouts.ack)
-        except TimeoutError:
-            raise WeightSyncTimeout(
-                f"readers held the read guard for {self._timeouts.ack:g} s; version {version} "
-                "was not switched in"
-            ) from None
-
-    def _commit(self, version: int, staged: Staged, *, private: bool = False) -> None:
-        if self.apply_mode == "swap" and not private:
-            staged = self._plane.show(staged)
-        if staged is not self._live:
-            bind_views(self._targets, staged.views or self.layout.views(staged.buffers))
-            if staged.bind_once:
-                staged.views.clear()
-        self._live = staged
-        self.version = version
-        self._notify()
-
-    async def _run_hooks(self, version: int) -> None:
-        for hook in list(self.hooks):
-            result = hook(version)
-            if inspect.isawaitable(result):
-                await result
-
     # -- shutdown -----------------------------------------------------------------------------
 
     async def close(self) -> None:
@@ -487,19 +432,19 @@ class ReceiverCore:
             await self._detach_or_warn()
             # A model still reading shared memory must keep its pins: no goodbye then, and the
             # sender keeps them until this process is gone.
-            if self._detached:
+            if self._applier.detached:
                 said_bye = await self._say_bye(channel)
         finally:
             # A goodbye only queued would be dropped by an immediate close, and the sender would
             # take this worker for lost instead of gone.
-            self._close_channel(flush=_BYE_FLUSH_S if said_bye else 0.0)
+            self._close_channel(flush=BYE_FLUSH_S if said_bye else 0.0)
 
     async def _say_bye(self, channel: ReceiverChannel) -> bool:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(0.5):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(BYE_WINDOW_S):
             if self._bye is None and channel.peer_alive:
                 try:
                     self._conn.send(Bye(reason="receiver closing"))
-                    await channel.send(Bye(reason="receiver closing"), timeout=0.2)
+                    await channel.send(Bye(reason="receiver closing"), timeout=BYE_SEND_S)
                     return True
                 except (WeightSyncError, ProtocolError):
                     pass
@@ -516,40 +461,20 @@ class ReceiverCore:
         """:meth:`_detach`, run to its end even if cancelled; a failure is logged, and the
         model then keeps reading the shared memory it was on."""
         try:
-            await to_the_end(self._detach())
+            await to_the_end(self._applier.detach())
         except Exception as exc:
             log.warning(
                 "worker %d: could not give the model weights of its own (%s); it keeps "
                 "reading shared memory, which stays mapped and pinned until this process ends",
                 self.worker_idx,
-                _text(exc),
+                error_text(exc),
             )
-
-    async def _detach(self) -> None:
-        """Swap mode: give the model a private copy of its weights before saying goodbye.
-
-        After the goodbye the sender may reuse the slot this model reads, and the model
-        outlives the scheme; so it keeps the same values in memory of its own.
-        """
-        self._detached = False
-        live = self._live
-        if self.apply_mode != "swap" or live is None or not self._plane.shares_sender_memory:
-            self._detached = True
-            return
-        device = live.buffers[0].device if live.buffers else torch.device("cpu")
-        private = self.layout.allocate(device)
-        await anyio.to_thread.run_sync(_copy_buffers, private, live.buffers)
-        own = Staged(private, self.layout.views(private))
-        await self.guard.switch(
-            lambda: self._commit(self.version, own, private=True), timeout=self._timeouts.ack
-        )
-        self._detached = True
 
     def _close_channel(self, *, flush: float = 0.0) -> None:
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close(flush=flush)
-        if self._detached:
+        if self._applier.detached:
             # Otherwise the model still reads the plane's mappings: they stay.
             self._plane.close()
         self._notify()
@@ -561,18 +486,7 @@ def _return_freed_memory() -> None:
     glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold on the heap, so
     without a trim a swap-mode worker would keep a private copy's worth of freed memory.
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim, or no way to ask
-
-
-def _copy_buffers(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for d, s in zip(dst, src, strict=True):
-            d.copy_(s)
-
-
-def _text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:60000]
+    c = libc()
+    trim = getattr(c, "malloc_trim", None) if c is not None else None
+    if trim is not None:  # not glibc: nothing to trim, or no way to ask
+        trim(0)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import abc
 import logging
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import anyio
 import anyio.abc
@@ -19,20 +19,34 @@ from ._channel import ChannelFactory, SenderChannel, ZmqChannelFactory, resolve_
 from ._config import Heartbeats, Timeouts
 from ._exceptions import TransportError
 from ._guard import ReadGuard
-from ._layout import Layout, module_targets, refuse_meta, rehome
-from ._planes import ReceiverPlane, SenderPlane, Source
+from ._layout import Layout, module_targets, refuse_meta
+from ._plane import DataPlane, ReceiverContext, SenderContext, WeightSource
 from ._receiver import ApplyMode, Hook, ReceiverCore
 from ._sender import SenderCore, SendResult
+from ._source import ModelSource, WeightsSource
 from ._strategy import StrategyName, WeightStrategy
-from ._watch import ModelWatch
 from ._weights import WeightsLike, flatten_weights
 
-__all__ = ["WeightSyncScheme"]
+__all__ = ["SchemeOptions", "WeightSyncScheme"]
 
 log = logging.getLogger("aiowsync")
 
-_OWN_WEIGHTS = "the sender's own model or weights"
-"""The staging hint of ``send()`` without weights (see ``SenderPlane.write_checked``)."""
+STOP_WAIT_S = 10.0
+"""How long leaving ``async with`` waits for the background tasks to end (each of their own
+waits has a shorter deadline)."""
+
+
+class SchemeOptions(TypedDict, total=False):
+    """The keyword arguments every scheme takes (see :class:`WeightSyncScheme`)."""
+
+    strategy: StrategyName
+    model_id: str
+    bind: str
+    timeouts: Timeouts | None
+    heartbeats: Heartbeats | None
+    channels: ChannelFactory | None
+    apply_mode: Literal["auto", "swap", "copy"]
+    background: bool
 
 _Role = Literal["sender", "receiver"]
 
@@ -47,16 +61,22 @@ def _resolve_model(context: Any, model_id: str) -> Any:
     return obj
 
 
-class WeightSyncScheme(abc.ABC):
+class WeightSyncScheme:
     """Synchronises ONE model from a sender to ``num_workers`` receivers.
 
     Configure it once, then call :meth:`init_on_sender` in the trainer or
     :meth:`init_on_receiver` in a worker. The object pickles to its configuration and address
     only, so the trainer can hand it to a spawned worker.
 
+    :class:`SharedMemWeightSyncScheme` and :class:`DistributedWeightSyncScheme` are this class
+    with their data plane chosen; build it directly to pick a plane yourself, e.g. the
+    in-process twins for tests:
+    ``WeightSyncScheme(plane=MemoryPlane(), channels=MemoryChannelFactory())``.
+
     Args:
         address: the sender's control address; needed on a receiver that was not handed a
             pickled scheme.
+        plane: the data plane that carries the bytes (see :class:`DataPlane`).
         strategy: ``"tensordict"`` (default) or ``"state_dict"``: the format
             :meth:`extract_weights` returns.
         model_id: names the model; sender and receivers must agree.
@@ -75,6 +95,7 @@ class WeightSyncScheme(abc.ABC):
         self,
         address: str | None = None,
         *,
+        plane: DataPlane,
         strategy: StrategyName = "tensordict",
         model_id: str = "policy",
         bind: str = "tcp://127.0.0.1:0",
@@ -86,6 +107,9 @@ class WeightSyncScheme(abc.ABC):
     ) -> None:
         if apply_mode not in ("auto", "swap", "copy"):
             raise ValueError(f"apply_mode must be 'auto', 'swap' or 'copy', got {apply_mode!r}")
+        if not isinstance(plane, DataPlane):
+            raise TypeError(f"plane must be a DataPlane, got {type(plane).__name__}")
+        self.plane = plane
         self._address = address
         self._strategy = WeightStrategy(strategy)
         self.model_id = model_id
@@ -105,10 +129,8 @@ class WeightSyncScheme(abc.ABC):
         self.num_workers = 0
         self.worker_idx: int | None = None
         self._rehome = False
-        self._flat: list[torch.Tensor] | None = None
-        self._homed: tuple[Any, ...] = ()
-        """The model's tensors as re-homed (:meth:`ModelWatch.signature`)."""
-        self._watch: ModelWatch | None = None
+        self._source: ModelSource | None = None
+        """Where ``send()`` takes the weights from when given none (while serving)."""
         self._sender: SenderCore | None = None
         self._receiver: ReceiverCore | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -126,6 +148,7 @@ class WeightSyncScheme(abc.ABC):
     # -- pickling: configuration and address only ---------------------------------------------
 
     _CONFIG = (
+        "plane",
         "_address",
         "_strategy",
         "model_id",
@@ -142,7 +165,6 @@ class WeightSyncScheme(abc.ABC):
         state["_strategy"] = self._strategy.extract_as
         if self._role == "sender":
             state["_address"] = self.address  # binds now if nothing is bound yet
-        state.update(self._extra_config())
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -150,19 +172,6 @@ class WeightSyncScheme(abc.ABC):
         self.__dict__.update(state)
         self._strategy = WeightStrategy(strategy)
         self._reset_runtime()
-
-    def _extra_config(self) -> dict[str, Any]:
-        return {}
-
-    # -- transport hooks for subclasses -------------------------------------------------------
-
-    @abc.abstractmethod
-    def _sender_plane(self) -> SenderPlane: ...
-
-    @abc.abstractmethod
-    def _receiver_plane(self) -> ReceiverPlane: ...
-
-    _same_host = False
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -181,7 +190,7 @@ class WeightSyncScheme(abc.ABC):
         of the same object serve on it again when it can be had (else on a fresh one, with a
         warning).
         """
-        if self._sender is not None and self._sender._channel is not None:
+        if self._sender is not None and self._sender.channel is not None:
             return self._sender.address
         if self._role == "sender":
             if self._served is None:
@@ -273,7 +282,7 @@ class WeightSyncScheme(abc.ABC):
     def dropped_messages(self) -> int:
         """Control messages dropped as malformed, unknown or out of state."""
         if self._sender is not None:
-            channel = self._sender._channel
+            channel = self._sender.channel
             return self._sender.dropped + (channel.dropped if channel is not None else 0)
         return self._receiver.dropped if self._receiver is not None else 0
 
@@ -402,7 +411,7 @@ class WeightSyncScheme(abc.ABC):
             # Background loops stop first, so that closing the channel surprises no reader.
             if self._bg_scope is not None:
                 self._bg_scope.cancel()
-            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_WAIT_S):
                 for finished in self._bg_running:
                     await finished.wait()
             if self._sender is not None:
@@ -411,9 +420,9 @@ class WeightSyncScheme(abc.ABC):
                 await self._receiver.close()
         finally:
             self._connected = False
-            if self._watch is not None:
-                self._watch.close()
-                self._watch = None
+            if self._source is not None:
+                self._source.close()
+                self._source = None
             suppress = None
             if tg is not None:
                 tg.cancel_scope.cancel()
@@ -427,28 +436,23 @@ class WeightSyncScheme(abc.ABC):
     async def _start_sender(self, tg: anyio.abc.TaskGroup) -> None:
         channel = self._take_bound() or self._bind_again()
         try:
+            weights = self._model if self._model is not None else self._weights
+            flat = flatten_weights(weights)  # type: ignore[arg-type]
             sender = SenderCore(
-                plane=self._sender_plane(),
+                plane=self.plane.sender(SenderContext(bind=self.bind, tensors=flat)),
                 layout=self._layout,
                 num_workers=self.num_workers,
                 model_id=self.model_id,
                 timeouts=self.timeouts,
                 heartbeats=self.heartbeats,
-                same_host=self._same_host,
             )
-            if self._rehome and isinstance(self._model, nn.Module):
-                try:
-                    self._flat = rehome(self._model, self._layout)
-                except (ValueError, RuntimeError) as exc:
-                    log.info("could not re-home the model (%s); snapshots use fused copies", exc)
             if isinstance(self._model, nn.Module):
-                self._watch = ModelWatch(self._model)
-                self._homed = self._watch.signature()
-            source = self._snapshot_source(None)
+                self._source = ModelSource(self._model, self._layout, rehome_it=self._rehome)
+            initial = self._source or WeightsSource(weights, self._layout)
         except BaseException:
             channel.close()
             raise
-        await sender.start(source, channel)  # closes the channel if it fails
+        await sender.start(initial, channel)  # closes the channel if it fails
         self._sender = sender
         self._served = sender.address  # what later sessions try to serve on again
         await self._start_background(tg, sender.serve)
@@ -472,39 +476,14 @@ class WeightSyncScheme(abc.ABC):
 
     # -- sender API ---------------------------------------------------------------------------
 
-    def _snapshot_source(self, weights: WeightsLike | None) -> Source:
-        watch = self._watch
-        if weights is None and watch is not None:
-            if watch.dirty:
-                self._recheck(watch)
-            if self._flat is not None:
-                if watch.signature() == self._homed:
-                    return Source(buffers=tuple(self._flat))
-                log.info("the model changed since it was re-homed; using fused copies")
-                self._flat = None
-            if not watch.same_specs():
-                self._recheck(watch)
-            return Source(tensors=watch.tensors, model=True)
+    def _source_of(self, weights: WeightsLike | str | None) -> WeightSource:
         if weights is None:
+            if self._source is not None:
+                return self._source
             weights = self._model if self._model is not None else self._weights
         elif self._context is not None and isinstance(weights, str):
             weights = _resolve_model(self._context, weights)
-        # Not detached: the planes only read them, under no_grad, and a detached view per leaf
-        # (a TensorDict.from_module of 1000 parameters) cost about a millisecond per send.
-        flat = flatten_weights(weights, detach=False)  # type: ignore[arg-type]
-        self._layout.check(flat)
-        refuse_meta(flat, "they hold no values to send")
-        return Source(tensors=flat)
-
-    def _recheck(self, watch: ModelWatch) -> None:
-        watch.refresh()
-        try:
-            self._layout.check(watch.tensors)
-        except BaseException:
-            # What the walk found does not fit: look again at the next send, not only once
-            # something changes again.
-            watch.dirty = True
-            raise
+        return WeightsSource(weights, self._layout)  # type: ignore[arg-type]
 
     async def connect(self, timeout: float | None = None) -> None:
         """Sender: wait until every worker holds version 0 (or the latest version).
@@ -527,9 +506,12 @@ class WeightSyncScheme(abc.ABC):
             mode = "swap" if devices <= {"cpu"} else "copy"
         else:
             mode = self.apply_mode
+        context = ReceiverContext(
+            address=self._address, worker_idx=self.worker_idx, tensors=self._targets
+        )
         receiver = ReceiverCore(
             channels=self.channels,
-            plane=self._receiver_plane(),
+            plane=self.plane.receiver(context),
             layout=self._layout,
             targets=self._targets,
             worker_idx=self.worker_idx,
@@ -581,18 +563,21 @@ class WeightSyncScheme(abc.ABC):
         if sender is None or self._tg is None:
             raise RuntimeError("send() needs an initialised sender inside `async with scheme`")
         targets = self._targets_of(worker_ids)
-        if weights is not None and weights is self._model and self._watch is not None:
+        if weights is not None and weights is self._model and self._source is not None:
             # The model given at init, passed again: the same as send(), whose watch knows its
-            # tensors. Walking and detaching a 1000-tensor model would cost about a millisecond.
+            # tensors without walking the model.
             weights = None
-        # Where the weights come from: the plane starts copying what the last send from the
-        # same place copied while it checks these (a trainer sends the same tensors again).
-        hint = _OWN_WEIGHTS if weights is None else id(weights)
+        if timeout is None:
+            stage_limit, ack_limit, deadline = self.timeouts.transfer, self.timeouts.ack, None
+        else:
+            stage_limit = ack_limit = timeout
+            deadline = time.monotonic() + timeout
         return await sender.send(
-            lambda: self._snapshot_source(weights),  # type: ignore[arg-type]
+            self._source_of(weights),
             targets,
-            timeout,
-            hint,
+            stage_limit=stage_limit,
+            ack_limit=ack_limit,
+            deadline=deadline,
         )
 
     def _targets_of(self, worker_ids: int | Sequence[int] | None) -> list[int]:

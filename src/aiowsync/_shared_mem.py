@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING
 
-from ._channel import LOCAL_BIND, ChannelFactory
-from ._config import Heartbeats, Timeouts
-from ._planes import (
-    ReceiverPlane,
-    SenderPlane,
-    SharedMemReceiverPlane,
-    SharedMemSenderPlane,
-    SwitchMode,
-)
-from ._scheme import WeightSyncScheme
-from ._strategy import StrategyName
+from ._channel import LOCAL_BIND
+from ._plane import DataPlane
+from ._scheme import SchemeOptions, WeightSyncScheme
+from ._shm_plane import SharedMemPlane, SwitchMode
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["SharedMemWeightSyncScheme"]
 
@@ -39,14 +35,15 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
             on the event loop). ``"remap"`` binds the model once to a fixed window of address
             space and maps each new slot over it (Linux): nearly free while the model was not
             read since the last switch, but every page that was read is unmapped at the switch
-            (on the event loop) and faulted in again by the next read, about 4 ms and 6 ms
-            per 64 MiB here. ``"auto"`` (default) remaps models of 64 or more tensors
-            averaging under 1 MiB and re-binds the others. Workers that run their model
-            between every two updates of many small tensors may prefer ``"rebind"``; see
-            docs/concepts.md.
+            (on the event loop) and faulted in again by the next read. ``"auto"`` (default)
+            remaps models of 64 or more tensors averaging under 1 MiB and re-binds the others.
+            Workers that run their model between every two updates of many small tensors may
+            prefer ``"rebind"``; see the shared-memory page of the docs.
+        plane: another data plane instead of the shared-memory one built from the three
+            arguments above (e.g. :class:`MemoryPlane` in tests).
     """
 
-    _same_host = True
+    _CONFIG = (*WeightSyncScheme._CONFIG, "num_slots", "max_slots", "switch")
 
     def __init__(
         self,
@@ -55,41 +52,15 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
         num_slots: int = 2,
         max_slots: int = 16,
         switch: SwitchMode = "auto",
-        strategy: StrategyName = "tensordict",
-        model_id: str = "policy",
-        bind: str = LOCAL_BIND,
-        timeouts: Timeouts | None = None,
-        heartbeats: Heartbeats | None = None,
-        channels: ChannelFactory | None = None,
-        apply_mode: Literal["auto", "swap", "copy"] = "auto",
-        background: bool = True,
+        plane: DataPlane | None = None,
+        **options: Unpack[SchemeOptions],
     ) -> None:
-        if num_slots < 2:
-            raise ValueError(f"num_slots must be at least 2, got {num_slots}")
-        if max_slots < num_slots:
-            raise ValueError(f"max_slots ({max_slots}) must be >= num_slots ({num_slots})")
-        if switch not in ("auto", "rebind", "remap"):
-            raise ValueError(f"switch must be 'auto', 'rebind' or 'remap', got {switch!r}")
+        options.setdefault("bind", LOCAL_BIND)
         self.num_slots = num_slots
         self.max_slots = max_slots
         self.switch: SwitchMode = switch
         super().__init__(
             address,
-            strategy=strategy,
-            model_id=model_id,
-            bind=bind,
-            timeouts=timeouts,
-            heartbeats=heartbeats,
-            channels=channels,
-            apply_mode=apply_mode,
-            background=background,
+            plane=plane or SharedMemPlane(num_slots=num_slots, max_slots=max_slots, switch=switch),
+            **options,
         )
-
-    def _extra_config(self) -> dict[str, Any]:
-        return {"num_slots": self.num_slots, "max_slots": self.max_slots, "switch": self.switch}
-
-    def _sender_plane(self) -> SenderPlane:
-        return SharedMemSenderPlane(self.num_slots, self.max_slots)
-
-    def _receiver_plane(self) -> ReceiverPlane:
-        return SharedMemReceiverPlane(switch=self.switch)

@@ -1,0 +1,165 @@
+"""How a receiver switches its model to a fetched version: tear-free, under the read guard."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Literal, TypeAlias
+
+import anyio
+import torch
+
+from ._config import Timeouts
+from ._double import DoubleBuffer
+from ._exceptions import WeightSyncTimeout
+from ._guard import ReadGuard
+from ._layout import Layout, bind_views
+from ._plane import ReceiverPlane, Staged
+from ._protocol import ParamValue
+from ._shield import to_the_end
+
+__all__ = ["ApplyMode", "Applier", "Hook"]
+
+log = logging.getLogger("aiowsync.receiver")
+
+ApplyMode: TypeAlias = Literal["swap", "copy"]
+Hook: TypeAlias = Callable[[int], Awaitable[None] | None]
+
+
+class Applier:
+    """Binds ``targets`` (the model's tensors) to each new version.
+
+    Swap mode re-points the tensors at what the plane fetched; copy mode copies it into the
+    spare half of a private double buffer first. Either way the switch happens at one instant,
+    when no reader holds the guard; ``on_switch`` is called right after it.
+    """
+
+    def __init__(
+        self,
+        *,
+        plane: ReceiverPlane,
+        layout: Layout,
+        targets: Mapping[str, torch.Tensor],
+        mode: ApplyMode,
+        guard: ReadGuard,
+        hooks: list[Hook],
+        timeouts: Timeouts,
+        on_switch: Callable[[], None],
+    ) -> None:
+        self.plane = plane
+        self.layout = layout
+        self._targets = dict(targets)
+        self.mode = mode
+        self.guard = guard
+        self.hooks = hooks
+        self._timeouts = timeouts
+        self._on_switch = on_switch
+        self.version = -1
+        self._live: Staged | None = None
+        self._private: DoubleBuffer | None = None
+        if mode == "copy":
+            device = next(iter(self._targets.values())).device if self._targets else "cpu"
+            self._private = DoubleBuffer(layout, device)
+        self.detached = False
+        """The model reads no memory of the sender's any more (set by :meth:`detach`)."""
+
+    def switch_now(
+        self, version: int, params: Mapping[str, ParamValue], check: Callable[[], None]
+    ) -> bool | Exception:
+        """Switch to ``version`` right here if that needs no wait: swap mode, no hooks, the
+        bytes in place, no reader in the guard. False if it must go through :meth:`apply`.
+        Otherwise ``check()`` runs first (it may raise, and nothing switches); then True, or
+        the exception that fetching raised (nothing switched)."""
+        if self.hooks or self.mode != "swap" or not self.guard._try_begin_switch():
+            return False
+        try:
+            failure: Exception | None = None
+            try:
+                staged = self.plane.fetch_nowait(params)
+            except Exception as exc:
+                staged, failure = None, exc
+            if staged is None and failure is None:
+                return False
+            check()
+            if failure is not None:
+                return failure
+            assert staged is not None
+            self._commit(version, staged)
+            return True
+        finally:
+            self.guard._end_switch()
+
+    async def apply(self, version: int, params: Mapping[str, ParamValue]) -> None:
+        staged = self.plane.fetch_nowait(params)
+        if staged is None:
+            staged = await self.plane.fetch(params)
+        index = -1
+        if self._private is not None:
+            index, target = self._private.spare()
+            # The spare copy is read by nothing: the model points at the other one. The copy
+            # ends before this returns, even if cancelled, so two never overlap in it.
+            await to_the_end(
+                anyio.to_thread.run_sync(copy_buffers, target.buffers, staged.buffers)
+            )
+            staged = target
+        private = self._private
+
+        def commit() -> None:
+            self._commit(version, staged)
+            if private is not None:
+                # Only now is the other half the spare: after a switch that did not happen,
+                # the model still reads the old one, which the next copy must not touch.
+                private.made_live(index)
+
+        try:
+            await self.guard.switch(commit, timeout=self._timeouts.ack)
+        except TimeoutError:
+            raise WeightSyncTimeout(
+                f"readers held the read guard for {self._timeouts.ack:g} s; version {version} "
+                "was not switched in"
+            ) from None
+
+    def _commit(self, version: int, staged: Staged, *, private: bool = False) -> None:
+        if self.mode == "swap" and not private:
+            staged = self.plane.show(staged)
+        if staged is not self._live:
+            bind_views(self._targets, staged.views or self.layout.views(staged.buffers))
+            if staged.bind_once:
+                staged.views.clear()
+        self._live = staged
+        self.version = version
+        self._on_switch()
+
+    async def run_hooks(self, version: int) -> None:
+        with anyio.fail_after(self._timeouts.ack):
+            for hook in list(self.hooks):
+                result = hook(version)
+                if inspect.isawaitable(result):
+                    await result
+
+    async def detach(self) -> None:
+        """Give the model a private copy of its weights if it reads the sender's memory.
+
+        After the goodbye the sender may reuse the slot this model reads, and the model
+        outlives the scheme; so it keeps the same values in memory of its own.
+        """
+        self.detached = False
+        live = self._live
+        if self.mode != "swap" or live is None or not live.shared:
+            self.detached = True
+            return
+        device = live.buffers[0].device if live.buffers else torch.device("cpu")
+        buffers = self.layout.allocate(device)
+        await anyio.to_thread.run_sync(copy_buffers, buffers, live.buffers)
+        own = Staged(buffers, self.layout.views(buffers))
+        await self.guard.switch(
+            lambda: self._commit(self.version, own, private=True), timeout=self._timeouts.ack
+        )
+        self.detached = True
+
+
+def copy_buffers(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)

@@ -1,0 +1,205 @@
+"""In-process twin of the data plane, for fast single-process tests and tools.
+
+It keeps the real planes' contract: versions are staged into slots nobody reads, a slot holding
+a pinned version is never rewritten, receivers in swap mode read the sender's slot itself (as
+with shared memory, without a byte copied), and staging above ``inline_bytes`` runs in a thread
+that cancellation does not stop. Sender and receivers must live in one process; they find each
+other through the plane's token, which the welcome carries.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._exceptions import ProtocolError, TransportError, WeightSyncError
+from ._layout import Layout, fused_copy
+from ._plane import (
+    DataPlane,
+    Delivery,
+    InPlace,
+    Member,
+    ReceiverContext,
+    ReceiverPlane,
+    SenderContext,
+    SenderPlane,
+    Staged,
+    WeightSource,
+)
+from ._protocol import ParamValue
+from ._shm_slots import pid_alive
+from ._slot_table import SlotTable
+from ._stager import INLINE_COPY_BYTES, Stager
+
+__all__ = ["MemoryPlane", "MemoryReceiverPlane", "MemorySenderPlane"]
+
+_planes: weakref.WeakValueDictionary[str, MemorySenderPlane] = weakref.WeakValueDictionary()
+_planes_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlane(DataPlane):
+    """Slots in this process's memory; receivers must run in the same process.
+
+    Pair it with :class:`MemoryChannelFactory` to run a scheme's sender and receivers in one
+    process, e.g. ``WeightSyncScheme(plane=MemoryPlane(), channels=MemoryChannelFactory())``.
+
+    Args:
+        num_slots: slots created up front (at least 2).
+        max_slots: the most slots the sender creates when versions stay in use side by side.
+        inline_bytes: versions up to this size are copied on the event loop, larger ones in a
+            staging thread (set it to 0 to exercise the thread with small models).
+    """
+
+    num_slots: int = 2
+    max_slots: int = 16
+    inline_bytes: int = INLINE_COPY_BYTES
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 2:
+            raise ValueError(f"num_slots must be at least 2, got {self.num_slots}")
+        if self.max_slots < self.num_slots:
+            raise ValueError(
+                f"max_slots ({self.max_slots}) must be >= num_slots ({self.num_slots})"
+            )
+        if self.inline_bytes < 0:
+            raise ValueError(f"inline_bytes must be >= 0, got {self.inline_bytes}")
+
+    def sender(self, context: SenderContext) -> SenderPlane:
+        return MemorySenderPlane(self.num_slots, self.max_slots, self.inline_bytes)
+
+    def receiver(self, context: ReceiverContext) -> ReceiverPlane:
+        return MemoryReceiverPlane()
+
+
+class MemorySenderPlane(SenderPlane):
+    def __init__(self, num_slots: int, max_slots: int, inline_bytes: int) -> None:
+        self.num_slots = num_slots
+        self.token = secrets.token_hex(8)
+        self._slots = SlotTable(self._make, max_slots=max_slots)
+        self._stager = Stager(inline_bytes)
+        self._closed = False
+
+    def _make(self, index: int) -> list[torch.Tensor]:
+        return self.layout.allocate()
+
+    def setup(self, layout: Layout) -> None:
+        self.layout = layout
+        for _ in range(self.num_slots):
+            self._slots.add()
+        with _planes_lock:
+            _planes[self.token] = self
+
+    def welcome_params(self) -> dict[str, ParamValue]:
+        return {"plane": self.token}
+
+    def reserve(self, pinned: set[int]) -> int:
+        if self._closed:
+            raise WeightSyncError("the in-process plane is closed")
+        return self._slots.reserve(
+            lambda s: s.version is None or s.version not in pinned,
+            lambda: (
+                f"all {len(self._slots)} in-process slots hold versions still in use "
+                f"({sorted(pinned)}); raise max_slots or bring lagging workers up to date"
+            ),
+        )
+
+    async def stage(self, slot: int, source: WeightSource) -> None:
+        parts = self._slots[slot].value
+        layout = self.layout
+
+        def copy() -> None:
+            snapshot = source.snapshot()
+            if snapshot.buffers is not None:
+                fused_copy(parts, list(snapshot.buffers))
+            elif snapshot.tensors is not None:
+                views = layout.views(parts)
+                fused_copy(
+                    [views[k] for k in layout.keys], [snapshot.tensors[k] for k in layout.keys]
+                )
+            else:
+                raise ValueError("empty source")
+
+        await self._stager.run(layout.total_bytes, copy)
+
+    def publish(self, slot: int, version: int) -> None:
+        if self._closed:
+            raise WeightSyncError("the in-process plane is closed")
+        self._slots.publish(slot, version)
+
+    def release(self, slot: int) -> None:
+        if not self._closed:
+            self._slots.release(slot)
+
+    def deliver(
+        self, version: int, members: Sequence[Member], deadline: float, *, purpose: str = ""
+    ) -> Delivery:
+        return InPlace({"slot": self._slots.index_of(version), "nbytes": self.layout.total_bytes})
+
+    def buffers_of(self, slot: int) -> list[torch.Tensor]:
+        if self._closed:
+            raise TransportError("the in-process plane is closed")
+        return self._slots[slot].value
+
+    @property
+    def slot_count(self) -> int:
+        return len(self._slots)
+
+    def process_gone(self, pid: int) -> bool | None:
+        return not pid_alive(pid)
+
+    def close(self) -> None:
+        self._closed = True
+        self._stager.close()
+        with _planes_lock:
+            if _planes.get(self.token) is self:
+                del _planes[self.token]
+
+
+class MemoryReceiverPlane(ReceiverPlane):
+    def setup(
+        self, layout: Layout, welcome: Mapping[str, ParamValue], *, swap: bool = True
+    ) -> None:
+        token = welcome.get("plane")
+        if not isinstance(token, str):
+            raise ProtocolError(f"the welcome names no in-process plane: {dict(welcome)}")
+        with _planes_lock:
+            sender = _planes.get(token)
+        if sender is None:
+            raise TransportError(f"no in-process plane {token!r} in this process")
+        self.layout = layout
+        self._sender: MemorySenderPlane | None = sender
+        self._views: dict[int, Staged] = {}
+
+    def fetch_nowait(self, params: Mapping[str, ParamValue]) -> Staged:
+        slot, nbytes = params.get("slot"), params.get("nbytes")
+        if not isinstance(slot, int) or not isinstance(nbytes, int):
+            raise ProtocolError(f"update parameters lack a slot and size: {dict(params)}")
+        if nbytes != self.layout.total_bytes:
+            raise ProtocolError(
+                f"slot of {nbytes} bytes, the layout needs {self.layout.total_bytes}"
+            )
+        if self._sender is None:
+            raise TransportError("the in-process plane is closed")
+        staged = self._views.get(slot)
+        if staged is None:
+            try:
+                parts = self._sender.buffers_of(slot)
+            except IndexError:
+                raise ProtocolError(f"no slot {slot}") from None
+            staged = self._views[slot] = Staged(
+                parts, self.layout.views(parts), str(slot), shared=True
+            )
+        return staged
+
+    async def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
+        return self.fetch_nowait(params)
+
+    def close(self) -> None:
+        self._views = {}
+        self._sender = None

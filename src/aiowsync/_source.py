@@ -1,0 +1,90 @@
+"""Where a send's weights come from: the sender's own model, or weights given to one send.
+
+The scheme builds the model's source once (its watch, its re-homed buffers) and one source
+per explicit ``send(weights)``; the plane calls :meth:`snapshot` when it stages, which checks
+the weights against the layout before a byte is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+from torch import nn
+
+from ._layout import Layout, refuse_meta, rehome
+from ._plane import Source, WeightSource
+from ._watch import ModelWatch
+from ._weights import WeightsLike, flatten_weights
+
+__all__ = ["ModelSource", "WeightsSource"]
+
+log = logging.getLogger("aiowsync")
+
+
+class ModelSource(WeightSource):
+    """The sender's own module, watched for replaced tensors; optionally re-homed into one
+    private flat buffer so that a snapshot is one copy per buffer."""
+
+    def __init__(self, module: nn.Module, layout: Layout, *, rehome_it: bool = False) -> None:
+        self.layout = layout
+        self._flat: list[torch.Tensor] | None = None
+        if rehome_it:
+            try:
+                self._flat = rehome(module, layout)
+            except (ValueError, RuntimeError) as exc:
+                log.info("could not re-home the model (%s); snapshots use fused copies", exc)
+        self._watch = ModelWatch(module)
+        self._homed = self._watch.signature()
+        """The model's tensors as re-homed (:meth:`ModelWatch.signature`)."""
+
+    @property
+    def key(self) -> object:
+        return self
+
+    def snapshot(self) -> Source:
+        watch = self._watch
+        if watch.dirty:
+            self._recheck()
+        if self._flat is not None:
+            if watch.signature() == self._homed:
+                return Source(buffers=tuple(self._flat))
+            log.info("the model changed since it was re-homed; using fused copies")
+            self._flat = None
+        if not watch.same_specs():
+            self._recheck()
+        return Source(tensors=watch.tensors, model=True)
+
+    def _recheck(self) -> None:
+        watch = self._watch
+        watch.refresh()
+        try:
+            self.layout.check(watch.tensors)
+        except BaseException:
+            # What the walk found does not fit: look again at the next send, not only once
+            # something changes again.
+            watch.dirty = True
+            raise
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+class WeightsSource(WeightSource):
+    """A module, TensorDict or state_dict, flattened and checked at each snapshot."""
+
+    def __init__(self, weights: WeightsLike, layout: Layout) -> None:
+        self.weights = weights
+        self.layout = layout
+
+    @property
+    def key(self) -> object:
+        # The same weights object sent again: the plane may start copying what it copied last.
+        return ("weights", id(self.weights))
+
+    def snapshot(self) -> Source:
+        # Not detached: the planes only read them, under no_grad, and a detached view per leaf
+        # costs more than the check.
+        flat = flatten_weights(self.weights, detach=False)
+        self.layout.check(flat)
+        refuse_meta(flat, "they hold no values to send")
+        return Source(tensors=flat)
