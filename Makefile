@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 
-.PHONY: setup test lint demo bench bench-quick bench-setup clean
+.PHONY: setup test lint demo docs bench bench-quick bench-setup clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ lint: setup
 
 demo: setup
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/aiowsync demo
+
+# The documentation site, built into site/; --strict fails on any warning (a broken link, a
+# docstring that does not match its signature). After setup, so that torch stays pinned.
+docs: setup
+	$(BIN)/pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # `aiowsync bench` gets a venv of its own: the bench extra installs torchrl 0.14, which pins
 # tensordict 0.14, and the test venv keeps the newest tensordict.

@@ -1,4 +1,4 @@
-"""The public surface is what DESIGN.md section 6 and the docs promise."""
+"""The public surface is what the docs (the API reference and the concept pages) promise."""
 
 from __future__ import annotations
 
