@@ -6,10 +6,8 @@ import asyncio
 import importlib.util
 import json
 import multiprocessing
-import os
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,22 +18,11 @@ from aiowsync._bench import _parse, main
 from aiowsync._bench._models import MIB, Reader, fill, model_spec, spec_bytes
 from aiowsync._bench._report import checks, markdown, plot
 from aiowsync._bench._run import QUICK_CELLS, _plan_batches, footprint, matrix
+from helpers import run_cli
 
 HAS_TORCHRL = importlib.util.find_spec("torchrl") is not None
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 GIB = 1 << 30
-
-
-def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    return subprocess.run(
-        [sys.executable, "-m", "aiowsync", "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
 
 
 @pytest.mark.slow
@@ -43,7 +30,7 @@ def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     args = ("--models", "1MiB", "--workers", "2", "--samples", "3", "--no-torchrl")
-    done = _bench(*args, "--out", str(out), timeout=280)
+    done = run_cli("bench", *args, "--out", str(out), timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "(1/2) 1MiB x2 shm" in done.stderr  # progress while it runs
 
@@ -403,17 +390,55 @@ def _spin(seconds: float) -> None:
         pass
 
 
-async def test_a_sample_waits_for_a_quiet_machine_and_gives_up_in_time() -> None:
-    """Busy processes keep the machine from being quiet: the wait gives up after its limit
-    and says so; once they are gone it finds the machine quiet."""
+def _readings(*counts: int | None) -> Callable[[], int | None]:
+    """A reader of runnable tasks that gives ``counts`` in turn, then the last one for good."""
+    it = iter(counts)
+    last = counts[-1]
+
+    def read() -> int | None:
+        nonlocal last
+        last = next(it, last)
+        return last
+
+    return read
+
+
+async def test_the_quiet_wait_finds_quiet_only_after_enough_quiet_reads_in_a_row() -> None:
+    from aiowsync._bench._probe import QUIET_READS, wait_quiet
+
+    waited, quiet = await wait_quiet(most=30.0, read=_readings(3, 1, 1, 2, *[1] * QUIET_READS))
+    assert quiet and waited < 30.0
+    reads = 0
+
+    def counted() -> int:
+        nonlocal reads
+        reads += 1
+        return 1
+
+    assert (await wait_quiet(most=30.0, read=counted))[1] and reads == QUIET_READS
+    assert await wait_quiet(most=30.0, read=lambda: None) == (0.0, True)  # Linux does not say
+
+
+async def test_the_quiet_wait_gives_up_after_its_limit_on_a_machine_that_stays_busy() -> None:
+    from aiowsync._bench._probe import wait_quiet
+
+    started = time.perf_counter()
+    waited, quiet = await wait_quiet(most=0.3, read=_readings(1, 1, 4))
+    took = time.perf_counter() - started
+    assert not quiet and 0.3 <= waited <= took < 5.0  # the bound is generous: a busy host
+
+
+async def test_real_busy_processes_keep_the_machine_from_being_quiet_and_the_wait_gives_up() -> (
+    None
+):
+    """Two processes spinning are always runnable, beside the reader, however many CPUs the
+    machine has and whatever else runs on it."""
     from aiowsync._bench._probe import runnable_tasks, wait_quiet
 
-    count = runnable_tasks()
-    if count is None:
+    if runnable_tasks() is None:
         pytest.skip("Linux does not say how many tasks are runnable here")
-    assert count >= 1  # the reader itself
     ctx = multiprocessing.get_context("spawn")
-    busy = [ctx.Process(target=_spin, args=(30.0,), daemon=True) for _ in range(2)]
+    busy = [ctx.Process(target=_spin, args=(60.0,), daemon=True) for _ in range(2)]
     for p in busy:
         p.start()
     try:
@@ -421,14 +446,11 @@ async def test_a_sample_waits_for_a_quiet_machine_and_gives_up_in_time() -> None
         started = time.perf_counter()
         waited, quiet = await wait_quiet(most=0.3)
         took = time.perf_counter() - started
-        assert not quiet and 0.3 <= waited <= took < 2.0
+        assert not quiet and 0.3 <= waited <= took < 5.0
     finally:
         for p in busy:
             p.kill()
             p.join(timeout=10)
-    assert not any(p.is_alive() for p in busy)
-    waited, quiet = await wait_quiet(most=10.0)
-    assert quiet and waited < 10.0
 
 
 def test_the_report_says_how_long_samples_waited_for_quiet() -> None:

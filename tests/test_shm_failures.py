@@ -1224,7 +1224,7 @@ def test_a_receiver_that_outlives_its_sender_for_minutes_still_closes() -> None:
     # forever.
     out = _long_retries("outlive")
     assert out.startswith("closed in ")
-    assert float(out.split()[2]) < 2.0  # not, say, a 5 s join that timed out
+    assert float(out.split()[2]) < 4.0  # short of the 5 s join that a hang would wait out
 
 
 def test_a_worker_that_waits_minutes_for_its_trainer_still_joins() -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = [
     "ThreadTicker",
@@ -53,15 +54,18 @@ QUIET_AGAIN_S = 0.05
 keeps busy for good would otherwise cost :data:`QUIET_MOST_S` per sample."""
 
 
-async def wait_quiet(most: float = QUIET_MOST_S) -> tuple[float, bool]:
+async def wait_quiet(
+    most: float = QUIET_MOST_S, *, read: Callable[[], int | None] = runnable_tasks
+) -> tuple[float, bool]:
     """Wait until no task of the machine but this one is running or ready to run, in
     :data:`QUIET_READS` reads in a row, or until ``most`` seconds have passed. Returns the
     seconds waited and whether the machine was found quiet (always True where Linux does not
-    say how many tasks are runnable)."""
+    say how many tasks are runnable). ``read`` counts the runnable tasks (a test gives its own
+    readings)."""
     start = time.perf_counter()
     streak = 0
     while True:
-        count = runnable_tasks()
+        count = read()
         if count is None:
             return 0.0, True
         streak = streak + 1 if count <= 1 else 0
