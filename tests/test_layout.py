@@ -12,8 +12,19 @@ from tensordict import TensorDict
 from torch import nn
 
 import aiowsync
-from aiowsync import Layout, TensorSpec
-from aiowsync._layout import bind_views, is_homed, module_targets, rehome
+from aiowsync import Layout, TensorSpec, _copy
+from aiowsync._binding import bind_views, is_homed, module_targets, rehome
+from aiowsync._copy import CopyPolicy, fused_copy, streams_available
+from aiowsync._copy_job import (
+    EARLY_TAILS,
+    MAX_MOVE,
+    TAIL,
+    CopyJob,
+    cut_moves,
+    early_share,
+    split_sizes,
+)
+from aiowsync._gather import GatherCopy
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, TensorDesc, decode, encode
 from aiowsync._weights import flatten_weights
 
@@ -37,17 +48,20 @@ class Mixed(nn.Module):
 
 
 @pytest.fixture(params=["streamed", "plain"])
-def copies(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run a copy test with non-temporal copies (where built) and with plain ones."""
-    from aiowsync._layout import set_streaming, streaming
-
-    if request.param == "streamed" and not streaming():
+def policy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[CopyPolicy]:
+    """Run a copy test with non-temporal copies (where built) and with plain ones. The policy
+    is also the process's default for the test, for what copies without one (a plane)."""
+    streamed = request.param == "streamed"
+    if streamed and not streams_available():
         pytest.skip("non-temporal copies are not available here")
-    before = set_streaming(request.param == "streamed")
-    try:
-        yield request.param
-    finally:
-        set_streaming(before)
+    with CopyPolicy(streaming=streamed) as made:
+        monkeypatch.setattr(_copy, "_default", made)
+        yield made
+
+
+def gather_pool_or_skip(policy: CopyPolicy) -> None:
+    if policy.gather_pool() is None:
+        pytest.skip("torch does not run on OpenMP here")
 
 
 def assert_same_values(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -137,7 +151,7 @@ def test_empty_layout() -> None:
 # -- packing --------------------------------------------------------------------------------
 
 
-def test_pack_and_views_round_trip_every_dtype() -> None:
+def test_pack_and_views_round_trip_every_dtype(policy: CopyPolicy) -> None:
     model = Mixed()
     source = flatten_weights(model)
     layout = Layout.from_weights(model)
@@ -145,7 +159,7 @@ def test_pack_and_views_round_trip_every_dtype() -> None:
     assert [b.numel() for b in buffers] == list(layout.buffer_sizes)
     assert all(b.dtype == torch.uint8 for b in buffers)
     views = layout.views(buffers)
-    layout.pack(source, views)
+    layout.pack(source, views, policy)
     assert_same_values(views, source)
     for key, view in views.items():
         spec = layout.specs[layout.keys.index(key)]
@@ -193,7 +207,7 @@ def test_views_check_their_buffers() -> None:
     assert set(layout.views(bigger)) == {"a", "b"}
 
 
-def test_thousand_tensor_round_trip() -> None:
+def test_thousand_tensor_round_trip(policy: CopyPolicy) -> None:
     gen = torch.Generator().manual_seed(0)
     dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool]
     source: dict[str, torch.Tensor] = {}
@@ -208,7 +222,7 @@ def test_thousand_tensor_round_trip() -> None:
     assert len(layout) == 1000
     assert len(layout.buffer_sizes) > 1
     views = layout.views(layout.allocate())
-    layout.pack(source, views)
+    layout.pack(source, views, policy)
     assert_same_values(views, source)
     again = Layout.from_descs(decode(encode(hello_for(layout))).layout)  # type: ignore[union-attr]
     assert again.fingerprint == layout.fingerprint
@@ -425,13 +439,13 @@ def test_bind_views_points_tensors_at_new_memory_without_copying() -> None:
     assert model[1].num_batches_tracked.item() == 0
 
 
-def test_rehome_a_thousand_parameter_model() -> None:
+def test_rehome_a_thousand_parameter_model(policy: CopyPolicy) -> None:
     torch.manual_seed(1)
     model = nn.ModuleList(nn.Linear(2, 2) for _ in range(500))
     assert len(module_targets(model)) == 1000
     before = {k: t.detach().clone() for k, t in module_targets(model).items()}
     layout = Layout.from_weights(model)
-    buffers = rehome(model, layout)
+    buffers = rehome(model, layout, policy)
     assert len(buffers) == 1
     assert is_homed(module_targets(model), layout.views(buffers))
     assert_same_values({k: t.detach() for k, t in module_targets(model).items()}, before)
@@ -456,9 +470,7 @@ def test_tied_weights_stay_tied() -> None:
     assert torch.equal(model.out(torch.ones(1, 4)), torch.full((1, 6), 12.0))
 
 
-def test_fused_copy_of_a_large_mixed_list_copies_every_byte(copies: str) -> None:
-    from aiowsync._layout import fused_copy
-
+def test_fused_copy_of_a_large_mixed_list_copies_every_byte(policy: CopyPolicy) -> None:
     g = torch.Generator().manual_seed(3)
     dtypes = [torch.float32, torch.int64, torch.bool, torch.bfloat16, torch.float16]
     src: list[torch.Tensor] = []
@@ -469,7 +481,7 @@ def test_fused_copy_of_a_large_mixed_list_copies_every_byte(copies: str) -> None
     src.append(torch.randn(64, 32, generator=g).t())  # non-contiguous goes through torch
     dst = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in src]
     assert sum(t.nbytes for t in dst) > 4 * 1024 * 1024  # large enough for the threaded path
-    fused_copy(dst, src)
+    fused_copy(dst, src, policy)
     assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
 
 
@@ -491,16 +503,13 @@ def _mixed_weights(seed: int, count: int = 400) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("bucket_bytes", [None, 2 * 1024 * 1024])
 def test_gather_copy_fills_every_tensor_and_reuses_its_plan(
-    bucket_bytes: int | None, copies: str
+    bucket_bytes: int | None, policy: CopyPolicy
 ) -> None:
-    from aiowsync._layout import GatherCopy, _gather_pool
-
-    if _gather_pool() is None:
-        pytest.skip("torch does not run on OpenMP here")
+    gather_pool_or_skip(policy)
     weights = _mixed_weights(1)
     layout = Layout.from_weights(weights, bucket_bytes=bucket_bytes)
     assert layout.total_bytes > 4 * 1024 * 1024
-    gather = GatherCopy(layout)
+    gather = GatherCopy(layout, policy)
     dst = [torch.full((n,), 0xAB, dtype=torch.uint8) for n in layout.buffer_sizes]
     src = [weights[k] for k in layout.keys]
     for round_ in range(4):
@@ -554,8 +563,6 @@ def test_gather_copy_fills_every_tensor_and_reuses_its_plan(
 
 
 def test_gather_copy_declines_what_it_cannot_copy_as_bytes() -> None:
-    from aiowsync._layout import GatherCopy
-
     weights = _mixed_weights(2, count=60)
     layout = Layout.from_weights(weights)
     gather = GatherCopy(layout)
@@ -583,16 +590,14 @@ def test_gather_copy_declines_what_it_cannot_copy_as_bytes() -> None:
 def test_a_parallel_copy_is_cut_into_pieces_that_cover_every_byte_once(
     threads: int, total: int, early: float
 ) -> None:
-    from aiowsync._layout import _EARLY_TAILS, _MAX_MOVE, _TAIL, _cut_moves, _split_sizes
-
-    heads, tails = _split_sizes(total, threads, early)
+    heads, tails = split_sizes(total, threads, early)
     assert sum(heads) + sum(tails) == total
     assert len(tails) in (0, threads - 1) and all(n > 0 for n in heads + tails)
-    usual = _TAIL * (threads - 1) / threads
+    usual = TAIL * (threads - 1) / threads
     if tails:
         # Started before a check: the tails take the check's expected share of the copy, up
-        # to _EARLY_TAILS, and never less than usual.
-        want = max(usual, min(early, _EARLY_TAILS))
+        # to EARLY_TAILS, and never less than usual.
+        want = max(usual, min(early, EARLY_TAILS))
         assert sum(tails) == pytest.approx(want * total, rel=1e-3)
     # Moves laid end to end (sources far from destinations), cut into those groups.
     sizes = [total // 3, 5, total - total // 3 - 5]
@@ -600,10 +605,10 @@ def test_a_parallel_copy_is_cut_into_pieces_that_cover_every_byte_once(
     for n in sizes:
         moves.append((at, (1 << 40) + at, n))
         at += n
-    groups = _cut_moves(moves, heads + tails)
+    groups = cut_moves(moves, heads + tails)
     assert len(groups) == len(heads) + len(tails)
     flat = [m for g in groups for m in g]
-    assert all(0 < n <= _MAX_MOVE and s - d == 1 << 40 for d, s, n in flat)
+    assert all(0 < n <= MAX_MOVE and s - d == 1 << 40 for d, s, n in flat)
     covered = 0
     for d, _, n in flat:  # in order, no gap, no overlap
         assert d == covered
@@ -615,8 +620,6 @@ def test_a_parallel_copy_is_cut_into_pieces_that_cover_every_byte_once(
 def test_a_copy_job_abandoned_stops_taking_pieces() -> None:
     import time
     from concurrent.futures import ThreadPoolExecutor
-
-    from aiowsync._layout import CopyJob
 
     done: list[int] = []
     jobs: list[CopyJob[int]] = []
@@ -642,15 +645,12 @@ def test_a_copy_job_abandoned_stops_taking_pieces() -> None:
 
 
 def test_gather_copy_started_early_is_kept_for_the_same_sources_and_redone_otherwise(
-    copies: str,
+    policy: CopyPolicy,
 ) -> None:
-    from aiowsync._layout import GatherCopy, _gather_pool
-
-    if _gather_pool() is None:
-        pytest.skip("torch does not run on OpenMP here")
+    gather_pool_or_skip(policy)
     weights = _mixed_weights(4)
     layout = Layout.from_weights(weights)
-    gather = GatherCopy(layout)
+    gather = GatherCopy(layout, policy)
     dst = [torch.zeros(n, dtype=torch.uint8) for n in layout.buffer_sizes]
     src = [weights[k] for k in layout.keys]
     assert gather.start(dst) is None  # nothing copied yet: nothing to start
@@ -697,15 +697,12 @@ def test_gather_copy_started_early_is_kept_for_the_same_sources_and_redone_other
     assert all(f.done() for f in early.job._futures)
 
 
-def test_gather_copy_guesses_by_hint_for_sources_in_turn(copies: str) -> None:
-    from aiowsync._layout import GatherCopy, _gather_pool
-
-    if _gather_pool() is None:
-        pytest.skip("torch does not run on OpenMP here")
+def test_gather_copy_guesses_by_hint_for_sources_in_turn(policy: CopyPolicy) -> None:
+    gather_pool_or_skip(policy)
     first = _mixed_weights(5)
     layout = Layout.from_weights(first)
     second = {k: t.clone() for k, t in first.items()}
-    gather = GatherCopy(layout)
+    gather = GatherCopy(layout, policy)
     dst = [torch.zeros(n, dtype=torch.uint8) for n in layout.buffer_sizes]
     sources = {"model": first, "weights": second}
     for turn in range(6):
@@ -745,16 +742,32 @@ def test_gather_copy_guesses_by_hint_for_sources_in_turn(copies: str) -> None:
 def test_a_plane_guesses_by_hint_between_buffers_and_tensors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aiowsync import _planes
+    import sys
+
     from aiowsync._planes import SharedMemSenderPlane, Source
 
     weights = _mixed_weights(6, count=40)
     layout = Layout.from_weights(weights)
     homed = layout.allocate()
     views = layout.views(homed)
+    started: list[str] = []
+    home = sys.modules[SharedMemSenderPlane.__module__]  # where the plane finds start_copy
+    real_start_copy = home.start_copy
+
+    def spy_flat(
+        dst: list[torch.Tensor],
+        src: list[torch.Tensor],
+        early: float = 0.0,
+        policy: CopyPolicy | None = None,
+    ) -> object:
+        job = real_start_copy(dst, src, early, policy)
+        if job is not None:
+            started.append("homed")
+        return job
+
+    monkeypatch.setattr(home, "start_copy", spy_flat)
     plane = SharedMemSenderPlane()
     plane.setup(layout)
-    started: list[str] = []
     real_start = plane._gather.start
 
     def spy(dst: list[torch.Tensor], hint: object = None) -> object:
@@ -764,15 +777,6 @@ def test_a_plane_guesses_by_hint_between_buffers_and_tensors(
         return early
 
     plane._gather.start = spy  # type: ignore[method-assign]
-    real_start_copy = _planes.start_copy
-
-    def spy_flat(dst: list[torch.Tensor], src: list[torch.Tensor], early: float = 0.0) -> object:
-        job = real_start_copy(dst, src, early)
-        if job is not None:
-            started.append("homed")
-        return job
-
-    monkeypatch.setattr(_planes, "start_copy", spy_flat)
     try:
         for turn in range(6):
             hint = "homed" if turn % 2 == 0 else "weights"
@@ -802,30 +806,32 @@ def test_helpers_are_woken_away_from_the_callers_cpu_and_take_its_cpus_back() ->
     import os
     import threading
 
-    from aiowsync import _layout
-
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs Linux and two CPUs")
     cpus = os.sched_getaffinity(0)
     src = torch.randn(3 << 20)  # 12 MiB: copied by this thread and a helper
     dst = torch.zeros_like(src)
-    _layout.fused_copy([dst], [src])
+    policy = CopyPolicy()
+    others = set(threading.enumerate())
+    fused_copy([dst], [src], policy)
     assert torch.equal(dst, src)
-    helpers = [t for t in threading.enumerate() if t.name.startswith("aiowsync-copy")]
+    helpers = [t for t in set(threading.enumerate()) - others if t.name.startswith("aiowsync-copy")]
     assert helpers
-    assert _layout._steer_helpers() == cpus
+    assert policy.steer_helpers() == cpus
     for t in helpers:
         assert t.native_id is not None
         mask = os.sched_getaffinity(t.native_id)
         assert mask < cpus and len(mask) == len(cpus) - 1  # all but the caller's CPU
     src.add_(1)
-    _layout.fused_copy([dst], [src])  # a helper takes its share, and its CPUs back
+    fused_copy([dst], [src], policy)  # a helper takes its share, and its CPUs back
     assert torch.equal(dst, src)
     ran = [t for t in helpers if t.native_id and os.sched_getaffinity(t.native_id) == cpus]
     assert ran
+    policy.close()
+    assert not any(t.is_alive() for t in helpers)
 
 
-def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers(copies: str) -> None:
+def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers(policy: CopyPolicy) -> None:
     from aiowsync._planes import SharedMemSenderPlane, Source
 
     layout = Layout.from_weights({"w": torch.zeros(2 << 20), "b": torch.zeros(3)})
@@ -899,19 +905,17 @@ def test_flattening_a_tensordict_names_nested_leaves_and_refuses_non_tensors() -
 
 
 def test_the_early_share_follows_what_the_check_is_expected_to_cost() -> None:
-    from aiowsync._layout import _EARLY_TAILS, _TAIL, _split_sizes, early_share
-
     mib = 1 << 20
     # A thousand tensors in 64 MiB: the check may outlast half the copy, the tails take the most.
     many = early_share(1000, 64 * mib)
-    assert many > _EARLY_TAILS
-    heads, tails = _split_sizes(64 * mib, 2, many)
-    assert sum(tails) == pytest.approx(_EARLY_TAILS * 64 * mib, rel=1e-3)
+    assert many > EARLY_TAILS
+    heads, tails = split_sizes(64 * mib, 2, many)
+    assert sum(tails) == pytest.approx(EARLY_TAILS * 64 * mib, rel=1e-3)
     # Four tensors in 256 MiB check in microseconds: cut as a copy started after the check.
     few = early_share(4, 256 * mib)
     assert few < 0.01
-    assert _split_sizes(256 * mib, 2, few) == _split_sizes(256 * mib, 2)
-    assert sum(_split_sizes(256 * mib, 2, few)[1]) == pytest.approx(_TAIL / 2 * 256 * mib, 1e-3)
+    assert split_sizes(256 * mib, 2, few) == split_sizes(256 * mib, 2)
+    assert sum(split_sizes(256 * mib, 2, few)[1]) == pytest.approx(TAIL / 2 * 256 * mib, 1e-3)
     assert early_share(10, 0) == 0.0
 
 
@@ -923,12 +927,10 @@ def _share_bytes(share: object) -> int:
     return sum(out.numel() for _, out in share)
 
 
-def test_a_gather_copy_started_early_cuts_by_its_layout(copies: str) -> None:
-    from aiowsync._layout import _EARLY_TAILS, GatherCopy, _split_sizes
-
+def test_a_gather_copy_started_early_cuts_by_its_layout(policy: CopyPolicy) -> None:
     few = {f"w{i}": torch.randn(1 << 20) for i in range(4)}  # 16 MiB in 4 tensors
     lay = Layout.from_weights(few)
-    gather = GatherCopy(lay)
+    gather = GatherCopy(lay, policy)
     dst = lay.allocate()
     src = [few[k] for k in lay.keys]
     hint = "model"
@@ -937,10 +939,10 @@ def test_a_gather_copy_started_early_cuts_by_its_layout(copies: str) -> None:
     assert early is not None
     try:
         # the helper's tail is the usual one: the check of four tensors takes no time
-        usual_tails = _split_sizes(lay.total_bytes, gather._plans[early.key]._threads)[1]
+        usual_tails = split_sizes(lay.total_bytes, gather._plans[early.key]._threads)[1]
         tail_bytes = sum(map(_share_bytes, early.job._tails))
         assert tail_bytes == sum(usual_tails)
-        assert tail_bytes < _EARLY_TAILS * lay.total_bytes
+        assert tail_bytes < EARLY_TAILS * lay.total_bytes
     finally:
         assert gather.copy(dst, src, early=early, hint=hint)
     for spec in lay.specs:

@@ -9,8 +9,7 @@ import threading
 import pytest
 import torch
 
-from aiowsync import _layout
-from aiowsync._layout import pack_moves, set_streaming, streaming
+from aiowsync._copy import CopyPolicy, default_policy, fused_copy, pack_moves
 
 stream = pytest.importorskip("aiowsync._stream")
 
@@ -21,7 +20,7 @@ def test_the_module_is_built_and_streams_where_a_compiler_and_x86_64_are() -> No
     if not (_X86 and (shutil.which("cc") or shutil.which("gcc"))):
         pytest.skip("no x86-64 compiler here")
     assert stream.STREAMS is True
-    assert streaming() is True  # on by default
+    assert CopyPolicy().streaming is True  # on by default
 
 
 SIZES = [0, 1, 15, 16, 63, 64, 65, 4095, 4096, 4097, 4096 + 48, 65536 + 13, (1 << 20) + 7]
@@ -80,17 +79,20 @@ def test_a_buffer_of_partial_triples_or_no_buffer_is_refused() -> None:
     stream.copy_moves(b"")  # no moves: nothing to do
 
 
-def test_streaming_can_be_turned_off_and_on() -> None:
-    before = set_streaming(False)
-    try:
-        assert streaming() is False
-        src = torch.randn(2_000_000)
+def test_a_policy_streams_or_not_as_created_and_reads_the_environment_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src = torch.randn(2_000_000)
+    for on in (False, stream.STREAMS):
         dst = torch.zeros_like(src)
-        _layout.fused_copy([dst], [src])
+        with CopyPolicy(streaming=on) as policy:
+            assert policy.streaming is on
+            fused_copy([dst], [src], policy)
         assert torch.equal(dst, src)
-    finally:
-        set_streaming(before)
-    assert streaming() is before
+    default = default_policy()
+    monkeypatch.setenv("AIOWSYNC_STREAM", "0")
+    assert CopyPolicy().streaming is False
+    assert default_policy() is default  # made once, not changed by a later environment
 
 
 def test_without_the_module_copies_are_plain_and_cannot_be_turned_on() -> None:
@@ -103,17 +105,17 @@ def test_without_the_module_copies_are_plain_and_cannot_be_turned_on() -> None:
 import sys
 sys.modules["aiowsync._stream"] = None  # as if it had not been built
 import torch
-from aiowsync import _layout
-assert _layout._stream is None and not _layout.streaming()
+from aiowsync import _copy
+assert _copy._stream is None and not _copy.default_policy().streaming
 try:
-    _layout.set_streaming(True)
+    _copy.CopyPolicy(streaming=True)
 except RuntimeError as e:
     assert "not built" in str(e)
 else:
     raise AssertionError("turned on without the module")
 src = [torch.randn(300_000) for _ in range(8)]
 dst = [torch.zeros_like(t) for t in src]
-_layout.fused_copy(dst, src)
+_copy.fused_copy(dst, src)
 assert all(torch.equal(d, s) for d, s in zip(dst, src))
 print("plain ok")
 """
