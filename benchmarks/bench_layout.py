@@ -13,14 +13,14 @@ this shared VM changes its memory bandwidth within seconds, hits all of them ali
 * ``raw copy_``: the baseline, ``dst.copy_(src)`` of one contiguous tensor of exactly the
   model's payload bytes (a plain memcpy as fast as torch does it);
 * ``pack (fused)``: ``Layout.pack(tensors, views)`` of the module's own tensors into the views of
-  freshly allocated layout buffers (one ``torch._foreach_copy_`` over all tensors);
-* ``re-homed snapshot``: the module was re-homed with ``aiowsync._layout.rehome``, so its
+  freshly allocated layout buffers (``aiowsync._copy.fused_copy``: memmoves, or non-temporal
+  stores, shared among a few threads, under the process's default copy policy);
+* ``re-homed snapshot``: the module was re-homed with ``aiowsync._binding.rehome``, so its
   tensors already live in the layout's flat buffers; a snapshot is one ``copy_`` per flat buffer
   into a second set of buffers of the same sizes (this copies the alignment padding too);
 * ``pack (fused, 1 thread)`` (informational): the same fused pack with
-  ``torch.set_num_threads(1)`` around it. Every tensor above torch's grain size (32768
-  elements) gets its own OpenMP parallel region, and with ``OMP_WAIT_POLICY=PASSIVE`` each
-  region must first wake the sleeping worker thread; this contender shows what that costs;
+  ``torch.set_num_threads(1)`` around it, so that the calling thread copies every byte alone;
+  this contender shows what the helper threads bring;
 * ``pack (python loop)`` (informational): ``dst.copy_(src)`` per tensor from Python, to show
   what fusing saves.
 
@@ -28,10 +28,9 @@ Targets, as ratios of medians against ``raw copy_``: fused pack about 1.6x (on t
 model), re-homed snapshot <= 1.1x.
 
 Reading the numbers: on this shared 2-core VM the second vCPU is sometimes effectively
-unavailable for seconds at a time; a raw copy then runs at one-thread speed (~10 ms instead of
-~6 ms for 64 MiB). Large copies gain from the second thread, while a pack of many small tensors
-pays a worker wake-up per parallel region, so the fused-pack ratio moves a lot with that state
-(per-round ratios show it). The load average at the start and end is printed and recorded.
+unavailable for seconds at a time; a raw copy then runs at one-thread speed. Large copies gain
+from the second thread, so the fused-pack ratio moves a lot with that state (per-round ratios
+show it). The load average at the start and end is printed and recorded.
 
 Environment: ``OMP_WAIT_POLICY=PASSIVE`` is set (unless already set) before torch is imported,
 so that torch's OpenMP threads sleep instead of spinning when idle on the shared 2-core machine.
@@ -66,7 +65,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from aiowsync._layout import Layout, is_homed, module_targets, rehome
+from aiowsync._binding import is_homed, module_targets, rehome
+from aiowsync._layout import Layout
 from aiowsync._weights import flatten_weights
 
 MIB = 1 << 20
