@@ -22,12 +22,11 @@ Contenders, measured in the same run and alternated round by round so that drift
 Target: aiowsync's median <= 1.5x raw's median.
 
 Reading the numbers: a round trip crosses threads four times (event loop -> ZeroMQ I/O thread
--> the other context's I/O thread -> event loop, twice). On this VM an idle vCPU takes tens of
-microseconds to wake, so on an idle machine wake-ups dominate (a few hundred microseconds per
-round trip), while with other processes keeping the vCPUs awake a round trip takes tens of
-microseconds. Compare contenders within one run only; the load average at the start and end is
-printed and recorded. The ``cpu us`` column (the event-loop thread's CPU time per round trip)
-is the Python layer's cost independent of wake-ups; under CPU contention it becomes latency.
+-> the other context's I/O thread -> event loop, twice), so how fast an idle CPU wakes up
+weighs on it more than the Python layer does; compare contenders within one run only (the load
+average at the start and end is printed and recorded). The ``cpu us`` column (the event-loop
+thread's CPU time per round trip) is the Python layer's cost without the wake-ups; under CPU
+contention it becomes latency.
 
 Environment: ``OMP_WAIT_POLICY=PASSIVE`` is set (unless already set) before torch is imported
 (aiowsync imports torch), as for every benchmark on the shared 2-core machine; torch does no
@@ -66,12 +65,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from aiowsync import Heartbeats, Timeouts
 from aiowsync._channel import ZmqChannelFactory
 from aiowsync._protocol import Ack, Heartbeat, decode, encode
 
 LOOPBACK = "tcp://127.0.0.1:0"
-HEARTBEAT_TIMEOUT = 1.5  # aiowsync's default liveness (3 beats of 0.5 s)
-OP_TIMEOUT = 5.0  # deadline passed to every aiowsync call, as the schemes do
+HEARTBEAT_TIMEOUT = Heartbeats().timeout  # aiowsync's default liveness
+OP_TIMEOUT = Timeouts().control  # the deadline the schemes give one control message
 TARGET_RATIO = 1.5
 
 ACK = Ack(worker_idx=0, version=1)

@@ -48,9 +48,7 @@ SAMPLES = [
             TensorDesc("bn.num_batches_tracked", "int64", ()),
             TensorDesc("empty", "float16", (0, 5)),
         ),
-        transport="shm",
         pid=4242,
-        credential="s3cret",
     ),
     Welcome(model_id="policy", worker_idx=3, session=SESSION, version=0),
     Welcome(

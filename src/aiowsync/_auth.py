@@ -18,6 +18,7 @@ import zmq.auth.thread
 from zmq.utils import z85
 
 from ._exceptions import TransportError
+from ._text import worth_logging
 
 __all__ = ["CurveKeys"]
 
@@ -25,7 +26,8 @@ log = logging.getLogger("aiowsync.auth")
 
 _KEY_CHARS = frozenset(z85.Z85CHARS)
 _ZAP_DOMAIN = "aiowsync"
-_STOP_WAIT = 5.0  # seconds to wait for the ZAP thread to finish
+_STOP_WAIT = 5.0
+"""Seconds ``close()`` waits for the ZAP thread, which stops as soon as it reads the request."""
 
 
 def _z85_key(name: str, value: object) -> str:
@@ -211,12 +213,6 @@ def _unpickle(state: dict[str, Any]) -> CurveKeys:
     return CurveKeys(**state)
 
 
-def _worth_logging(refused: int) -> bool:
-    """True for the 1st, 10th, 100th... refusal: a peer that keeps retrying must not flood
-    the log."""
-    return str(refused).rstrip("0") == "1"
-
-
 class _AllowedKeys:
     """The ZAP credentials provider: accepts exactly the configured client public keys."""
 
@@ -228,7 +224,7 @@ class _AllowedKeys:
         if key in self._allowed:
             return True
         self.refused += 1
-        if _worth_logging(self.refused):
+        if worth_logging(self.refused):
             log.warning(
                 "refused a control connection with an unknown CURVE client key %s "
                 "(%d refused so far)",
@@ -251,7 +247,7 @@ class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
             uid = _peer_uid(msg[3])
             if uid is None or uid not in self.users:
                 self.refused_users += 1
-                if _worth_logging(self.refused_users):
+                if worth_logging(self.refused_users):
                     log.warning(
                         "refused a control connection from a process of another user "
                         "(peer %s; %d refused so far)",

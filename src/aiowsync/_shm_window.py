@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
-import sys
 import weakref
 
 import torch
 
 from ._exceptions import TransportError
+from ._libc import libc
 from ._shm_slots import open_slot
 
 __all__ = ["SlotWindow", "windows_supported"]
@@ -32,15 +31,13 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _KEPT_FILES = 32
 
 
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
+def _mapping_calls() -> ctypes.CDLL | None:
+    """The C library with ``mmap``/``munmap`` typed for the calls below; None off Linux."""
+    c = libc()
+    if c is None:
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
+    c.mmap.restype = ctypes.c_void_p
+    c.mmap.argtypes = [
         ctypes.c_void_p,
         ctypes.c_size_t,
         ctypes.c_int,
@@ -48,12 +45,12 @@ def _libc() -> ctypes.CDLL | None:
         ctypes.c_int,
         ctypes.c_long,
     ]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
+    c.munmap.restype = ctypes.c_int
+    c.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return c
 
 
-_LIBC = _libc()
+_LIBC = _mapping_calls()
 
 
 def _unmap(addr: int, size: int) -> None:

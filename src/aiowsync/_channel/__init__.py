@@ -1,8 +1,9 @@
 """Control channels: the interface, the ZeroMQ implementation and the in-memory twin."""
 
+from ._address import LOCAL_BIND, is_loopback_address, resolve_local
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel
 from ._memory import MemoryChannelFactory
-from ._zmq import LOCAL_BIND, ZmqChannelFactory, is_loopback_address, resolve_local
+from ._zmq import ZmqChannelFactory
 
 __all__ = [
     "LOCAL_BIND",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from .._exceptions import ProtocolError, WeightSyncTimeout
 from .._protocol import Heartbeat, Message, decode
+from .._text import worth_logging
 
 __all__ = ["ChannelFactory", "PeerId", "ReceiverChannel", "SenderChannel"]
 
@@ -39,8 +40,7 @@ class _Counting:
 
     def _count_drop(self, what: str, *args: object) -> None:
         self.dropped += 1
-        # The 1st, 10th, 100th...: a peer sending junk must not flood the log.
-        if str(self.dropped).rstrip("0") == "1":
+        if worth_logging(self.dropped):
             log.warning("dropped " + what + " (%d dropped so far)", *args, self.dropped)
 
 

@@ -20,6 +20,9 @@ from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeo
 
 __all__ = ["MemoryChannelFactory"]
 
+_JOIN_WAIT = 5.0
+"""Seconds ``close()`` waits for a beat thread, which wakes at once when told to stop."""
+
 _Item = tuple[PeerId, bytes]
 _CLOSED: _Item = (b"", b"")  # queued by close() to wake a pending recv; compared by identity
 
@@ -143,7 +146,7 @@ class MemoryReceiverChannel(ReceiverChannel):
             self.inbox.put_nowait(_CLOSED)
         self._beat_stop.set()
         if self._beat_thread is not None:
-            self._beat_thread.join(timeout=5)
+            self._beat_thread.join(timeout=_JOIN_WAIT)
         self._sender.peers.pop(self._peer, None)
 
 

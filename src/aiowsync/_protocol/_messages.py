@@ -71,9 +71,7 @@ class Hello(_Base, frozen=True, tag="hello"):
     worker_idx: WorkerIndex
     fingerprint: str
     layout: Annotated[tuple[TensorDesc, ...], msgspec.Meta(max_length=MAX_TENSORS)] = ()
-    transport: Name = ""
     pid: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
-    credential: Annotated[str, msgspec.Meta(max_length=MAX_NAME)] = ""
 
     def __post_init__(self) -> None:
         if not _FINGERPRINT.match(self.fingerprint):
