@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import array
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -25,7 +25,9 @@ from aiowsync._copy_job import (
     split_sizes,
 )
 from aiowsync._gather import GatherCopy
+from aiowsync._plane import Source, WeightSource
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, TensorDesc, decode, encode
+from aiowsync._shm_plane import SharedMemSenderPlane
 from aiowsync._weights import flatten_weights
 
 
@@ -54,9 +56,12 @@ def policy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     streamed = request.param == "streamed"
     if streamed and not streams_available():
         pytest.skip("non-temporal copies are not available here")
-    with CopyPolicy(streaming=streamed) as made:
-        monkeypatch.setattr(_copy, "_default", made)
+    made = CopyPolicy(streaming=streamed)
+    monkeypatch.setattr(_copy, "_default", made)
+    try:
         yield made
+    finally:
+        made.close()
 
 
 def gather_pool_or_skip(policy: CopyPolicy) -> None:
@@ -739,12 +744,33 @@ def test_gather_copy_guesses_by_hint_for_sources_in_turn(policy: CopyPolicy) -> 
     assert gather.start(dst, "weights") is None
 
 
+class _Given(WeightSource):
+    """Weights from ``key``, as ``make`` returns them (or the error it raises)."""
+
+    def __init__(self, key: str, make: Callable[[], Source]) -> None:
+        self._key, self._make = key, make
+
+    @property
+    def key(self) -> object:
+        return self._key
+
+    def snapshot(self) -> Source:
+        return self._make()
+
+
+def stage(plane: SharedMemSenderPlane, slot: int, key: str, make: Callable[[], Source]) -> None:
+    """Stage into ``slot`` as the plane's staging thread does (checked by ``make``)."""
+    plane._stage(slot, _Given(key, make))
+
+
+def slot_parts(plane: SharedMemSenderPlane, slot: int) -> list[torch.Tensor]:
+    return plane._slots[slot].value.parts
+
+
 def test_a_plane_guesses_by_hint_between_buffers_and_tensors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import sys
-
-    from aiowsync._planes import SharedMemSenderPlane, Source
 
     weights = _mixed_weights(6, count=40)
     layout = Layout.from_weights(weights)
@@ -790,13 +816,13 @@ def test_a_plane_guesses_by_hint_between_buffers_and_tensors(
                 expected = [torch.zeros_like(b) for b in homed]
                 layout.pack(weights, layout.views(expected))
             slot = turn % 2
-            plane.write_checked(slot, lambda source=source: source, hint)
-            got = plane._slots[slot].parts
+            stage(plane, slot, hint, lambda source=source: source)
+            got = slot_parts(plane, slot)
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), turn
         # Each kind was copied early once seen (the tensors once their plan was kept), though
-        # every write before it had copied the other kind.
+        # every staging before it had copied the other kind.
         assert started == ["homed", "homed", "weights"]
-        assert plane._hinted["homed"] is not None and plane._hinted["weights"] is None
+        assert plane._last["homed"] is not None and plane._last["weights"] is None
         assert views  # the homed views stay valid
     finally:
         plane.close()
@@ -832,8 +858,6 @@ def test_helpers_are_woken_away_from_the_callers_cpu_and_take_its_cpus_back() ->
 
 
 def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers(policy: CopyPolicy) -> None:
-    from aiowsync._planes import SharedMemSenderPlane, Source
-
     layout = Layout.from_weights({"w": torch.zeros(2 << 20), "b": torch.zeros(3)})
     plane = SharedMemSenderPlane()
     plane.setup(layout)
@@ -841,28 +865,28 @@ def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers(policy: CopyPolicy
         first = layout.allocate()
         for b in first:
             b.fill_(1)
-        plane.write_checked(0, lambda: Source(buffers=tuple(first)))
-        assert all(torch.equal(a, b) for a, b in zip(plane._slots[0].parts, first, strict=True))
+        stage(plane, 0, "model", lambda: Source(buffers=tuple(first)))
+        assert all(torch.equal(a, b) for a, b in zip(slot_parts(plane, 0), first, strict=True))
         # The same buffers with new values: copied (early) into the other slot.
         for b in first:
             b.fill_(2)
-        plane.write_checked(1, lambda: Source(buffers=tuple(first)))
-        assert all(torch.equal(a, b) for a, b in zip(plane._slots[1].parts, first, strict=True))
+        stage(plane, 1, "model", lambda: Source(buffers=tuple(first)))
+        assert all(torch.equal(a, b) for a, b in zip(slot_parts(plane, 1), first, strict=True))
         # Other buffers: the early copy of the old ones is abandoned, the new ones copied.
         other = [torch.full_like(b, 7) for b in first]
-        plane.write_checked(1, lambda: Source(buffers=tuple(other)))
-        assert all(torch.equal(a, b) for a, b in zip(plane._slots[1].parts, other, strict=True))
+        stage(plane, 1, "model", lambda: Source(buffers=tuple(other)))
+        assert all(torch.equal(a, b) for a, b in zip(slot_parts(plane, 1), other, strict=True))
 
         # A check that fails stops the early copy before the error comes out.
         def refuse() -> Source:
             raise aiowsync.LayoutMismatchError("no")
 
         with pytest.raises(aiowsync.LayoutMismatchError):
-            plane.write_checked(0, refuse)
+            stage(plane, 0, "model", refuse)
         for b in other:
             b.fill_(9)
-        plane.write_checked(0, lambda: Source(buffers=tuple(other)))
-        assert all(torch.equal(a, b) for a, b in zip(plane._slots[0].parts, other, strict=True))
+        stage(plane, 0, "model", lambda: Source(buffers=tuple(other)))
+        assert all(torch.equal(a, b) for a, b in zip(slot_parts(plane, 0), other, strict=True))
     finally:
         plane.close()
 

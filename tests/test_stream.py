@@ -85,9 +85,10 @@ def test_a_policy_streams_or_not_as_created_and_reads_the_environment_then(
     src = torch.randn(2_000_000)
     for on in (False, stream.STREAMS):
         dst = torch.zeros_like(src)
-        with CopyPolicy(streaming=on) as policy:
-            assert policy.streaming is on
-            fused_copy([dst], [src], policy)
+        policy = CopyPolicy(streaming=on)
+        assert policy.streaming is on
+        fused_copy([dst], [src], policy)
+        policy.close()
         assert torch.equal(dst, src)
     default = default_policy()
     monkeypatch.setenv("AIOWSYNC_STREAM", "0")

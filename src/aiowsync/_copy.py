@@ -19,7 +19,6 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
@@ -149,17 +148,6 @@ class CopyPolicy:
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True)
-
-    def __enter__(self) -> CopyPolicy:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"CopyPolicy(streaming={self._streaming})"
