@@ -29,6 +29,9 @@ from helpers import bump, same
 pytestmark = pytest.mark.timeout(90)
 
 FAST = aiowsync.Heartbeats(interval=0.1, missed=50)  # no test here waits for a loss
+THREAD_EXIT = 60.0
+"""How long a helper thread may take to end: c10d retries a store connection with random
+pauses, and gives up well after its own timeout."""
 
 
 def model(seed: int = 0, width: int = 64) -> nn.Module:
@@ -91,11 +94,11 @@ def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, pla
     try:
         slot = plane.reserve(set())
         plane.write(slot, Source(tensors=weights))
-        flat = plane._slots[slot].flat
+        image = plane._slots[slot].image
         for index in range(len(plane.buckets.ranges)):
-            plane._pack(plane._slots[slot], index)
-        assert plane._slots[slot].complete.is_set()
-        views = layout.views(layout.split(flat))
+            plane._packer.pack(image, index)
+        assert image.complete.is_set()
+        views = layout.views(layout.split(image.flat))
         assert all(torch.equal(views[k], weights[k]) for k in weights)
     finally:
         plane.close()
@@ -155,9 +158,8 @@ async def test_a_failed_collective_is_retried_on_a_fresh_group() -> None:
         # next broadcast on it fails, every member fails fast, and both get the version again.
         plane = receivers[0][0]._receiver._plane
         assert isinstance(plane, DistReceiverPlane)
-        with plane._lock:
-            for name in list(plane._groups):
-                plane._discard(name)
+        for name in list(plane._groups._table):
+            plane._groups.discard(name)
         gc.collect()
         bump(src)
         result = await sender.send(timeout=20)
@@ -190,12 +192,12 @@ async def test_more_groups_than_the_caches_hold() -> None:
         # The keys go in a thread of their own, after the transfer: give it a moment.
         plane = sender._sender._plane  # type: ignore[union-attr]
         for _ in range(100):
-            keys = plane._store.list_keys()
+            keys = plane._groups._store.list_keys()
             named = {key.split("/")[1] for key in keys if key.startswith("aiowsync/")}
-            if named <= {g.name for g in plane._groups.values()}:
+            if named <= {g.name for g in plane._groups._table.values()}:
                 break
             await asyncio.sleep(0.05)
-        assert named <= {g.name for g in plane._groups.values()}
+        assert named <= {g.name for g in plane._groups._table.values()}
 
 
 async def test_deleting_old_group_keys_never_holds_up_a_send() -> None:
@@ -207,25 +209,25 @@ async def test_deleting_old_group_keys_never_holds_up_a_send() -> None:
     async with system(2) as (sender, src, receivers):
         bump(src)
         await sender.send(timeout=20)  # the group is cached from now on
-        plane = sender._sender._plane  # type: ignore[union-attr]
+        groups = sender._sender._plane._groups  # type: ignore[union-attr]
 
         def rendezvous() -> None:  # what rank 0 of a forming group does meanwhile
             with contextlib.suppress(Exception):
-                plane._store.wait(["aiowsync/forming/0/0"], datetime.timedelta(seconds=4))
+                groups._store.wait(["aiowsync/forming/0/0"], datetime.timedelta(seconds=4))
 
         waiter = threading.Thread(target=rendezvous)
         waiter.start()
         try:
             await asyncio.sleep(0.2)
-            with plane._lock:
-                plane._unkeyed.append("0123456789abcdef")  # dropped earlier, keys not deleted
+            with groups._lock:
+                groups._unkeyed.append("0123456789abcdef")  # dropped earlier, keys not deleted
             bump(src)
             started = time.monotonic()
             result = await sender.send(timeout=10)
             assert time.monotonic() - started < 2.0  # not the 3.8 s the rendezvous had left
             assert result.worker_ids == (0, 1) and all(same(m, src) for _, m in receivers)
         finally:
-            await asyncio.to_thread(waiter.join, 10)
+            await asyncio.to_thread(waiter.join, THREAD_EXIT)
 
 
 def _uniform(m: nn.Module) -> set[float]:
@@ -443,7 +445,7 @@ async def test_a_send_cancelled_while_announcing_gives_its_group_back() -> None:
             await asyncio.wait_for(sender.send(timeout=20), 0.05)
         del channel.send_nowait, channel.send
         plane = core._plane
-        sends = [k for k in plane._groups if k[-1] == (-1, "")]  # type: ignore[attr-defined]
+        sends = [k for k in plane._groups._table if k[-1] == (-1, "")]  # type: ignore[attr-defined]
         assert sends == []  # (the groups that brought the workers up at connect stay)
         assert all(s.readers == 0 for s in plane._slots)  # type: ignore[attr-defined]
         bump(src)
@@ -473,7 +475,7 @@ async def test_receivers_reach_the_store_on_the_data_host_not_the_control_host()
 
 
 def test_a_wait_shorter_than_a_millisecond_still_has_a_limit() -> None:
-    from aiowsync._dist_plane import _finish
+    from aiowsync._dist_groups import finish
 
     seen: list[Any] = []
 
@@ -481,7 +483,7 @@ def test_a_wait_shorter_than_a_millisecond_still_has_a_limit() -> None:
         def wait(self, span: Any) -> None:
             seen.append(span)
 
-    _finish(Work(), "gloo", 0.0004, torch.device("cpu"))
+    finish(Work(), "gloo", 0.0004, torch.device("cpu"))
     # c10d reads a zero span as "no limit": the smallest it keeps is one millisecond.
     assert seen and seen[0].total_seconds() >= 0.001
 
@@ -506,7 +508,7 @@ def test_closing_a_receiver_plane_does_not_wait_for_its_store_connection() -> No
 
     def connect() -> None:
         try:
-            plane._need_store(timeout=2.0)
+            plane._groups._need_store(plane.sender_host, port, timeout=2.0)
         except BaseException as exc:  # the store never answers
             errors.append(exc)
 
@@ -517,5 +519,5 @@ def test_closing_a_receiver_plane_does_not_wait_for_its_store_connection() -> No
     plane.close()
     assert time.monotonic() - started < 1.0
     # c10d retries the connection with random pauses: it gives up well after its timeout.
-    thread.join(60)
+    thread.join(THREAD_EXIT)
     assert not thread.is_alive() and errors

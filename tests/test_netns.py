@@ -41,6 +41,8 @@ BUCKET_BYTES = 8 << 10  # as in _netns_worker.py: several buckets per version
 IP_TIMEOUT = 10.0  # seconds for one `ip` command or the link probe
 INTRUDER_DEADLINE = 3.0
 EVENT_TIMEOUT = 30.0  # a worker's next report (its first includes importing torch)
+EXIT_TIMEOUT = 3.0  # workers leave once their input ends; later ones are killed
+REAP_TIMEOUT = 10.0  # a killed worker's exit, or a reader's end once the pipes closed
 Event = dict[str, Any]
 
 
@@ -266,15 +268,15 @@ class NsWorkers:
             with contextlib.suppress(OSError):
                 assert proc.stdin is not None
                 proc.stdin.close()  # end of input: a worker's cue to leave
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + EXIT_TIMEOUT
         for proc in self.procs.values():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(10)
+                proc.wait(REAP_TIMEOUT)
         for reader in self._readers:
-            reader.join(5)
+            reader.join(REAP_TIMEOUT)
         for proc in self.procs.values():
             if proc.stdout is not None:
                 proc.stdout.close()

@@ -1,0 +1,428 @@
+"""Process groups of our own, and the TCP store they form in.
+
+The sender runs a TCP store (bound to the control socket's host only) and creates one process
+group per set of receivers it sends to, with itself as rank 0. A group is named by a random
+token and used as a prefix in the store, so groups never collide and the user's default group
+is never touched. Groups are cached by their members (worker index and session, so a restarted
+worker gets new groups); a group whose collective failed is dropped at once, which closes its
+connections and makes every member's pending receive fail quickly instead of timing out.
+
+Every blocking call here runs in a worker thread and has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+from ._exceptions import TransportError
+from ._planes import Params
+
+__all__ = [
+    "FORM_TIMEOUT",
+    "Backend",
+    "Group",
+    "Member",
+    "ReceiverGroups",
+    "SenderGroups",
+    "finish",
+    "host_of",
+    "local_ip_towards",
+    "new_group",
+    "seconds_left",
+]
+
+log = logging.getLogger("aiowsync.dist")
+
+Backend: TypeAlias = Literal["gloo", "nccl"]
+Member: TypeAlias = tuple[int, str]
+"""A receiver as a group member: (worker index, session)."""
+
+FORM_TIMEOUT = 10.0
+"""The longest a new group may take to form, whatever the transfer's deadline: a member that
+never joins fails the transfer early, so that its retry on a fresh group still has time."""
+
+_STORE_TIMEOUT = datetime.timedelta(seconds=60)
+"""The sender's store's limit on one request; every wait that matters has its own deadline."""
+
+_OP_TIMEOUT = datetime.timedelta(hours=1)
+"""The groups' own limit on one send or receive. Deadlines are enforced by each wait instead:
+a cached group outlives the deadline of the send that formed it."""
+
+_MAX_GROUPS = 8
+"""Idle groups each side keeps: each holds connections to all its members."""
+
+_DEAD_NAMES = 256
+"""Names of failed groups a receiver remembers, so that an update naming one fails at once."""
+
+_LISTEN_BACKLOG = 256
+"""Connections the store's socket queues: every member of a forming group connects at once."""
+
+
+def host_of(address: str) -> str:
+    """The host part of a ``tcp://host:port`` address."""
+    host = (urlsplit(address).hostname or "").strip("[]")
+    if not host:
+        raise ValueError(f"no host in address {address!r}")
+    return host
+
+
+def local_ip_towards(host: str) -> str:
+    """The local address this machine uses to reach ``host`` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
+
+
+def seconds_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransportError("the transfer ran out of time")
+    return left
+
+
+def new_group(
+    backend: Backend,
+    store: Store,
+    name: str,
+    rank: int,
+    size: int,
+    hostname: str,
+    timeout: float,
+) -> dist.ProcessGroup:
+    """A process group of ``size`` ranks under prefix ``name``: blocks until all have joined."""
+    prefixed = PrefixStore(f"aiowsync/{name}/", store)
+    span = datetime.timedelta(seconds=timeout)
+    pg: Any
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = span
+        # Two devices, so two I/O threads: consecutive buckets (tags) alternate between them.
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)] * 2
+        pg = dist.ProcessGroupGloo(prefixed, rank, size, options)
+    elif backend == "nccl":  # pragma: no cover - needs GPUs
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = span
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, nccl_options)
+    else:
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    # ``timeout`` bounded the rendezvous above; from here on each wait has its own deadline.
+    set_default = getattr(pg, "_set_default_timeout", None)
+    if set_default is not None:
+        set_default(_OP_TIMEOUT)
+    return pg  # type: ignore[no-any-return]
+
+
+def finish(work: Any, backend: Backend, timeout: float, device: torch.device) -> None:
+    """Wait for one send or receive for at most ``timeout`` seconds."""
+    # c10d keeps whole milliseconds and reads 0 as "no limit" (the group's own, far longer).
+    work.wait(datetime.timedelta(milliseconds=max(1, math.ceil(timeout * 1000))))
+    if backend == "nccl":  # pragma: no cover - needs GPUs
+        torch.cuda.synchronize(device)
+
+
+@dataclass(slots=True)
+class Group:
+    """One of the sender's groups: the route a transfer to its members takes."""
+
+    name: str
+    members: tuple[Member, ...]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dropped: bool = False
+    users: int = 0  # routes handed out whose transfer has not ended
+    pg: Any = None
+    last_used: float = 0.0
+
+    @property
+    def workers(self) -> list[int]:
+        return [w for w, _ in self.members if w >= 0]
+
+
+class SenderGroups:
+    """The sender's store and its cache of groups, with itself as rank 0 of each."""
+
+    def __init__(self, *, backend: Backend, host: str, form_timeout: float) -> None:
+        self.backend: Backend = backend
+        self.host = host
+        self.form_timeout = form_timeout
+        self.port = 0
+        self._table: dict[tuple[Member, ...], Group] = {}
+        self._lock = threading.Lock()
+        self._store: TCPStore | None = None
+        self._unkeyed: list[str] = []
+        """Dropped groups whose rendezvous keys are still in the store."""
+        self._keeper: ThreadPoolExecutor | None = None
+        """One thread that deletes those keys, on a store connection of its own: the one
+        that forms groups is held for as long as a rendezvous waits."""
+        self._keeper_store: Store | None = None
+        self._closed = False
+
+    def open(self) -> None:
+        """Start the store; :attr:`port` says where receivers reach it."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((self.host, 0))
+            listener.listen(_LISTEN_BACKLOG)
+            # The store serves on our own socket, so it listens on the control host only.
+            self._store = TCPStore(
+                self.host,
+                listener.getsockname()[1],
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_STORE_TIMEOUT,
+                master_listen_fd=listener.fileno(),
+            )
+        except BaseException:
+            listener.close()
+            raise
+        # The store owns the listening socket from here on and closes it with itself.
+        self.port = int(listener.getsockname()[1])
+        listener.detach()
+
+    def route(self, members: Sequence[Member], purpose: str = "") -> Group:
+        """The group for ``members``, created on first use and not evicted until :meth:`done`
+        was called for it (``purpose`` keeps groups of different uses apart)."""
+        key = (*sorted(members), (-1, purpose))
+        with self._lock:
+            group = self._table.get(key)
+            if group is None:
+                group = Group(secrets.token_hex(8), key)
+                self._table[key] = group
+            group.last_used = time.monotonic()
+            group.users += 1
+            self._evict()
+        return group
+
+    def params(self, group: Group, timeout: float) -> Params:
+        """What the members of ``group`` need to take part in a transfer on it."""
+        return {
+            "group": group.name,
+            "members": ",".join(str(w) for w in group.workers),
+            "timeout_ms": max(1, int(timeout * 1000)),
+            "form_ms": max(1, int(min(timeout, self.form_timeout) * 1000)),
+        }
+
+    def run(self, group: Group, deadline: float, send: Callable[[Any], None]) -> None:
+        """``send(pg)`` on ``group``'s process group, formed first if it is new; one transfer
+        on a group at a time."""
+        if not group.lock.acquire(timeout=seconds_left(deadline)):
+            raise TransportError("another transfer on the same group did not finish in time")
+        try:
+            with self._lock:
+                if group.dropped:
+                    raise TransportError("its group was torn down after an earlier failure")
+                pg = group.pg
+            if pg is None:
+                form = min(seconds_left(deadline), self.form_timeout)
+                size = len(group.workers) + 1
+                pg = new_group(
+                    self.backend, self._need_store(), group.name, 0, size, self.host, form
+                )
+                with self._lock:
+                    if group.dropped:  # dropped while it formed: never reuse its name
+                        raise TransportError("its group was torn down while it formed")
+                    group.pg = pg
+            send(pg)
+        finally:
+            group.last_used = time.monotonic()
+            group.lock.release()
+        self._schedule_key_deletion()
+
+    def done(self, group: Group, *, failed: bool) -> None:
+        """The transfer on a route from :meth:`route` ended; a failed one's group is no
+        longer handed out (call :meth:`drop` next, outside any exception handler)."""
+        with self._lock:
+            # Out of the table before it counts as unused: route() must not hand it out.
+            if failed and self._table.get(group.members) is group:
+                self._table.pop(group.members)
+            group.users -= 1
+
+    def drop(self, group: Group) -> None:
+        """Let ``group``'s connections go, so that its other members fail fast."""
+        with self._lock:
+            if self._table.get(group.members) is group:
+                self._table.pop(group.members)
+            pg = group.pg
+            self._retire(group)
+        # The last reference, let go outside the lock: its connections close, members fail fast.
+        del pg
+
+    def forget(self, worker: int) -> None:
+        """Drop every group that counts ``worker`` (lost, replaced or gone)."""
+        with self._lock:
+            for key in [k for k in self._table if any(w == worker for w, _ in k)]:
+                self._retire(self._table.pop(key))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            groups = list(self._table.values())
+            self._table.clear()
+            keeper, self._keeper = self._keeper, None
+        for group in groups:
+            group.pg = None
+        if keeper is not None:
+            keeper.shutdown(wait=False, cancel_futures=True)
+        self._store = None
+
+    def _need_store(self) -> Store:
+        if self._store is None or self._closed:
+            raise TransportError("the distributed plane is closed")
+        return self._store
+
+    def _evict(self) -> None:
+        idle = sorted((g for g in self._table.values() if g.users == 0), key=lambda g: g.last_used)
+        while len(self._table) > _MAX_GROUPS and idle:
+            group = idle.pop(0)
+            self._table.pop(group.members, None)
+            self._retire(group)
+
+    def _retire(self, group: Group) -> None:
+        """Mark ``group`` dropped and let its connections go (call with the lock held)."""
+        if not group.dropped:
+            self._unkeyed.append(group.name)
+        group.dropped, group.pg = True, None
+
+    def _schedule_key_deletion(self) -> None:
+        """Have the keeper thread delete the rendezvous keys of the groups dropped so far.
+
+        Every group formed leaves its members' addresses in the store (a few hundred bytes
+        each); a sender that forms groups without end (many distinct target sets, workers
+        coming and going) would otherwise grow its store for good. A dropped group's name is
+        never used again. Called after a successful transfer, so that the deletion does not
+        race the members of a group still forming.
+        """
+        with self._lock:
+            if not self._unkeyed or self._closed or self._store is None:
+                return
+            if self._keeper is None:
+                self._keeper = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="aiowsync-store"
+                )
+            keeper = self._keeper
+        with contextlib.suppress(RuntimeError):  # shut down meanwhile
+            keeper.submit(self._delete_keys)
+
+    def _delete_keys(self) -> None:
+        """Keeper thread: delete the keys of :attr:`_unkeyed`. Needs ``list_keys`` and
+        ``clone`` (recent torch); without them the keys stay."""
+        with self._lock:
+            names, self._unkeyed = self._unkeyed, []
+            store = self._store
+        if not names or store is None:
+            return
+        try:
+            if self._keeper_store is None:
+                clone = getattr(store, "clone", None)
+                if clone is None:
+                    return
+                self._keeper_store = clone()
+            client: Any = self._keeper_store
+            prefixes = tuple(f"aiowsync/{name}/" for name in names)
+            for key in client.list_keys():
+                if key.startswith(prefixes):
+                    client.delete_key(key)
+        except Exception as exc:  # the store is a convenience here, never a failure
+            log.debug("could not delete the keys of dropped groups: %s", exc)
+
+
+class ReceiverGroups:
+    """A receiver's connection to the sender's store and the groups it joined, by name."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend: Backend = backend
+        self._store: Store | None = None
+        self._table: dict[str, tuple[Any, float]] = {}
+        self._dead: dict[str, None] = {}  # names of groups that failed (oldest first)
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def is_dead(self, name: str) -> bool:
+        return name in self._dead
+
+    def cached(self, name: str) -> Any:
+        """The process group joined as ``name``, or None."""
+        with self._lock:
+            entry = self._table.get(name)
+        return None if entry is None else entry[0]
+
+    def join(
+        self,
+        store_at: tuple[str, int],
+        name: str,
+        rank: int,
+        size: int,
+        hostname: str,
+        deadline: float,
+        form: float,
+    ) -> Any:
+        """Join group ``name`` as ``rank``, blocking until all ``size`` ranks have, for at
+        most ``form`` seconds."""
+        store = self._need_store(*store_at, seconds_left(deadline))
+        return new_group(
+            self.backend, store, name, rank, size, hostname, min(seconds_left(deadline), form)
+        )
+
+    def keep(self, name: str, pg: Any) -> None:
+        """Cache ``pg`` after a transfer on it succeeded (unless closed meanwhile)."""
+        with self._lock:
+            if self._closed:
+                return  # the group goes with its caller, not into a cache
+            self._table[name] = (pg, time.monotonic())
+            while len(self._table) > _MAX_GROUPS:
+                self._discard(min(self._table, key=lambda n: self._table[n][1]))
+
+    def discard(self, name: str) -> None:
+        with self._lock:
+            self._discard(name)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._table.clear()
+            self._store = None
+
+    def _need_store(self, host: str, port: int, timeout: float) -> Store:
+        with self._lock:
+            if self._closed:
+                raise TransportError("the receiver is closed")
+            if self._store is not None:
+                return self._store
+        # Connected outside the lock: close() takes it on the event loop, which must not
+        # wait for a store that does not answer.
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        with self._lock:
+            if self._closed:
+                raise TransportError("the receiver is closed")
+            if self._store is None:
+                self._store = store
+            return self._store
+
+    def _discard(self, name: str) -> None:
+        """Forget group ``name`` for good (call with the lock held).
+
+        Its connections close, and its name is remembered as dead: a group's rendezvous keys
+        stay in the store, so joining a second group under the same name would hang. An
+        update naming it fails at once instead, and the sender retries on a fresh group.
+        """
+        self._table.pop(name, None)
+        self._dead[name] = None
+        while len(self._dead) > _DEAD_NAMES:
+            self._dead.pop(next(iter(self._dead)))
