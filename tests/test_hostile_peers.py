@@ -200,7 +200,7 @@ def test_a_slot_path_from_the_wire_is_checked_before_it_is_opened(
     try:
         for path in (str(elsewhere), "/etc/passwd", str(SHM_DIR / "aiowsync-1-ab-0/../x")):
             with pytest.raises(aiowsync.TransportError, match="not an aiowsync"):
-                plane.fetch({"path": path, "nbytes": layout.total_bytes})
+                plane.fetch_nowait({"path": path, "nbytes": layout.total_bytes})
     finally:
         plane.close()
 

@@ -208,7 +208,7 @@ async def test_a_worker_whose_hook_keeps_failing_does_not_use_up_the_slots() -> 
             assert same(healthy[1], src)
         # Its hooks run after the switch: the failing worker runs the latest version too.
         assert failing[0].version == 24 and same(failing[1], src)
-        assert core._plane.slot_count <= 4
+        assert core.plane.slot_count <= 4
 
 
 async def test_hostile_frames_are_dropped_without_disturbing_workers() -> None:
@@ -599,7 +599,7 @@ async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(
             receiver = r._receiver
             assert receiver is not None
             # The window stays bound, so its per-tensor views were dropped after the first bind.
-            assert (receiver._live is not None and not receiver._live.views) == window
+            assert (receiver.applier._live is not None and not receiver.applier._live.views) == window
         # Closed: the model keeps the last version, now in memory of its own (the window was
         # released), whichever the mode.
         assert same(m, src)
@@ -755,12 +755,12 @@ async def test_a_big_rehomed_parameter_transposed_in_place_arrives_transposed() 
     torch.manual_seed(0)
     src, mirror = model(0, big=True), model(1, big=True)
     async with pair(src, mirror, rehome=True) as (sender, r):
-        assert sender._flat is not None
+        assert sender._source._flat is not None
         with torch.no_grad():
             src[3].weight.t_()
         await sender.send(timeout=10)
         assert torch.equal(mirror[3].weight, src[3].weight)
-        assert sender._flat is None  # fell back to per-tensor copies
+        assert sender._source._flat is None  # fell back to per-tensor copies
         bump(src)
         await sender.send(timeout=10)
         assert same(mirror, src)
@@ -774,10 +774,10 @@ async def test_a_worker_whose_connection_was_renewed_is_taken_back(pull: bool) -
     src, mirror = model(0), model(1)
     async with pair(src, mirror, background=not pull) as (sender, r):
         core, receiver = sender._sender, r._receiver
-        assert core is not None and receiver is not None and receiver._channel is not None
-        core._mark_lost(core._peers[0], "given up on by the test")
+        assert core is not None and receiver is not None and receiver.channel is not None
+        core.peers.mark_lost(core.peers.by_index[0], "given up on by the test")
         assert core.lost_workers() == {0}
-        sock = receiver._channel._sock  # type: ignore[attr-defined]
+        sock = receiver.channel._sock  # type: ignore[attr-defined]
         sock.disconnect(sender.address)
         sock.connect(sender.address)
         time.sleep(0.5)  # the loop blocked: the drop and the reconnection happen unobserved
@@ -799,7 +799,7 @@ async def test_a_worker_given_up_on_whose_connection_stayed_up_is_taken_back() -
     async with pair(src, mirror) as (sender, r):
         core = sender._sender
         assert core is not None
-        core._mark_lost(core._peers[0], "given up on by the test")
+        core.peers.mark_lost(core.peers.by_index[0], "given up on by the test")
         assert core.lost_workers() == {0}
         assert await eventually(lambda: not core.lost_workers())
         bump(src)
@@ -811,17 +811,17 @@ def slow_writes(sender: aiowsync.SharedMemWeightSyncScheme, seconds: float) -> l
     """Make each copy into a slot take ``seconds`` longer; returns a log of copy starts/ends."""
     core = sender._sender
     assert core is not None
-    plane = core._plane
-    original = plane.write_checked  # what a copy off the event loop calls
+    plane = core.plane
+    original = plane._stage  # type: ignore[attr-defined]  # the copy in the staging thread
     events: list[str] = []
 
-    def write_checked(slot: int, make: Any, hint: Any = None) -> None:
+    def stage(slot: int, source: Any) -> None:
         events.append("start")
         time.sleep(seconds)
-        original(slot, make, hint)
+        original(slot, source)
         events.append("end")
 
-    plane.write_checked = write_checked  # type: ignore[method-assign]
+    plane._stage = stage  # type: ignore[attr-defined]
     return events
 
 
@@ -948,14 +948,14 @@ async def test_a_receiver_that_cannot_detach_still_closes_its_channel() -> None:
             assert same(mirror, src)  # still mapped, still the sender's version 0
             core = sender._sender
             assert core is not None
-            peer = core._peers[0]
+            peer = core.peers.by_index[0]
             # No goodbye: the worker still reads the slot, so it is lost, never gone, and its
             # version stays pinned.
             deadline = time.monotonic() + 15
             while not peer.lost and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert peer.lost and not peer.gone
-            assert 0 in core._pinned_versions()
+            assert 0 in core.peers.pinned_versions(core.version)
         finally:
             await asyncio.to_thread(guard.release)
 
@@ -969,7 +969,7 @@ async def test_pull_receive_reports_an_update_applied_even_if_its_answer_failed(
         async def unanswerable(answer: object) -> None:
             raise aiowsync.WeightSyncTimeout("the sender is not reading", [0])
 
-        core._answer = unanswerable  # type: ignore[method-assign]
+        core._updates._answer = unanswerable  # type: ignore[method-assign]
         bump(src)
         task = asyncio.create_task(sender.send(timeout=0.5))
         assert await r.receive(timeout=5) == 1
@@ -1262,8 +1262,8 @@ async def test_an_update_whose_answer_finds_no_room_is_answered_by_the_backgroun
     async with system(1) as (sender, src, receivers):
         r, m = receivers[0]
         core = r._receiver
-        assert core is not None and core._channel is not None
-        channel = core._channel
+        assert core is not None and core.channel is not None
+        channel = core.channel
         real = channel.send_nowait
         refused: list[object] = []
 
@@ -1275,16 +1275,17 @@ async def test_an_update_whose_answer_finds_no_room_is_answered_by_the_backgroun
 
         monkeypatch.setattr(channel, "send_nowait", full_once)
         switched: list[int] = []
-        real_commit = core._commit
+        applier = core.applier
+        real_commit = applier._commit
         monkeypatch.setattr(
-            core, "_commit", lambda v, s, **kw: (switched.append(v), real_commit(v, s, **kw))[1]
+            applier, "_commit", lambda v, s, **kw: (switched.append(v), real_commit(v, s, **kw))[1]
         )
         bump(src)
         result = await sender.send(timeout=5)
         assert result.version == 1 and result.worker_ids == (0,)
         assert [type(a).__name__ for a in refused] == ["Ack"]
         assert switched == [1] and r.version == 1 and same(m, src)
-        assert core._late is None
+        assert core._updates._late is None
         bump(src)
         assert (await sender.send(timeout=5)).version == 2 and same(m, src)
 
@@ -1298,10 +1299,10 @@ async def test_an_update_out_of_order_disconnects_the_worker_and_keeps_its_weigh
         await sender.send(timeout=5)
         held = {k: v.clone() for k, v in m.state_dict().items()}
         core = sender._sender
-        assert core is not None and core._channel is not None
-        peer = core._peers[0]
-        again = Update(version=1, params=core._plane.params_for(1))
-        assert core._channel.send_nowait(peer.routing, again)
+        assert core is not None and core.channel is not None
+        peer = core.peers.by_index[0]
+        again = Update(version=1, params=core.plane.deliver(1, [], 0.0).params)
+        assert core.channel.send_nowait(peer.routing, again)
         deadline = time.monotonic() + 5
         while r._receiver is not None and r._receiver.protocol_errors == 0:
             assert time.monotonic() < deadline, "the repeated version went unnoticed"

@@ -70,7 +70,7 @@ class Applier:
         """Switch to ``version`` right here if that needs no wait: swap mode, no hooks, the
         bytes in place, no reader in the guard. False if it must go through :meth:`apply`.
         Otherwise ``check()`` runs first (it may raise, and nothing switches); then True, or
-        the exception that fetching raised (nothing switched)."""
+        the exception that fetching or switching raised (nothing switched)."""
         if self.hooks or self.mode != "swap" or not self.guard._try_begin_switch():
             return False
         try:
@@ -85,7 +85,10 @@ class Applier:
             if failure is not None:
                 return failure
             assert staged is not None
-            self._commit(version, staged)
+            try:
+                self._commit(version, staged)
+            except Exception as exc:
+                return exc
             return True
         finally:
             self.guard._end_switch()

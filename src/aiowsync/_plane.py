@@ -274,7 +274,9 @@ class DataPlane(abc.ABC):
     """
 
     @abc.abstractmethod
-    def sender(self, context: SenderContext) -> SenderPlane: ...
+    def sender(self, context: SenderContext) -> SenderPlane:
+        """The sender's half, made when the sender enters ``async with``."""
 
     @abc.abstractmethod
-    def receiver(self, context: ReceiverContext) -> ReceiverPlane: ...
+    def receiver(self, context: ReceiverContext) -> ReceiverPlane:
+        """A receiver's half, made when the receiver connects."""

@@ -448,7 +448,7 @@ class WeightSyncScheme:
             )
             if isinstance(self._model, nn.Module):
                 self._source = ModelSource(self._model, self._layout, rehome_it=self._rehome)
-            initial = self._source or WeightsSource(weights, self._layout)
+            initial = self._source or self._source_of(None)
         except BaseException:
             channel.close()
             raise

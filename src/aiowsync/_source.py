@@ -8,6 +8,7 @@ the weights against the layout before a byte is written.
 from __future__ import annotations
 
 import logging
+
 import torch
 from torch import nn
 

@@ -1,0 +1,202 @@
+"""How the distributed plane delivers a version: transfers in threads, one after another, and
+retries on fresh groups for the members whose receive failed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._exceptions import TransportError, WeightSyncError
+from ._plane import Delivery, Params, Retries
+from ._shield import to_the_end
+
+if TYPE_CHECKING:
+    from ._dist_plane import DistSenderPlane
+
+__all__ = ["DistDelivery", "TransferChain"]
+
+log = logging.getLogger("aiowsync.dist")
+
+MAX_ATTEMPTS = 4
+"""Retries of one version within one send (the wire allows far more)."""
+RETRY_GRACE_S = 0.5
+"""After a failed transfer, how long the sender waits for the members' answers before it
+retries those that reported a failed receive."""
+
+
+class TransferChain:
+    """Transfers of successive versions run one after another, even past a cancelled send."""
+
+    def __init__(self, limit: float) -> None:
+        self._last = threading.Event()
+        self._last.set()
+        self._limit = limit
+        """How long a transfer left behind may still be waited for by the next one."""
+
+    async def run(
+        self, transfer: Callable[[threading.Event], None], release: Callable[[], None]
+    ) -> None:
+        """``transfer(after)`` in a thread; ``after`` is set once the previous one ended.
+        ``release()`` gives back what the transfer would have, if no thread could start."""
+        previous, mine = self._last, threading.Event()
+        self._last = mine
+
+        def run() -> None:
+            try:
+                transfer(previous)
+            finally:
+                if previous.is_set():
+                    mine.set()
+                else:
+                    # This one gave up waiting for the previous transfer, which still runs: the
+                    # next must wait for both, but this send need not wait any longer.
+                    threading.Thread(
+                        target=_set_after,
+                        args=(previous, mine, self._limit),
+                        name="aiowsync-chain",
+                        daemon=True,
+                    ).start()
+
+        try:
+            await in_thread(run)
+        except _NotStarted as exc:
+            mine.set()  # never ran: the next transfer must not wait for it
+            release()
+            raise TransportError(f"could not start a transfer thread: {exc}") from None
+
+
+class DistDelivery(Delivery):
+    """A version on its way to ``members`` over the group ``route`` (None: no members)."""
+
+    def __init__(
+        self, plane: DistSenderPlane, version: int, route: Any, deadline: float, params: Params
+    ) -> None:
+        self._plane = plane
+        self._version = version
+        self._route = route
+        self._deadline = deadline
+        self.params = params
+
+    async def run(self, retries: Retries | None) -> None:
+        route, self._route = self._route, None
+        if route is None:
+            return
+        plane, version = self._plane, self._version
+        if retries is None:
+            # Bringing one worker up to date: one attempt, not chained after the sends.
+            try:
+                await in_thread(plane.transfer, version, route, self._deadline)
+            except _NotStarted as exc:
+                plane.give_back(version, route)
+                raise TransportError(f"could not start a transfer thread: {exc}") from None
+            return
+        await self._with_retries(route, retries)
+
+    async def _with_retries(self, route: Any, retries: Retries) -> None:
+        """Transfer; when a collective fails its group is torn down, so every member still
+        alive fails fast and nacks as retryable; those are sent the same version again, with
+        a higher attempt number, on a fresh group. A member that stays silent is dead or
+        stalled: the deadline (or its heartbeats) names it. Returns once every member
+        answered, or at the deadline."""
+        plane, version, move_by = self._plane, self._version, self._deadline
+        members = {w for w, _ in route.members if w >= 0}
+        attempt, failed = 0, False
+        while True:
+            if route is not None:
+                try:
+                    await plane.chain.run(
+                        lambda after, r=route: plane.transfer(version, r, move_by, after=after),
+                        lambda r=route: plane.give_back(version, r),
+                    )
+                except WeightSyncError as exc:
+                    log.warning("version %d, attempt %d: %s", version, attempt, exc)
+                    failed = True
+                else:
+                    if not failed:
+                        return
+                    route = None  # a retry went through; others may still report failures
+                if route is not None:
+                    # Give this attempt's members a moment to report their failed receive.
+                    grace = min(RETRY_GRACE_S, max(0.0, move_by - time.monotonic()))
+                    end = time.monotonic() + grace
+                    while retries.waiting() & members and (left := end - time.monotonic()) > 0:
+                        await retries.changed(left)
+            retry = retries.retryable()
+            left = move_by - time.monotonic()
+            if left <= 0 or (not retry and retries.done()):
+                return
+            if not retry:
+                # Someone is still silent; a late report of a failed receive is retried too.
+                route = None
+                await retries.changed(left)
+                continue
+            if attempt >= MAX_ATTEMPTS:
+                log.warning("version %d: giving up after %d attempts", version, attempt + 1)
+                return
+            attempt += 1
+            route = plane.route(retry, version)
+            try:
+                await retries.announce(retry, attempt, plane.route_params(route, left))
+            except BaseException:
+                plane.give_back(version, route)  # it will never carry this version
+                raise
+
+    async def finish(self) -> None:
+        # However the send ended (even cancelled), the version is read from the caller's
+        # weights now, never after send() stopped waiting.
+        await to_the_end(anyio.to_thread.run_sync(self._plane.seal_now, self._version))
+
+    def abandon(self) -> None:
+        route, self._route = self._route, None
+        if route is not None:
+            self._plane.give_back(self._version, route)
+
+
+def _set_after(previous: threading.Event, mine: threading.Event, limit: float) -> None:
+    previous.wait(limit)
+    mine.set()
+
+
+async def in_thread(fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn`` in a new thread, started before this returns to the loop.
+
+    Cancelling the caller abandons the wait, not the work: a transfer that started always
+    runs to its end (each of its waits has a deadline), so collectives never go half-done.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            fn(*args)
+        except BaseException as exc:  # handed to the waiting task
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, error)
+
+    try:
+        threading.Thread(target=run, name="aiowsync-transfer", daemon=True).start()
+    except RuntimeError as exc:  # no thread could be started
+        raise _NotStarted(str(exc)) from None
+    await future
+
+
+class _NotStarted(RuntimeError):
+    pass
+
