@@ -23,7 +23,7 @@ from torch import nn
 import aiowsync
 import helpers
 from aiowsync._dist_plane import Buckets, DistReceiverPlane
-from aiowsync._planes import Source
+from aiowsync._plane import Source
 from helpers import bump, same
 
 pytestmark = pytest.mark.timeout(90)
@@ -88,13 +88,17 @@ def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, pla
         assert not weights["2.weight"].is_contiguous()
     layout = Layout.from_weights(weights)
     plane = DistSenderPlane(
-        backend="gloo", bucket_bytes=bucket_bytes, host="127.0.0.1", device=torch.device("cpu")
+        backend="gloo",
+        bucket_bytes=bucket_bytes,
+        host="127.0.0.1",
+        device=torch.device("cpu"),
+        chain_wait=5.0,
     )
     plane.setup(layout)
     try:
         slot = plane.reserve(set())
-        plane.write(slot, Source(tensors=weights))
-        image = plane._slots[slot].image
+        image = plane._slots[slot].value.image
+        plane._packer.start(image, Source(tensors=weights))
         for index in range(len(plane.buckets.ranges)):
             plane._packer.pack(image, index)
         assert image.complete.is_set()

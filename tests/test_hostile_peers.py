@@ -20,8 +20,8 @@ from torch import nn
 import aiowsync
 from aiowsync import ProtocolError
 from aiowsync._layout import Layout, _dtype_from_name
-from aiowsync._planes import SharedMemReceiverPlane, SwitchMode
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, Refuse, TensorDesc, decode, encode
+from aiowsync._shm_plane import SharedMemReceiverPlane, SwitchMode
 from aiowsync._shm_slots import SHM_DIR, open_slot
 
 pytestmark = pytest.mark.timeout(120)

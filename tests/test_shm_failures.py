@@ -599,7 +599,8 @@ async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(
             receiver = r._receiver
             assert receiver is not None
             # The window stays bound, so its per-tensor views were dropped after the first bind.
-            assert (receiver.applier._live is not None and not receiver.applier._live.views) == window
+            live = receiver.applier._live
+            assert (live is not None and not live.views) == window
         # Closed: the model keeps the last version, now in memory of its own (the window was
         # released), whichever the mode.
         assert same(m, src)

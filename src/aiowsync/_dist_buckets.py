@@ -22,7 +22,7 @@ from ._layout import (
     byte_view,
     fused_copy,
 )
-from ._planes import Source
+from ._plane import Source
 
 __all__ = ["Buckets", "Image", "Packer", "as_bytes", "plain_pointers"]
 

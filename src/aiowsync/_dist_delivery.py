@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -41,16 +42,16 @@ class TransferChain:
         """How long a transfer left behind may still be waited for by the next one."""
 
     async def run(
-        self, transfer: Callable[[threading.Event], None], release: Callable[[], None]
+        self, transfer: Callable[..., None], release: Callable[[], None]
     ) -> None:
-        """``transfer(after)`` in a thread; ``after`` is set once the previous one ended.
+        """``transfer(after=event)`` in a thread; ``event`` is set once the previous one ended.
         ``release()`` gives back what the transfer would have, if no thread could start."""
         previous, mine = self._last, threading.Event()
         self._last = mine
 
         def run() -> None:
             try:
-                transfer(previous)
+                transfer(after=previous)
             finally:
                 if previous.is_set():
                     mine.set()
@@ -112,8 +113,8 @@ class DistDelivery(Delivery):
             if route is not None:
                 try:
                     await plane.chain.run(
-                        lambda after, r=route: plane.transfer(version, r, move_by, after=after),
-                        lambda r=route: plane.give_back(version, r),
+                        functools.partial(plane.transfer, version, route, move_by),
+                        functools.partial(plane.give_back, version, route),
                     )
                 except WeightSyncError as exc:
                     log.warning("version %d, attempt %d: %s", version, attempt, exc)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from ._exceptions import TransportError
-from ._planes import Params
+from ._plane import Params
 
 __all__ = [
     "FORM_TIMEOUT",

@@ -11,16 +11,19 @@ Every blocking call here runs in a worker thread and has a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import torch
 
 from ._dist_buckets import Buckets, Image, Packer
 from ._dist_buckets import as_bytes as _as_bytes  # noqa: F401 (tests/test_model_shapes.py)
+from ._dist_delivery import DistDelivery, TransferChain
 from ._dist_groups import (
     FORM_TIMEOUT,
     Backend,
@@ -33,10 +36,13 @@ from ._dist_groups import (
     local_ip_towards,
     seconds_left,
 )
+from ._double import DoubleBuffer
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
 from ._layout import Layout
-from ._planes import Params, ReceiverPlane, SenderPlane, Source, Staged
+from ._plane import Delivery, Params, ReceiverPlane, SenderPlane, Staged, WeightSource
 from ._protocol import ParamValue
+from ._shield import to_the_end
+from ._slot_table import Slot, SlotTable
 from ._text import first_line
 
 __all__ = [
@@ -50,18 +56,14 @@ __all__ = [
 
 
 @dataclass(slots=True)
-class _SenderSlot:
+class _Image:
     image: Image
-    version: int | None = None
-    busy: bool = False
-    readers: int = 0  # routes handed out for ``version`` whose transfer has not ended
+    readers: int = 0
+    """Routes handed out for the slot's version whose transfer has not ended."""
 
 
 class DistSenderPlane(SenderPlane):
     """Private sender slots, packed on the way out, sent on a cache of process groups."""
-
-    transfers = True
-    pins_receivers = False
 
     def __init__(
         self,
@@ -73,6 +75,7 @@ class DistSenderPlane(SenderPlane):
         max_slots: int = 4,
         form_timeout: float = FORM_TIMEOUT,
         announce_host: bool = False,
+        chain_wait: float,
     ) -> None:
         self.backend: Backend = backend
         self.form_timeout = form_timeout
@@ -83,7 +86,10 @@ class DistSenderPlane(SenderPlane):
         the host they reach the control socket on, which may differ from ours (NAT)."""
         self.device = device
         self.max_slots = max_slots
-        self._slots: list[_SenderSlot] = []
+        self._slots = SlotTable(lambda _: _Image(self._packer.new_image()), max_slots=max_slots)
+        self.chain = TransferChain(chain_wait)
+        """Transfers of successive sends, one after another (a send waits ``chain_wait`` at
+        most for the one before it)."""
         self._lock = threading.Lock()
         self._groups = SenderGroups(backend=backend, host=host, form_timeout=form_timeout)
         self._closed = False
@@ -95,13 +101,8 @@ class DistSenderPlane(SenderPlane):
         self._packer = Packer(layout, self.bucket_bytes, self.device)
         self.buckets = self._packer.buckets
         for _ in range(2):
-            self._add_slot()
+            self._slots.add()
         self._groups.open()
-
-    def _add_slot(self) -> _SenderSlot:
-        slot = _SenderSlot(self._packer.new_image())
-        self._slots.append(slot)
-        return slot
 
     def welcome_params(self) -> Params:
         return {
@@ -114,43 +115,47 @@ class DistSenderPlane(SenderPlane):
     # -- slots --------------------------------------------------------------------------------
 
     def reserve(self, pinned: set[int]) -> int:
+        # Receivers copy each version into memory of their own: only the latest version (the
+        # one joining workers are brought up to) and slots still being sent must stay.
         if self._closed:
             raise WeightSyncError("the distributed plane is closed")
         latest = max(pinned) if pinned else None
         with self._lock:
-            for index, slot in enumerate(self._slots):
-                if not slot.busy and slot.readers == 0 and slot.version != latest:
-                    slot.busy, slot.version = True, None
-                    return index
-            if len(self._slots) >= self.max_slots:
-                raise WeightSyncError(
+            return self._slots.reserve(
+                lambda s: s.value.readers == 0 and s.version != latest,
+                lambda: (
                     f"all {len(self._slots)} sender slots are being transferred; "
                     "a stalled transfer holds them"
-                )
-            slot = self._add_slot()
-            slot.busy = True
-            return len(self._slots) - 1
+                ),
+            )
 
-    def write(self, slot: int, source: Source) -> None:
-        # Packing happens during the transfer, bucket by bucket, overlapping the wire.
-        self._packer.start(self._slots[slot].image, source)
+    async def stage(self, slot: int, source: WeightSource) -> None:
+        # Only checked here: packing happens during the transfer, bucket by bucket,
+        # overlapping the wire.
+        self._packer.start(self._slots[slot].value.image, source.snapshot())
 
-    def publish(self, slot: int, version: int) -> Params:
+    def publish(self, slot: int, version: int) -> None:
         if self._closed:
             raise WeightSyncError("the distributed plane is closed")
-        s = self._slots[slot]
-        s.version, s.busy = version, False
-        return {}
+        self._slots.publish(slot, version)
 
     def release(self, slot: int) -> None:
-        s = self._slots[slot]
-        s.busy, s.version, s.image.source = False, None, None
+        self._slots.release(slot).value.image.source = None
 
-    def params_for(self, version: int) -> Params:
+    def deliver(
+        self, version: int, members: Sequence[Member], deadline: float, *, purpose: str = ""
+    ) -> Delivery:
         self._slot_of(version)
-        return {}
+        if not members:
+            return DistDelivery(self, version, None, deadline, {})
+        route = self.route(members, version, purpose)
+        left = max(0.001, deadline - time.monotonic())
+        return DistDelivery(self, version, route, deadline, self.route_params(route, left))
 
-    def seal(self, version: int) -> None:
+    async def seal(self, version: int) -> None:
+        await to_the_end(anyio.to_thread.run_sync(self.seal_now, version))
+
+    def seal_now(self, version: int) -> None:
         """Pack whatever of ``version`` is not packed yet, now (blocking).
 
         Called when a send stops waiting (done, failed or cancelled), and for version 0 at
@@ -159,13 +164,10 @@ class DistSenderPlane(SenderPlane):
         with self._lock:
             slots = [s for s in self._slots if s.version == version]
         for slot in slots:
-            self._packer.seal(slot.image)
+            self._packer.seal(slot.value.image)
 
-    def _slot_of(self, version: int) -> _SenderSlot:
-        for s in self._slots:
-            if s.version == version:
-                return s
-        raise KeyError(f"version {version} is in no slot")
+    def _slot_of(self, version: int) -> Slot[_Image]:
+        return self._slots[self._slots.index_of(version)]
 
     # -- routes -------------------------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class DistSenderPlane(SenderPlane):
         Until the matching :meth:`transfer` ends, the group is not evicted and the slot of
         ``version`` is not reused."""
         with self._lock:
-            self._slot_of(version).readers += 1
+            self._slot_of(version).value.readers += 1
         return self._groups.route(members, purpose)
 
     def route_params(self, route: Group, timeout: float) -> Params:
@@ -206,7 +208,7 @@ class DistSenderPlane(SenderPlane):
         try:
             if after is not None and not after.wait(max(0.0, deadline - time.monotonic())):
                 raise TransportError("an earlier transfer did not finish in time")
-            image = self._slot_of(version).image
+            image = self._slot_of(version).value.image
             self._groups.run(route, deadline, lambda pg: self._send_all(pg, image, route, deadline))
         except Exception as exc:  # every failure, whatever raised it, ends in a dropped group
             failure = first_line(exc)
@@ -215,12 +217,19 @@ class DistSenderPlane(SenderPlane):
             with self._lock:
                 for s in self._slots:
                     if s.version == version:
-                        s.readers -= 1
+                        s.value.readers -= 1
         if failure is not None:
             # Raised outside the handler: the failed collective's traceback must not keep the
             # group alive, since dropping it is what releases the other members.
             self._groups.drop(route)
             raise TransportError(f"sending to workers {route.workers} failed: {failure}")
+
+    def give_back(self, version: int, route: Group) -> None:
+        """Give back a route whose transfer will never run: a transfer past its deadline
+        returns at once, dropping the group (so receivers waiting on it fail instead of
+        taking a later version's bytes for this one) and the route's hold on the slot."""
+        with contextlib.suppress(WeightSyncError):
+            self.transfer(version, route, 0.0)
 
     def _send_all(self, pg: Any, image: Image, group: Group, deadline: float) -> None:
         """Send every bucket to every member, point to point from rank 0.
@@ -276,9 +285,6 @@ class DistSenderPlane(SenderPlane):
 class DistReceiverPlane(ReceiverPlane):
     """Two private slots on the model's device; each version is received into the idle one."""
 
-    blocking_fetch = True
-    shares_sender_memory = False
-
     def __init__(
         self, *, address: str, worker_idx: int, backend: Backend, device: torch.device
     ) -> None:
@@ -287,9 +293,6 @@ class DistReceiverPlane(ReceiverPlane):
         self.backend: Backend = backend
         self.device = device
         self._groups = ReceiverGroups(backend)
-        self._slots: list[Staged] = []
-        self._flats: list[torch.Tensor] = []
-        self._live = -1
 
     def setup(
         self, layout: Layout, welcome: Mapping[str, ParamValue], *, swap: bool = True
@@ -313,15 +316,15 @@ class DistReceiverPlane(ReceiverPlane):
         if isinstance(store_host, str) and store_host:
             self.sender_host = store_host
         self._hostname = local_ip_towards(self.sender_host)
-        for _ in range(2):
-            flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
-            parts = layout.split(flat)
-            self._flats.append(flat)
-            self._slots.append(Staged(parts, layout.views(parts), str(len(self._slots))))
+        self._halves = DoubleBuffer(layout, self.device)
         self._port = port
 
-    def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
-        """Receive the announced version into the idle slot (blocking; run in a thread)."""
+    async def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
+        # On shutdown the wait is abandoned; the receive ends by its own deadline.
+        return await anyio.to_thread.run_sync(self.fetch_blocking, params, abandon_on_cancel=True)
+
+    def fetch_blocking(self, params: Mapping[str, ParamValue]) -> Staged:
+        """Receive the announced version into the idle half (blocking)."""
         name, members, timeout_ms, form_ms = (
             params.get("group"),
             params.get("members"),
@@ -341,9 +344,9 @@ class DistReceiverPlane(ReceiverPlane):
         if self._groups.is_dead(name):
             raise TransportError(f"group {name} was torn down after an earlier failure")
         deadline = time.monotonic() + timeout_ms / 1000
-        # The slot the model does not run; its bytes are garbage until every bucket arrived.
-        index = 1 if self._live == 0 else 0
-        staged, flat = self._slots[index], self._flats[index]
+        # The half the model does not run; its bytes are garbage until every bucket arrived.
+        index, staged = self._halves.spare()
+        flat = self._halves.flats[index]
         if self._worker_idx not in workers:
             raise ProtocolError(f"worker {self._worker_idx} is not a member of {members!r}")
         cached = self._groups.cached(name)
@@ -381,7 +384,7 @@ class DistReceiverPlane(ReceiverPlane):
         self._groups.keep(name, pg)
 
     def show(self, staged: Staged) -> Staged:
-        self._live = int(staged.source) if staged.source in ("0", "1") else -1
+        self._halves.made_live(self._halves.live_index(staged))
         return staged
 
     def close(self) -> None:

@@ -87,6 +87,7 @@ class DistributedPlane(DataPlane):
             device=self._device(context.tensors.values()),
             max_slots=self.max_slots,
             announce_host=bool(self.data_host),
+            chain_wait=context.timeouts.transfer,
         )
 
     def receiver(self, context: ReceiverContext) -> ReceiverPlane:

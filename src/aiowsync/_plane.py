@@ -34,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from ._config import Timeouts
 from ._layout import Layout
 from ._protocol import ParamValue
 
@@ -253,6 +254,7 @@ class SenderContext:
     """The control address the sender binds (its host is where a network plane listens)."""
     tensors: Mapping[str, torch.Tensor]
     """The weights at init (their device is where a plane keeps its slots)."""
+    timeouts: Timeouts
 
 
 @dataclass(frozen=True, slots=True)

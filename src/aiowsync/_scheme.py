@@ -147,7 +147,7 @@ class WeightSyncScheme:
 
     # -- pickling: configuration and address only ---------------------------------------------
 
-    _CONFIG = (
+    _CONFIG: tuple[str, ...] = (
         "plane",
         "_address",
         "_strategy",
@@ -439,7 +439,9 @@ class WeightSyncScheme:
             weights = self._model if self._model is not None else self._weights
             flat = flatten_weights(weights)  # type: ignore[arg-type]
             sender = SenderCore(
-                plane=self.plane.sender(SenderContext(bind=self.bind, tensors=flat)),
+                plane=self.plane.sender(
+                    SenderContext(bind=self.bind, tensors=flat, timeouts=self.timeouts)
+                ),
                 layout=self._layout,
                 num_workers=self.num_workers,
                 model_id=self.model_id,
