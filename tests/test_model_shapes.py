@@ -112,7 +112,7 @@ def test_a_receiver_on_the_meta_device_is_refused() -> None:
 
 
 def test_distributed_packing_reads_odd_strides_and_lazy_views() -> None:
-    from aiowsync._dist_plane import _as_bytes
+    from aiowsync._dist_buckets import as_bytes as _as_bytes
 
     odd = torch.randn(3, 3).t()[0, :1]
     z = torch.randn(4, dtype=torch.complex64)

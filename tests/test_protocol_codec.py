@@ -58,7 +58,6 @@ SAMPLES = [
         version=2**62,
         params={"slot": 1, "prefix": "/dev/shm/aiowsync-x"},
         heartbeat_interval=0.25,
-        missed_beats=5,
     ),
     Refuse(reason="layout mismatch: layer.weight expected float32[4, 3], got float32[3, 4]"),
     Refuse(reason=""),
@@ -242,14 +241,6 @@ BAD_VALUES = [
         "session": SESSION,
         "version": 0,
         "heartbeat_interval": 0.0,
-    },
-    {
-        "type": "welcome",
-        "model_id": "m",
-        "worker_idx": 0,
-        "session": SESSION,
-        "version": 0,
-        "missed_beats": 0,
     },
     {
         "type": "welcome",

@@ -22,7 +22,6 @@ import anyio
 import torch
 
 from ._dist_buckets import Buckets, Image, Packer
-from ._dist_buckets import as_bytes as _as_bytes  # noqa: F401 (tests/test_model_shapes.py)
 from ._dist_delivery import DistDelivery, TransferChain
 from ._dist_groups import (
     FORM_TIMEOUT,

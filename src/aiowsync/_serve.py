@@ -268,7 +268,6 @@ class ControlLoop:
             version=self._core.version,
             params={**self._core.plane.welcome_params(), **join.params},
             heartbeat_interval=self._core.beats.interval,
-            missed_beats=self._core.beats.missed,
         )
         conn.send(welcome)
         peer = Peer(

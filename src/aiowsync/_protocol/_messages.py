@@ -28,7 +28,9 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
+"""Raised whenever a message changes incompatibly (2: Hello lost transport and credential,
+Welcome lost missed_beats)."""
 SENDER_INDEX: Final = -1
 """The ``worker_idx`` the sender uses in messages it originates (heartbeats)."""
 
@@ -87,7 +89,6 @@ class Welcome(_Base, frozen=True, tag="welcome"):
     version: Version
     params: Params = {}
     heartbeat_interval: Annotated[float, msgspec.Meta(ge=MIN_BEAT_INTERVAL, le=3600)] = 1.0
-    missed_beats: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
 
 
 class Refuse(_Base, frozen=True, tag="refuse"):
