@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import pickle
 import threading
 import time
@@ -81,26 +80,7 @@ class Kind:
         return aiowsync.WeightSyncScheme(address, plane=plane or self.plane(), **kw)
 
 
-def _dist_not_ported() -> str | None:
-    from aiowsync._dist_plane import DistSenderPlane
-
-    if inspect.isabstract(DistSenderPlane):
-        return "DistributedPlane is being ported to the data-plane interface (issue 24)"
-    return None
-
-
-@pytest.fixture(
-    params=[
-        "memory",
-        "shm",
-        pytest.param(
-            "dist",
-            marks=pytest.mark.skipif(
-                _dist_not_ported() is not None, reason=str(_dist_not_ported())
-            ),
-        ),
-    ]
-)
+@pytest.fixture(params=["memory", "shm", "dist"])
 def kind(request: pytest.FixtureRequest) -> Kind:
     return Kind(request.param)
 
