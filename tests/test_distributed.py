@@ -194,7 +194,7 @@ async def test_more_groups_than_the_caches_hold() -> None:
         # Only the groups the sender still caches keep rendezvous keys in its store, of the
         # 24 formed (10 joins, 13 subset sends whose 3 repeats were evicted before, 1 full).
         # The keys go in a thread of their own, after the transfer: give it a moment.
-        plane = sender._sender._plane  # type: ignore[union-attr]
+        plane = sender._sender.plane  # type: ignore[union-attr]
         for _ in range(100):
             keys = plane._groups._store.list_keys()
             named = {key.split("/")[1] for key in keys if key.startswith("aiowsync/")}
@@ -213,7 +213,7 @@ async def test_deleting_old_group_keys_never_holds_up_a_send() -> None:
     async with system(2) as (sender, src, receivers):
         bump(src)
         await sender.send(timeout=20)  # the group is cached from now on
-        groups = sender._sender._plane._groups  # type: ignore[union-attr]
+        groups = sender._sender.plane._groups  # type: ignore[union-attr]
 
         def rendezvous() -> None:  # what rank 0 of a forming group does meanwhile
             with contextlib.suppress(Exception):
@@ -330,7 +330,7 @@ async def test_copy_mode_receiver_keeps_private_tensors() -> None:
             await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
             plane = r._receiver._plane
             assert isinstance(plane, DistReceiverPlane)
-            slots = [(f.data_ptr(), f.data_ptr() + f.nbytes) for f in plane._flats]
+            slots = [(f.data_ptr(), f.data_ptr() + f.nbytes) for f in plane._halves.flats]
             for _ in range(3):
                 bump(src)
                 await sender.send(timeout=20)
@@ -434,8 +434,8 @@ async def test_a_send_cancelled_while_announcing_gives_its_group_back() -> None:
     # (same group, same tags) for this version's.
     async with system(2) as (sender, src, receivers):
         core = sender._sender
-        assert core is not None and core._channel is not None
-        channel = core._channel
+        assert core is not None and core.channel is not None
+        channel = core.channel
         real_send = channel.send
 
         async def slow_send(peer: Any, message: Any, *, timeout: float | None) -> None:
@@ -448,10 +448,10 @@ async def test_a_send_cancelled_while_announcing_gives_its_group_back() -> None:
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(sender.send(timeout=20), 0.05)
         del channel.send_nowait, channel.send
-        plane = core._plane
+        plane = core.plane
         sends = [k for k in plane._groups._table if k[-1] == (-1, "")]  # type: ignore[attr-defined]
         assert sends == []  # (the groups that brought the workers up at connect stay)
-        assert all(s.readers == 0 for s in plane._slots)  # type: ignore[attr-defined]
+        assert all(s.value.readers == 0 for s in plane._slots)  # type: ignore[attr-defined]
         bump(src)
         result = await sender.send(timeout=20)
         assert result.version == 2 and result.worker_ids == (0, 1)
