@@ -62,7 +62,7 @@ PARALLEL_COPY_BYTES = 4 * 1024 * 1024
 _COPY_THREADS = "aiowsync-copy"
 _GATHER_THREADS = "aiowsync-gather"
 _numbers = itertools.count(1)
-"""Numbers policies, so that each steers only its own helper threads (named after it)."""
+"""Numbers the policies, so that each steers only its own helper threads (named after it)."""
 
 
 def streams_available() -> bool:
