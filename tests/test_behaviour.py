@@ -660,7 +660,7 @@ HELD_UP = (
     "other member of the send (the group waits for it to join, up to its forming limit), so "
     "the other members get the version only once it pulls, or after that limit"
 )
-"""Why some tests fail on the distributed plane (reported; see the suite's report)."""
+"""Why some tests fail on the distributed plane: its documented limit (docs/distributed.md)."""
 
 
 def fails_on_dist(kind: Kind, request: pytest.FixtureRequest, reason: str) -> None:
@@ -867,15 +867,6 @@ async def test_receivers_keep_the_last_version_when_the_sender_shuts_down(kind: 
 async def test_a_sender_leaving_while_a_send_waits_names_the_workers_not_yet_answered(
     kind: Kind, request: pytest.FixtureRequest
 ) -> None:
-    if kind.name == "memory":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="bug: the late worker's ack meets MemoryReceiverChannel.send's "
-                "NotConnectedError('sender is gone'), which UpdateLoop._answer does not catch: "
-                "the receiver's background task dies and its `async with` raises it",
-            )
-        )
     async with system(kind, 2) as rig:
         r1, m1 = rig[1]
         before = frozen(m1)

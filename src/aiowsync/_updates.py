@@ -24,6 +24,7 @@ from ._shield import to_the_end
 from ._text import error_text
 
 if TYPE_CHECKING:
+    from ._channel import ReceiverChannel
     from ._receiver import ReceiverCore
 
 __all__ = ["UpdateLoop"]
@@ -158,7 +159,7 @@ class UpdateLoop:
             self._late = None
             channel = self._core.channel
             if channel is not None:
-                await to_the_end(channel.send(late[1], timeout=self._core.timeouts.control))
+                await self._deliver_answer(channel, late[1])
             return message.version
         if self._core.bye is not None:
             return None  # nothing more is taken from a sender that left or broke the protocol
@@ -245,6 +246,20 @@ class UpdateLoop:
         if channel is None:
             return
         self._core.conn.send(answer)
-        if channel.send_nowait(answer):
-            return
-        await to_the_end(channel.send(answer, timeout=self._core.timeouts.control))
+        await self._deliver_answer(channel, answer)
+
+    async def _deliver_answer(self, channel: ReceiverChannel, answer: Ack | Nack) -> None:
+        """Put ``answer`` on the wire. One that cannot go (the sender left, or its queue stayed
+        full) is logged, not raised: the model runs what it runs either way, and the sender
+        learns of it from its own deadline."""
+        try:
+            if channel.send_nowait(answer):
+                return
+            await to_the_end(channel.send(answer, timeout=self._core.timeouts.control))
+        except WeightSyncError as exc:
+            log.info(
+                "worker %d: the answer for version %d could not be sent: %s",
+                self._core.worker_idx,
+                answer.version,
+                exc,
+            )
