@@ -56,7 +56,7 @@ class ModelWatch:
         return list(map(torch.Tensor.data_ptr, self._values))
 
     def same_specs(self) -> bool:
-        # map() over the C methods: about 0.2 us a tensor, a comprehension twice that.
+        # map() over the C methods: half the cost of a comprehension per tensor.
         values = self._values
         return list(map(_size, values)) == self._sizes and list(map(_dtype, values)) == self._dtypes
 
