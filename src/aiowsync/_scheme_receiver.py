@@ -1,0 +1,127 @@
+"""The receivers' half of the scheme's API: connecting, versions, hooks and the guard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import anyio.abc
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+from ._guard import ReadGuard
+from ._layout import Layout, module_targets, refuse_meta
+from ._plane import ReceiverContext
+from ._receiver import ApplyMode, Hook, ReceiverCore
+from ._scheme_base import SchemeState, resolve_model
+from ._weights import WeightsLike, flatten_weights
+
+__all__ = ["ReceiverSide"]
+
+
+class ReceiverSide(SchemeState):
+    def init_on_receiver(
+        self,
+        model: nn.Module | TensorDictBase | dict[str, torch.Tensor] | None = None,
+        *,
+        worker_idx: int,
+        model_id: str | None = None,
+        context: Any = None,
+    ) -> None:
+        """Prepare this object as receiver ``worker_idx`` for ``model``.
+
+        ``model`` is a module, a ``TensorDict`` or a state_dict whose tensors will be made to
+        hold each new version (swap mode re-points them, copy mode copies into them).
+        """
+        self._check_fresh()
+        if model_id is not None:
+            self.model_id = model_id
+        if model is None and context is not None:
+            model = resolve_model(context, self.model_id)
+        if model is None:
+            raise ValueError("init_on_receiver needs model= (or a context holding the model)")
+        if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
+            raise ValueError(f"worker_idx must be a non-negative integer, got {worker_idx!r}")
+        if self._address is None:
+            raise ValueError("a receiver needs the sender's address: pass address= or unpickle it")
+        self._targets = (
+            module_targets(model)
+            if isinstance(model, nn.Module)
+            else flatten_weights(model, detach=False)  # the user's own tensor objects
+        )
+        refuse_meta(self._targets, "they hold no memory to receive into")
+        self._layout = Layout.from_weights(self._targets)
+        self._model, self._context = model, context
+        self.worker_idx = worker_idx
+        self._role = "receiver"
+
+    def _need_receiver(self) -> ReceiverCore:
+        if self._receiver is None:
+            raise RuntimeError("this needs a connected receiver (init_on_receiver + connect)")
+        return self._receiver
+
+    async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Wait until the model runs ``version`` or newer; returns the version it runs."""
+        timeout = self.timeouts.ack if timeout is None else timeout
+        return await self._need_receiver().wait_for_version(version, timeout)
+
+    async def receive(self, timeout: float | None = None) -> int | None:
+        """Pull mode: apply the next update arriving within ``timeout``; its version, or None."""
+        if self.background:
+            raise RuntimeError("receive() is for pull mode: build the scheme with background=False")
+        timeout = self.timeouts.ack if timeout is None else timeout
+        return await self._need_receiver().receive(timeout)
+
+    def register_hook(self, hook: Hook) -> None:
+        """Call ``hook(version)`` (sync or async) right after each switch, before the ack."""
+        if self._role == "sender":
+            raise RuntimeError("hooks run on receivers")
+        self._hooks.append(hook)
+
+    def read_guard(self) -> ReadGuard:
+        """The guard a forward holds (``with`` in threads, ``async with`` on the loop) so that
+        no switch happens under it."""
+        if self._role == "sender":
+            raise RuntimeError("the read guard belongs to receivers")
+        return self._guard
+
+    def apply_weights(self, weights: WeightsLike, inplace: bool = True) -> None:
+        """Apply weights to the receiver's model directly with the strategy (no versioning)."""
+        if self._role != "receiver":
+            raise RuntimeError("apply_weights() is for receivers")
+        self._strategy.apply_weights(self._model, weights, inplace=inplace)
+
+    async def _connect_receiver(self, tg: anyio.abc.TaskGroup, timeout: float) -> None:
+        if self._receiver is not None:
+            raise RuntimeError("this receiver is already connected")
+        assert self.worker_idx is not None and self._address is not None
+        mode: ApplyMode
+        if self.apply_mode == "auto":
+            devices = {t.device.type for t in self._targets.values()}
+            mode = "swap" if devices <= {"cpu"} else "copy"
+        else:
+            mode = self.apply_mode
+        context = ReceiverContext(
+            address=self._address, worker_idx=self.worker_idx, tensors=self._targets
+        )
+        receiver = ReceiverCore(
+            channels=self.channels,
+            plane=self.plane.receiver(context),
+            layout=self._layout,
+            targets=self._targets,
+            worker_idx=self.worker_idx,
+            model_id=self.model_id,
+            address=self._address,
+            apply_mode=mode,
+            timeouts=self.timeouts,
+            heartbeats=self.heartbeats,
+            guard=self._guard,
+            hooks=self._hooks,
+        )
+        receiver.shield_updates = not self.background
+        await receiver.connect(timeout)
+        self._receiver = receiver
+        self._connected = True
+        if self.background:
+            await self._start_background(tg, receiver.run)
