@@ -1001,6 +1001,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.timeout(200)  # a child process that imports torch: slow on a busy host
 def test_a_full_shm_file_system_is_a_clear_error_not_a_crash(tmp_path: Any) -> None:
     import subprocess
     import sys
@@ -1020,7 +1021,7 @@ def test_a_full_shm_file_system_is_a_clear_error_not_a_crash(tmp_path: Any) -> N
             [sys.executable, "-c", _SMALL_SHM_SENDER, str(small)],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=150,
         )
         # Before: the copy into the slot died of SIGBUS (returncode -7).
         assert run.returncode == 0, run.stderr
@@ -1210,7 +1211,7 @@ def _long_retries(case: str) -> str:
             [sys.executable, "-c", _LONG_RETRIES, case, "6"],
             capture_output=True,
             text=True,
-            timeout=45,
+            timeout=150,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{case}: hung")
@@ -1218,6 +1219,7 @@ def _long_retries(case: str) -> str:
     return done.stdout
 
 
+@pytest.mark.timeout(200)
 def test_a_receiver_that_outlives_its_sender_for_minutes_still_closes() -> None:
     # Each reconnection attempt queued an event for the connection monitor, which nothing read
     # once the background task had heard the goodbye; when the queue was full, libzmq's thread
@@ -1228,6 +1230,7 @@ def test_a_receiver_that_outlives_its_sender_for_minutes_still_closes() -> None:
     assert float(out.split()[2]) < 4.0  # short of the 5 s join that a hang would wait out
 
 
+@pytest.mark.timeout(200)
 def test_a_worker_that_waits_minutes_for_its_trainer_still_joins() -> None:
     # Before the welcome nothing but the beat thread reads the monitor: events of the failed
     # attempts must not pile up until libzmq's thread stalls and no handshake can happen.
