@@ -260,7 +260,7 @@ async def test_timed_out_receive_then_next_message_arrives(factory: ChannelFacto
         started = time.monotonic()
         with pytest.raises(aiowsync.WeightSyncTimeout, match="no message"):
             await receiver.recv(timeout=0.2)
-        assert 0.15 <= time.monotonic() - started < 3.0
+        assert 0.15 <= time.monotonic() - started < 10.0
         with pytest.raises(TimeoutError):
             await sender.recv(timeout=0.05)
         await sender.send(peer, Update(version=1), timeout=WAIT)
@@ -310,7 +310,7 @@ async def test_closing_with_messages_in_flight_does_not_hang(factory: ChannelFac
         receiver.close()
         sender.close()
         elapsed = time.monotonic() - started
-    assert elapsed < 2.0
+    assert elapsed < 10.0  # generous: a hang, not a slow host, is what this catches
     # receives that were waiting are told the channel closed, instead of hanging or being
     # handed a cancellation they never asked for (or they had a message already)
     for pending in (pending_r, pending_s):
