@@ -146,10 +146,6 @@ class MemorySenderPlane(SenderPlane):
             raise TransportError("the in-process plane is closed")
         return self._slots[slot].value
 
-    @property
-    def slot_count(self) -> int:
-        return len(self._slots)
-
     def process_gone(self, pid: int) -> bool | None:
         return not pid_alive(pid)
 

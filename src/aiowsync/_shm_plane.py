@@ -143,10 +143,6 @@ class SharedMemSenderPlane(SenderPlane):
         parts = self.layout.split(file.tensor)
         return _File(file, parts, self.layout.views(parts))
 
-    @property
-    def slot_count(self) -> int:
-        return len(self._slots)
-
     def reserve(self, pinned: set[int]) -> int:
         if self._closed:
             raise WeightSyncError("the shared-memory plane is closed")
