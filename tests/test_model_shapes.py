@@ -164,7 +164,8 @@ async def test_a_rehomed_model_is_rehomed_again_in_a_later_session() -> None:
 
 
 def test_rehoming_refuses_overlapping_memory_only() -> None:
-    from aiowsync._layout import Layout, rehome
+    from aiowsync._binding import rehome
+    from aiowsync._layout import Layout
 
     class SideBySide(nn.Module):
         def __init__(self) -> None:

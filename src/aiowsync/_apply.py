@@ -10,11 +10,12 @@ from typing import Literal, TypeAlias
 import anyio
 import torch
 
+from ._binding import bind_views
 from ._config import Timeouts
 from ._double import DoubleBuffer
 from ._exceptions import WeightSyncTimeout
 from ._guard import ReadGuard
-from ._layout import Layout, bind_views
+from ._layout import Layout
 from ._plane import ReceiverPlane, Staged
 from ._protocol import ParamValue
 from ._shield import to_the_end

@@ -14,14 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._layout import (
-    _PARALLEL_COPY_BYTES,
-    Layout,
-    _copy_share,
-    _parallel_copy,
-    byte_view,
-    fused_copy,
-)
+from ._copy import CopyPolicy, byte_view, copy_moves, fused_copy
+from ._layout import Layout
 from ._plane import Source
 
 __all__ = ["Buckets", "Image", "Packer", "as_bytes", "plain_pointers"]
@@ -98,9 +92,12 @@ class Image:
 class Packer:
     """Packs sources laid out by ``layout`` into images, bucket by bucket; thread-safe."""
 
-    def __init__(self, layout: Layout, bucket_bytes: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: Layout, bucket_bytes: int, device: torch.device, policy: CopyPolicy
+    ) -> None:
         self.layout = layout
         self.device = device
+        self._policy = policy
         self.buckets = Buckets(layout.total_bytes, bucket_bytes)
         starts = [0]
         for size in layout.buffer_sizes[:-1]:
@@ -149,10 +146,7 @@ class Packer:
             # copy itself when a model has many small tensors.
             base = image.flat.data_ptr()
             moves = [(base + starts[seg] + a, pointers[seg] + a, b - a) for seg, a, b in plan]
-            if sum(n for _, _, n in moves) >= _PARALLEL_COPY_BYTES:
-                _parallel_copy(moves, sum(n for _, _, n in moves))
-            else:
-                _copy_share(moves)
+            copy_moves(moves, self._policy)
         else:
             self._pack_views(image, source, plan, starts)
         image.packed = index + 1
@@ -185,4 +179,4 @@ class Packer:
             start = starts[seg] + a
             srcs.append(as_bytes(pieces[seg])[a:b])
             dsts.append(image.flat[start : start + (b - a)])
-        fused_copy(dsts, srcs)
+        fused_copy(dsts, srcs, self._policy)

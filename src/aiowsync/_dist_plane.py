@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import torch
 
+from ._copy import CopyPolicy
 from ._dist_buckets import Buckets, Image, Packer
 from ._dist_delivery import DistDelivery, TransferChain
 from ._dist_groups import (
@@ -90,6 +91,8 @@ class DistSenderPlane(SenderPlane):
         """Transfers of successive sends, one after another (a send waits ``chain_wait`` at
         most for the one before it)."""
         self._lock = threading.Lock()
+        self._policy = CopyPolicy()
+        """How packing copies (its threads are released at close)."""
         self._groups = SenderGroups(backend=backend, host=host, form_timeout=form_timeout)
         self._closed = False
 
@@ -97,7 +100,7 @@ class DistSenderPlane(SenderPlane):
 
     def setup(self, layout: Layout) -> None:
         self.layout = layout
-        self._packer = Packer(layout, self.bucket_bytes, self.device)
+        self._packer = Packer(layout, self.bucket_bytes, self.device, self._policy)
         self.buckets = self._packer.buckets
         for _ in range(2):
             self._slots.add()
@@ -279,6 +282,7 @@ class DistSenderPlane(SenderPlane):
     def close(self) -> None:
         self._closed = True
         self._groups.close()
+        self._policy.close()
 
 
 class DistReceiverPlane(ReceiverPlane):

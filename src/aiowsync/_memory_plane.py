@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ._copy import CopyPolicy, fused_copy
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
-from ._layout import Layout, fused_copy
+from ._layout import Layout
 from ._plane import (
     DataPlane,
     Delivery,
@@ -83,6 +84,7 @@ class MemorySenderPlane(SenderPlane):
         self.token = secrets.token_hex(8)
         self._slots = SlotTable(self._make, max_slots=max_slots)
         self._stager = Stager(inline_bytes)
+        self._policy = CopyPolicy()
         self._closed = False
 
     def _make(self, index: int) -> list[torch.Tensor]:
@@ -116,11 +118,12 @@ class MemorySenderPlane(SenderPlane):
         def copy() -> None:
             snapshot = source.snapshot()
             if snapshot.buffers is not None:
-                fused_copy(parts, list(snapshot.buffers))
+                fused_copy(parts, list(snapshot.buffers), self._policy)
             elif snapshot.tensors is not None:
                 views = layout.views(parts)
+                keys = layout.keys
                 fused_copy(
-                    [views[k] for k in layout.keys], [snapshot.tensors[k] for k in layout.keys]
+                    [views[k] for k in keys], [snapshot.tensors[k] for k in keys], self._policy
                 )
             else:
                 raise ValueError("empty source")
@@ -152,6 +155,7 @@ class MemorySenderPlane(SenderPlane):
     def close(self) -> None:
         self._closed = True
         self._stager.close()
+        self._policy.close()
         with _planes_lock:
             if _planes.get(self.token) is self:
                 del _planes[self.token]

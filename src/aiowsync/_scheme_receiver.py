@@ -10,8 +10,9 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from ._binding import module_targets
 from ._guard import ReadGuard
-from ._layout import Layout, module_targets, refuse_meta
+from ._layout import Layout, refuse_meta
 from ._plane import ReceiverContext
 from ._receiver import ApplyMode, Hook, ReceiverCore
 from ._scheme_base import SchemeState, resolve_model

@@ -11,16 +11,11 @@ from typing import Literal
 
 import torch
 
+from ._copy import CopyPolicy, fused_copy, start_copy
+from ._copy_job import early_share
 from ._exceptions import ProtocolError, TransportError, WeightSyncError
-from ._layout import (
-    EarlyCopy,
-    GatherCopy,
-    Layout,
-    early_share,
-    fused_copy,
-    remember_hint,
-    start_copy,
-)
+from ._gather import EarlyCopy, GatherCopy, remember_hint
+from ._layout import Layout
 from ._plane import (
     DataPlane,
     Delivery,
@@ -116,11 +111,13 @@ class SharedMemSenderPlane(SenderPlane):
         self._slots = SlotTable(self._make_file, max_slots=max_slots)
         self._token = secrets.token_hex(6)
         self._stager = Stager()
+        self._policy = CopyPolicy()
+        """How this plane copies (its threads are released at close)."""
         self._closed = False
 
     def setup(self, layout: Layout) -> None:
         self.layout = layout
-        self._gather = GatherCopy(layout)
+        self._gather = GatherCopy(layout, self._policy)
         self._early = early_share(len(layout.specs), layout.total_bytes)
         """How a copy of whole buffers started before the check is cut (see start_copy)."""
         self._last: collections.OrderedDict[object, tuple[torch.Tensor, ...] | None] = (
@@ -175,7 +172,7 @@ class SharedMemSenderPlane(SenderPlane):
             # Weights not seen lately: at most the gather copy's own guess (the last call's
             # tensors, if they came twice in a row).
             last, tensors = None, self._last_tensors
-        flat = start_copy(parts, last, self._early) if last is not None else None
+        flat = start_copy(parts, last, self._early, self._policy) if last is not None else None
         gather = self._gather.start(parts, key) if tensors else None
         try:
             snapshot = source.snapshot()
@@ -202,7 +199,7 @@ class SharedMemSenderPlane(SenderPlane):
         if source.buffers is not None:
             if early is not None:
                 early.job.abandon()
-            fused_copy(s.parts, list(source.buffers))
+            fused_copy(s.parts, list(source.buffers), self._policy)
             self._copied(key, source.buffers)
         elif source.tensors is not None:
             keys, tensors = self.layout.keys, source.tensors
@@ -210,7 +207,7 @@ class SharedMemSenderPlane(SenderPlane):
             if self._gather.copy(s.parts, src, keep=source.model, early=early, hint=key):
                 self._copied(key, None)
             else:
-                fused_copy([s.views[k] for k in keys], src)
+                fused_copy([s.views[k] for k in keys], src, self._policy)
         else:
             if early is not None:
                 early.job.abandon()
@@ -249,6 +246,7 @@ class SharedMemSenderPlane(SenderPlane):
             self._last.clear()
         for s in self._slots:
             s.value.file.unlink()
+        self._policy.close()
 
 
 def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor] | None) -> bool:

@@ -12,7 +12,8 @@ import logging
 import torch
 from torch import nn
 
-from ._layout import Layout, refuse_meta, rehome
+from ._binding import rehome
+from ._layout import Layout, refuse_meta
 from ._plane import Source, WeightSource
 from ._watch import ModelWatch
 from ._weights import WeightsLike, flatten_weights

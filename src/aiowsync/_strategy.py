@@ -15,8 +15,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
+from ._copy import fused_copy
 from ._exceptions import LayoutMismatchError
-from ._layout import fused_copy
 from ._weights import WeightsLike, flatten_weights
 
 __all__ = ["StrategyName", "WeightStrategy"]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from ._layout import module_targets
+from ._binding import module_targets
 
 __all__ = ["ModelWatch"]
 
