@@ -103,9 +103,7 @@ class Applier:
             index, target = self._private.spare()
             # The spare copy is read by nothing: the model points at the other one. The copy
             # ends before this returns, even if cancelled, so two never overlap in it.
-            await to_the_end(
-                anyio.to_thread.run_sync(copy_buffers, target.buffers, staged.buffers)
-            )
+            await to_the_end(anyio.to_thread.run_sync(copy_buffers, target.buffers, staged.buffers))
             staged = target
         private = self._private
 

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -41,9 +42,7 @@ class TransferChain:
         self._limit = limit
         """How long a transfer left behind may still be waited for by the next one."""
 
-    async def run(
-        self, transfer: Callable[..., None], release: Callable[[], None]
-    ) -> None:
+    async def run(self, transfer: Callable[..., None], release: Callable[[], None]) -> None:
         """``transfer(after=event)`` in a thread; ``event`` is set once the previous one ended.
         ``release()`` gives back what the transfer would have, if no thread could start."""
         previous, mine = self._last, threading.Event()
@@ -73,17 +72,15 @@ class TransferChain:
             raise TransportError(f"could not start a transfer thread: {exc}") from None
 
 
+@dataclass(eq=False)
 class DistDelivery(Delivery):
-    """A version on its way to ``members`` over the group ``route`` (None: no members)."""
+    """A version on its way to the members of the group ``route`` (None: no members)."""
 
-    def __init__(
-        self, plane: DistSenderPlane, version: int, route: Any, deadline: float, params: Params
-    ) -> None:
-        self._plane = plane
-        self._version = version
-        self._route = route
-        self._deadline = deadline
-        self.params = params
+    _plane: DistSenderPlane
+    _version: int
+    _route: Any
+    _deadline: float
+    params: Params
 
     async def run(self, retries: Retries | None) -> None:
         route, self._route = self._route, None
@@ -200,4 +197,3 @@ async def in_thread(fn: Callable[..., None], *args: Any) -> None:
 
 class _NotStarted(RuntimeError):
     pass
-

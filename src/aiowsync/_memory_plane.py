@@ -12,29 +12,25 @@ from __future__ import annotations
 import secrets
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ._copy import CopyPolicy, fused_copy
-from ._exceptions import ProtocolError, TransportError, WeightSyncError
+from ._exceptions import ProtocolError, TransportError
 from ._layout import Layout
 from ._plane import (
     DataPlane,
-    Delivery,
-    InPlace,
-    Member,
+    Params,
     ReceiverContext,
     ReceiverPlane,
     SenderContext,
-    SenderPlane,
     Staged,
     WeightSource,
 )
 from ._protocol import ParamValue
-from ._shm_slots import pid_alive
-from ._slot_table import SlotTable
+from ._slot_table import InPlaceSenderPlane, SlotTable, check_slot_counts
 from ._stager import INLINE_COPY_BYTES, Stager
 
 __all__ = ["MemoryPlane", "MemoryReceiverPlane", "MemorySenderPlane"]
@@ -62,23 +58,20 @@ class MemoryPlane(DataPlane):
     inline_bytes: int = INLINE_COPY_BYTES
 
     def __post_init__(self) -> None:
-        if self.num_slots < 2:
-            raise ValueError(f"num_slots must be at least 2, got {self.num_slots}")
-        if self.max_slots < self.num_slots:
-            raise ValueError(
-                f"max_slots ({self.max_slots}) must be >= num_slots ({self.num_slots})"
-            )
+        check_slot_counts(self.num_slots, self.max_slots)
         if self.inline_bytes < 0:
             raise ValueError(f"inline_bytes must be >= 0, got {self.inline_bytes}")
 
-    def sender(self, context: SenderContext) -> SenderPlane:
+    def sender(self, context: SenderContext) -> MemorySenderPlane:
         return MemorySenderPlane(self.num_slots, self.max_slots, self.inline_bytes)
 
-    def receiver(self, context: ReceiverContext) -> ReceiverPlane:
+    def receiver(self, context: ReceiverContext) -> MemoryReceiverPlane:
         return MemoryReceiverPlane()
 
 
-class MemorySenderPlane(SenderPlane):
+class MemorySenderPlane(InPlaceSenderPlane):
+    what = "in-process"
+
     def __init__(self, num_slots: int, max_slots: int, inline_bytes: int) -> None:
         self.num_slots = num_slots
         self.token = secrets.token_hex(8)
@@ -100,17 +93,6 @@ class MemorySenderPlane(SenderPlane):
     def welcome_params(self) -> dict[str, ParamValue]:
         return {"plane": self.token}
 
-    def reserve(self, pinned: set[int]) -> int:
-        if self._closed:
-            raise WeightSyncError("the in-process plane is closed")
-        return self._slots.reserve(
-            lambda s: s.version is None or s.version not in pinned,
-            lambda: (
-                f"all {len(self._slots)} in-process slots hold versions still in use "
-                f"({sorted(pinned)}); raise max_slots or bring lagging workers up to date"
-            ),
-        )
-
     async def stage(self, slot: int, source: WeightSource) -> None:
         parts = self._slots[slot].value
         layout = self.layout
@@ -130,27 +112,14 @@ class MemorySenderPlane(SenderPlane):
 
         await self._stager.run(layout.total_bytes, copy)
 
-    def publish(self, slot: int, version: int) -> None:
-        if self._closed:
-            raise WeightSyncError("the in-process plane is closed")
-        self._slots.publish(slot, version)
-
-    def release(self, slot: int) -> None:
-        if not self._closed:
-            self._slots.release(slot)
-
-    def deliver(
-        self, version: int, members: Sequence[Member], deadline: float, *, purpose: str = ""
-    ) -> Delivery:
-        return InPlace({"slot": self._slots.index_of(version), "nbytes": self.layout.total_bytes})
+    def where(self, index: int) -> Params:
+        return {"slot": index, "nbytes": self.layout.total_bytes}
 
     def buffers_of(self, slot: int) -> list[torch.Tensor]:
         if self._closed:
             raise TransportError("the in-process plane is closed")
-        return self._slots[slot].value
-
-    def process_gone(self, pid: int) -> bool | None:
-        return not pid_alive(pid)
+        parts: list[torch.Tensor] = self._slots[slot].value
+        return parts
 
     def close(self) -> None:
         self._closed = True

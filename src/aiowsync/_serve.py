@@ -14,25 +14,12 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from . import _protocol as wire
 from ._channel import PeerId, SenderChannel
 from ._exceptions import ProtocolError, TransportError, WeightSyncError, WeightSyncTimeout
 from ._handshake import probe_gone, refusal
 from ._peers import DEAD_STATES, Peer, PeerTable
 from ._plane import Delivery
-from ._protocol import (
-    SENDER_INDEX,
-    Ack,
-    Bye,
-    Connection,
-    Heartbeat,
-    Hello,
-    Message,
-    Nack,
-    Refuse,
-    Role,
-    State,
-    Welcome,
-)
 from ._text import excerpt, worth_logging
 
 if TYPE_CHECKING:
@@ -92,7 +79,7 @@ class ControlLoop:
 
     async def _beat(self, channel: SenderChannel) -> None:
         for peer in self._core.peers.values():
-            if peer.lost or peer.conn.state is State.ERROR:
+            if peer.lost or peer.conn.state is wire.State.ERROR:
                 continue
             try:
                 # A beat that cannot be queued at once is skipped, never waited for.
@@ -103,8 +90,10 @@ class ControlLoop:
             except WeightSyncError:
                 pass
 
-    def _beat_for(self, peer: Peer) -> Heartbeat:
-        return Heartbeat(worker_idx=SENDER_INDEX, session=peer.session, version=self._core.version)
+    def _beat_for(self, peer: Peer) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            worker_idx=wire.SENDER_INDEX, session=peer.session, version=self._core.version
+        )
 
     def _routable(self, peer: Peer) -> bool:
         """Whether a beat to ``peer``'s main connection is taken at once.
@@ -148,15 +137,15 @@ class ControlLoop:
         channel = self._core.channel
         if channel is None:
             return
-        bye = Bye(reason="this sender never welcomed this session (restarted on its address?)")
+        bye = wire.Bye(reason="this sender never welcomed this session (restarted on its address?)")
         with contextlib.suppress(WeightSyncError):
             channel.send_nowait(routing, bye)
 
-    async def _dispatch(self, routing: PeerId, message: Message) -> None:
-        if isinstance(message, Hello):
+    async def _dispatch(self, routing: PeerId, message: wire.Message) -> None:
+        if isinstance(message, wire.Hello):
             await self._on_hello(routing, message)
             return
-        if isinstance(message, Heartbeat):
+        if isinstance(message, wire.Heartbeat):
             self._on_beat(routing, message)
             return
         peer = self._core.peers.by_routing.get(routing)
@@ -170,9 +159,9 @@ class ControlLoop:
             self._core.peers.mark_lost(peer, f"protocol error: {exc}")
             return
         peer.last_seen = time.monotonic()
-        if isinstance(message, Ack):
+        if isinstance(message, wire.Ack):
             self._on_answer(peer, message.version, None)
-        elif isinstance(message, Nack):
+        elif isinstance(message, wire.Nack):
             self._on_answer(
                 peer,
                 message.version,
@@ -180,10 +169,10 @@ class ControlLoop:
                 retryable=message.retryable,
                 running=message.running,
             )
-        elif isinstance(message, Bye):
+        elif isinstance(message, wire.Bye):
             self._core.peers.said_goodbye(peer, message.reason)
 
-    def _on_beat(self, routing: PeerId, message: Heartbeat) -> None:
+    def _on_beat(self, routing: PeerId, message: wire.Heartbeat) -> None:
         peer = self._core.peers.get(message.worker_idx)
         if peer is None or not message.session or peer.session != message.session:
             self._drop(f"heartbeat for an unknown session from worker {message.worker_idx}")
@@ -228,7 +217,7 @@ class ControlLoop:
                 excerpt(error),
             )
 
-    async def _on_hello(self, routing: PeerId, hello: Hello) -> None:
+    async def _on_hello(self, routing: PeerId, hello: wire.Hello) -> None:
         channel = self._core.channel
         assert channel is not None
         reason = refusal(hello, self._core.layout, self._core.model_id, self._core.num_workers)
@@ -247,12 +236,12 @@ class ControlLoop:
             with contextlib.suppress(WeightSyncError):
                 await channel.send(
                     routing,
-                    Refuse(reason=reason[:REFUSAL_CHARS]),
+                    wire.Refuse(reason=reason[:REFUSAL_CHARS]),
                     timeout=self._core.timeouts.control,
                 )
             return
         self._core.peers.replace(hello.worker_idx, hello.pid)
-        conn = Connection(Role.SENDER, hello.worker_idx)
+        conn = wire.Connection(wire.Role.SENDER, hello.worker_idx)
         conn.receive(hello)
         session = secrets.token_hex(16)
         join = self._core.plane.deliver(
@@ -261,7 +250,7 @@ class ControlLoop:
             time.monotonic() + self._core.timeouts.handshake,
             purpose="join",
         )
-        welcome = Welcome(
+        welcome = wire.Welcome(
             model_id=self._core.model_id,
             worker_idx=hello.worker_idx,
             session=session,

@@ -13,26 +13,23 @@ import torch
 
 from ._copy import CopyPolicy, fused_copy, start_copy
 from ._copy_job import early_share
-from ._exceptions import ProtocolError, TransportError, WeightSyncError
+from ._exceptions import ProtocolError, TransportError
 from ._gather import EarlyCopy, GatherCopy, remember_hint
 from ._layout import Layout
 from ._plane import (
     DataPlane,
-    Delivery,
-    InPlace,
-    Member,
+    Params,
     ReceiverContext,
     ReceiverPlane,
     SenderContext,
-    SenderPlane,
     Source,
     Staged,
     WeightSource,
 )
 from ._protocol import ParamValue
-from ._shm_slots import SlotFile, check_slot_path, pid_alive, remove_stale_slots
+from ._shm_slots import SlotFile, check_slot_path, remove_stale_slots
 from ._shm_window import SlotWindow, windows_supported
-from ._slot_table import SlotTable
+from ._slot_table import InPlaceSenderPlane, SlotTable, check_slot_counts
 from ._stager import Stager
 
 __all__ = ["SharedMemPlane", "SharedMemReceiverPlane", "SharedMemSenderPlane", "SwitchMode"]
@@ -76,19 +73,14 @@ class SharedMemPlane(DataPlane):
     switch: SwitchMode = "auto"
 
     def __post_init__(self) -> None:
-        if self.num_slots < 2:
-            raise ValueError(f"num_slots must be at least 2, got {self.num_slots}")
-        if self.max_slots < self.num_slots:
-            raise ValueError(
-                f"max_slots ({self.max_slots}) must be >= num_slots ({self.num_slots})"
-            )
+        check_slot_counts(self.num_slots, self.max_slots)
         if self.switch not in ("auto", "rebind", "remap"):
             raise ValueError(f"switch must be 'auto', 'rebind' or 'remap', got {self.switch!r}")
 
-    def sender(self, context: SenderContext) -> SenderPlane:
+    def sender(self, context: SenderContext) -> SharedMemSenderPlane:
         return SharedMemSenderPlane(self.num_slots, self.max_slots)
 
-    def receiver(self, context: ReceiverContext) -> ReceiverPlane:
+    def receiver(self, context: ReceiverContext) -> SharedMemReceiverPlane:
         return SharedMemReceiverPlane(switch=self.switch)
 
 
@@ -99,12 +91,14 @@ class _File:
     views: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class SharedMemSenderPlane(SenderPlane):
+class SharedMemSenderPlane(InPlaceSenderPlane):
     """``num_slots`` slot files made up front, more (up to ``max_slots``) on demand.
 
     More slots are needed only when versions stay in use side by side, e.g. after sends to a
     subset of the workers, or while a worker that missed an ack may still switch.
     """
+
+    what = "shared-memory"
 
     def __init__(self, num_slots: int = 2, max_slots: int = 16) -> None:
         self.num_slots = num_slots
@@ -139,17 +133,6 @@ class SharedMemSenderPlane(SenderPlane):
         file = SlotFile.create(index, self.layout.total_bytes, self._token)
         parts = self.layout.split(file.tensor)
         return _File(file, parts, self.layout.views(parts))
-
-    def reserve(self, pinned: set[int]) -> int:
-        if self._closed:
-            raise WeightSyncError("the shared-memory plane is closed")
-        return self._slots.reserve(
-            lambda s: s.version is None or s.version not in pinned,
-            lambda: (
-                f"all {len(self._slots)} shared-memory slots hold versions still in use "
-                f"({sorted(pinned)}); raise max_slots or bring lagging workers up to date"
-            ),
-        )
 
     async def stage(self, slot: int, source: WeightSource) -> None:
         self._slots[slot].value.file.back()
@@ -219,24 +202,9 @@ class SharedMemSenderPlane(SenderPlane):
         self._last_tensors = buffers is None
         remember_hint(self._last, key, buffers)
 
-    def publish(self, slot: int, version: int) -> None:
-        if self._closed:
-            raise WeightSyncError("the shared-memory plane is closed")
-        self._slots.publish(slot, version)
-
-    def release(self, slot: int) -> None:
-        if not self._closed:
-            self._slots.release(slot)
-
-    def deliver(
-        self, version: int, members: Sequence[Member], deadline: float, *, purpose: str = ""
-    ) -> Delivery:
-        index = self._slots.index_of(version)
+    def where(self, index: int) -> Params:
         file = self._slots[index].value.file
-        return InPlace({"slot": index, "path": file.path, "nbytes": file.nbytes})
-
-    def process_gone(self, pid: int) -> bool | None:
-        return not pid_alive(pid)
+        return {"slot": index, "path": file.path, "nbytes": file.nbytes}
 
     def close(self) -> None:
         self._closed = True

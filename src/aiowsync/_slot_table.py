@@ -7,13 +7,15 @@ table is the same; what makes a slot reusable is the plane's rule.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ._exceptions import WeightSyncError
+from ._plane import Delivery, InPlace, Member, Params, SenderPlane
+from ._shm_slots import pid_alive
 
-__all__ = ["Slot", "SlotTable"]
+__all__ = ["InPlaceSenderPlane", "Slot", "SlotTable", "check_slot_counts"]
 
 T = TypeVar("T")
 
@@ -25,6 +27,15 @@ class Slot(Generic[T]):
     version: int | None = None
     busy: bool = False
     """Reserved and being written; holds no version yet."""
+
+
+def check_slot_counts(num_slots: int, max_slots: int) -> None:
+    """Refuse slot counts a plane cannot work with (two are needed to stage beside the live
+    version)."""
+    if num_slots < 2:
+        raise ValueError(f"num_slots must be at least 2, got {num_slots}")
+    if max_slots < num_slots:
+        raise ValueError(f"max_slots ({max_slots}) must be >= num_slots ({num_slots})")
 
 
 class SlotTable(Generic[T]):
@@ -61,6 +72,17 @@ class SlotTable(Generic[T]):
         self.add().busy = True
         return len(self.slots) - 1
 
+    def reserve_unpinned(self, pinned: set[int], what: str) -> int:
+        """A slot holding none of the ``pinned`` versions: the rule where receivers read the
+        sender's slots. ``what`` names the slots in the error when none is left."""
+        return self.reserve(
+            lambda s: s.version is None or s.version not in pinned,
+            lambda: (
+                f"all {len(self.slots)} {what} slots hold versions still in use "
+                f"({sorted(pinned)}); raise max_slots or bring lagging workers up to date"
+            ),
+        )
+
     def publish(self, index: int, version: int) -> Slot[T]:
         slot = self.slots[index]
         slot.version, slot.busy = version, False
@@ -76,3 +98,41 @@ class SlotTable(Generic[T]):
             if slot.version == version:
                 return index
         raise KeyError(f"version {version} is in no slot")
+
+
+class InPlaceSenderPlane(SenderPlane):
+    """Base of the sender planes whose receivers read the sender's slots where they are (on
+    this host): a slot is reused only once no receiver's process may still read its version,
+    and receivers' processes are watched by pid."""
+
+    _slots: SlotTable[Any]
+    _closed: bool
+    what: str = "sender"
+    """Names the slots in errors."""
+
+    def reserve(self, pinned: set[int]) -> int:
+        if self._closed:
+            raise WeightSyncError(f"the {self.what} plane is closed")
+        return self._slots.reserve_unpinned(pinned, self.what)
+
+    def publish(self, slot: int, version: int) -> None:
+        if self._closed:
+            raise WeightSyncError(f"the {self.what} plane is closed")
+        self._slots.publish(slot, version)
+
+    def release(self, slot: int) -> None:
+        if not self._closed:
+            self._slots.release(slot)
+
+    def deliver(
+        self, version: int, members: Sequence[Member], deadline: float, *, purpose: str = ""
+    ) -> Delivery:
+        index = self._slots.index_of(version)
+        return InPlace(self.where(index))
+
+    def where(self, index: int) -> Params:
+        """What a receiver needs to find slot ``index``."""
+        raise NotImplementedError
+
+    def process_gone(self, pid: int) -> bool | None:
+        return not pid_alive(pid)
