@@ -29,7 +29,7 @@ demo: setup
 # The documentation site, built into site/; --strict fails on any warning (a broken link, a
 # docstring that does not match its signature). After setup, so that torch stays pinned.
 docs: setup
-	$(BIN)/pip install -q -e ".[docs]"
+	$(BIN)/pip install -q torch==2.13.0 -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # `aiowsync bench` gets a venv of its own: the bench extra installs torchrl 0.14, which pins
