@@ -14,7 +14,7 @@ $(BIN)/python:
 # torch is pinned here (and only here): an unpinned torch would pull a multi-GB CUDA build.
 setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,dev]"
+	$(BIN)/pip install -q torch==2.13.0 -e ".[test,dev]"
 
 test: setup
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
@@ -40,7 +40,7 @@ $(BENCH_BIN)/python:
 
 bench-setup: $(BENCH_BIN)/python
 	$(BENCH_BIN)/pip install -q torch==2.13.0
-	$(BENCH_BIN)/pip install -q -e ".[bench]"
+	$(BENCH_BIN)/pip install -q torch==2.13.0 -e ".[bench]"
 
 bench: bench-setup
 	$(BENCH_BIN)/aiowsync bench --out bench-results/bench
