@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch is pinned here (and only here): an unpinned torch would pull a multi-GB CUDA build.
+# torch is pinned in every pip call: an unpinned torch would pull a multi-GB CUDA build.
 setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q torch==2.13.0 -e ".[test,dev]"
