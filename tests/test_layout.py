@@ -52,7 +52,8 @@ class Mixed(nn.Module):
 @pytest.fixture(params=["streamed", "plain"])
 def policy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[CopyPolicy]:
     """Run a copy test with non-temporal copies (where built) and with plain ones. The policy
-    is also the process's default for the test, for what copies without one (a plane)."""
+    is also the process's default for the test, for what copies without one (``Layout.pack``,
+    ``rehome``)."""
     streamed = request.param == "streamed"
     if streamed and not streams_available():
         pytest.skip("non-temporal copies are not available here")
@@ -859,7 +860,7 @@ def test_helpers_are_woken_away_from_the_callers_cpu_and_take_its_cpus_back() ->
 
 def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers(policy: CopyPolicy) -> None:
     layout = Layout.from_weights({"w": torch.zeros(2 << 20), "b": torch.zeros(3)})
-    plane = SharedMemSenderPlane()
+    plane = SharedMemSenderPlane(policy=policy)
     plane.setup(layout)
     try:
         first = layout.allocate()

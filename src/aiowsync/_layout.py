@@ -300,32 +300,3 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-# Re-exports for modules not yet moved to the new homes (removed once they import from the new
-# modules).
-from ._binding import bind_views, module_targets, rehome  # noqa: E402
-from ._copy import (  # noqa: E402
-    PARALLEL_COPY_BYTES,
-    _copy_share,
-    _parallel_copy,
-    byte_view,
-    start_copy,
-)
-from ._copy_job import early_share  # noqa: E402
-from ._gather import EarlyCopy, GatherCopy, remember_hint  # noqa: E402
-
-_PARALLEL_COPY_BYTES = PARALLEL_COPY_BYTES
-__all__ += [
-    "_PARALLEL_COPY_BYTES",
-    "EarlyCopy",
-    "GatherCopy",
-    "_copy_share",
-    "_parallel_copy",
-    "bind_views",
-    "byte_view",
-    "early_share",
-    "fused_copy",
-    "module_targets",
-    "rehome",
-    "remember_hint",
-    "start_copy",
-]

@@ -100,13 +100,15 @@ class SharedMemSenderPlane(InPlaceSenderPlane):
 
     what = "shared-memory"
 
-    def __init__(self, num_slots: int = 2, max_slots: int = 16) -> None:
+    def __init__(
+        self, num_slots: int = 2, max_slots: int = 16, policy: CopyPolicy | None = None
+    ) -> None:
         self.num_slots = num_slots
         self._slots = SlotTable(self._make_file, max_slots=max_slots)
         self._token = secrets.token_hex(6)
         self._stager = Stager()
-        self._policy = CopyPolicy()
-        """How this plane copies (its threads are released at close)."""
+        self._policy = policy or CopyPolicy()
+        """How this plane copies (its own; its threads are released at close)."""
         self._closed = False
 
     def setup(self, layout: Layout) -> None:
