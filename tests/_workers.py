@@ -133,10 +133,12 @@ async def _worker(
     scheme.init_on_receiver(model=model, worker_idx=worker_idx)
     report_digests = options.get("digests", True)
     tear = options.get("tear", False)
+    tear_from = options.get("tear_from", 0)
+    """Versions up to this one are not uniform (exact-bytes sends come first): no tear check."""
     stats = {"loop_reads": 0, "thread_reads": 0, "mixed": 0, "wrong_version": 0}
 
     def on_switch(version: int) -> None:
-        if report_digests:
+        if report_digests and (not tear or version <= tear_from):
             events.put(("version", worker_idx, version, digest(model)))
 
     scheme.register_hook(on_switch)
@@ -147,12 +149,16 @@ async def _worker(
         reader = None
         if tear:
             reader = threading.Thread(
-                target=_thread_reader, args=(scheme, model, stats, stop_thread), daemon=True
+                target=_thread_reader,
+                args=(scheme, model, stats, stop_thread, tear_from),
+                daemon=True,
             )
             reader.start()
         try:
             while not stop.is_set():
-                if tear:
+                if tear and scheme.version <= tear_from:
+                    await asyncio.sleep(0.005)
+                elif tear:
                     value = _check_uniform(model)
                     stats["loop_reads"] += 1
                     if value is None:
@@ -180,12 +186,16 @@ def _thread_reader(
     model: nn.Module,
     stats: dict[str, int],
     stop: threading.Event,
+    tear_from: int,
 ) -> None:
     guard = scheme.read_guard()
     while not stop.is_set():
         with guard:
             version = scheme.version
-            value = _check_uniform(model)
+            value = _check_uniform(model) if version > tear_from else version
+        if version <= tear_from:
+            time.sleep(0.005)
+            continue
         stats["thread_reads"] += 1
         if value is None:
             stats["mixed"] += 1
@@ -261,38 +271,6 @@ def workers() -> Iterator[Workers]:
         w.close()
 
 
-async def sends_without_mixed_reads(
-    scheme: aiowsync.WeightSyncScheme, model: nn.Module, kind: str, workers_count: int = 4
-) -> int:
-    """Send back to back for >= 6 s and >= 10 sends while every worker reads its model on its
-    event loop and in a thread holding the read guard; assert that no read saw two versions.
-
-    ``model`` is the sender's (initialised on ``scheme``); send k fills it with k. Returns the
-    number of sends.
-    """
-    with workers() as w:
-        async with scheme:
-            for i in range(workers_count):
-                w.start(i, kind, scheme=scheme, tear=True, digests=False)
-            await asyncio.wait_for(scheme.connect(timeout=150), 180)
-            await asyncio.to_thread(w.collect, "ready", workers_count)
-            deadline = time.monotonic() + 6.0
-            sends = 0
-            while time.monotonic() < deadline or sends < 10:  # both, however slow the machine
-                fill(model, sends + 1)
-                result = await scheme.send(timeout=30)
-                sends += 1
-                assert result.version == sends
-            w.stop.set()
-            done = await asyncio.to_thread(w.collect, "done", workers_count)
-    for _, idx, stats in done:
-        assert stats["loop_reads"] > 0 and stats["thread_reads"] > 0, stats
-        assert stats["mixed"] == 0, f"worker {idx} saw a mix of versions: {stats}"
-        assert stats["wrong_version"] == 0, f"worker {idx}: {stats}"
-        assert stats["version"] == sends
-    return sends
-
-
 async def connect_all(scheme: aiowsync.WeightSyncScheme, w: Workers, n: int) -> dict[int, str]:
     """The sender's connect(); then each worker's ready report: {worker: digest}."""
     await asyncio.wait_for(scheme.connect(timeout=150), 180)
@@ -300,28 +278,53 @@ async def connect_all(scheme: aiowsync.WeightSyncScheme, w: Workers, n: int) -> 
     return {e[1]: e[3] for e in ready}
 
 
-async def ten_sends_reach_every_worker(
-    scheme: aiowsync.WeightSyncScheme, model: nn.Module, kind: str
-) -> None:
-    """4 workers hold the sender's bytes at connect and after each of 10 sends (versions 1..10).
+EXACT_SENDS = 10
+"""Sends of random values whose bytes every worker reports (a digest) before the tear check."""
 
-    ``model`` is the sender's, initialised on ``scheme`` for 4 workers.
+
+async def exact_bytes_then_no_mixed_reads(
+    scheme: aiowsync.WeightSyncScheme, model: nn.Module, kind: str, workers_count: int = 4
+) -> int:
+    """Two properties on one set of worker processes (spawning them is most of the cost).
+
+    First, every worker holds the sender's exact bytes at connect and after each of
+    :data:`EXACT_SENDS` sends of random values. Then the sender sends back to back for >= 6 s
+    and >= 10 sends (version k filled with k) while every worker reads its model on its event
+    loop and in a thread holding the read guard: no read may see two versions. ``model`` is
+    the sender's, initialised on ``scheme``. Returns the number of back-to-back sends.
     """
+    n = workers_count
     with workers() as w:
         async with scheme:
-            for i in range(4):
-                w.start(i, kind, scheme=scheme)
-            ready = await connect_all(scheme, w, 4)
-            assert ready == dict.fromkeys(range(4), digest(model))
-            for step in range(1, 11):
+            for i in range(n):
+                w.start(i, kind, scheme=scheme, tear=True, tear_from=EXACT_SENDS)
+            ready = await connect_all(scheme, w, n)
+            assert ready == dict.fromkeys(range(n), digest(model))
+            for step in range(1, EXACT_SENDS + 1):
                 randomize(model, seed=step)
                 expected = digest(model)
                 result = await scheme.send(timeout=30)
                 assert result.version == step
-                assert result.worker_ids == (0, 1, 2, 3)
-                seen = await asyncio.to_thread(w.collect, "version", 4)
-                assert {(e[1], e[2]) for e in seen} == {(i, step) for i in range(4)}
+                assert result.worker_ids == tuple(range(n))
+                seen = await asyncio.to_thread(w.collect, "version", n)
+                assert {(e[1], e[2]) for e in seen} == {(i, step) for i in range(n)}
                 assert all(e[3] == expected for e in seen), f"content differs at version {step}"
+            deadline = time.monotonic() + 6.0
+            sends = 0
+            while time.monotonic() < deadline or sends < 10:  # both, however slow the machine
+                version = EXACT_SENDS + sends + 1
+                fill(model, version)
+                result = await scheme.send(timeout=30)
+                sends += 1
+                assert result.version == version
+            w.stop.set()
+            done = await asyncio.to_thread(w.collect, "done", n)
+    for _, idx, stats in done:
+        assert stats["loop_reads"] > 0 and stats["thread_reads"] > 0, stats
+        assert stats["mixed"] == 0, f"worker {idx} saw a mix of versions: {stats}"
+        assert stats["wrong_version"] == 0, f"worker {idx}: {stats}"
+        assert stats["version"] == EXACT_SENDS + sends
+    return sends
 
 
 @contextlib.asynccontextmanager

@@ -1,22 +1,22 @@
-"""The command line: `python -m aiowsync demo` runs a real trainer and workers."""
+"""The command line: its dispatch in this process, and `python -m aiowsync demo` running a real
+trainer and workers."""
 
 from __future__ import annotations
 
 import pytest
 
+from aiowsync.__main__ import main
 from helpers import run_cli
 
 
-def test_no_command_prints_usage() -> None:
-    done = run_cli(timeout=60)
-    assert done.returncode == 2
-    assert "usage: aiowsync demo" in done.stdout
+def test_no_command_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "usage: aiowsync demo" in capsys.readouterr().out
 
 
-def test_unknown_command_is_refused() -> None:
-    done = run_cli("frobnicate", timeout=60)
-    assert done.returncode == 2
-    assert "unknown command" in done.stderr
+def test_unknown_command_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["frobnicate"]) == 2
+    assert "unknown command" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from torch import nn
 
 import aiowsync
 import helpers
-from aiowsync._protocol import Ack, Bye, Heartbeat, Hello, Update, decode, encode
+from aiowsync._protocol import PROTOCOL_VERSION, Ack, Bye, Heartbeat, Hello, Update, decode, encode
 from helpers import bump, eventually, model, same
 
 pytestmark = pytest.mark.timeout(60)
@@ -229,7 +229,9 @@ async def test_hostile_frames_are_dropped_without_disturbing_workers() -> None:
             ]
             for frames in hostile:
                 await raw.send_multipart(frames)
-            hello = Hello(protocol=1, model_id="policy", worker_idx=9, fingerprint="0" * 64)
+            hello = Hello(
+                protocol=PROTOCOL_VERSION, model_id="policy", worker_idx=9, fingerprint="0" * 64
+            )
             await raw.send_multipart([encode(hello)])
             refused = await asyncio.wait_for(raw.recv_multipart(), 5)
             assert b"out of range" in refused[0]

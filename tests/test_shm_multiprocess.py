@@ -16,12 +16,11 @@ from _workers import (
     SPAWN,
     connect_all,
     digest,
+    exact_bytes_then_no_mixed_reads,
     fill,
     make_model,
     on_version_1,
     randomize,
-    sends_without_mixed_reads,
-    ten_sends_reach_every_worker,
     workers,
 )
 from helpers import eventually
@@ -31,15 +30,6 @@ pytestmark = pytest.mark.timeout(240)
 # Four workers, their reader threads and a trainer on two CPUs: beats may come late without
 # anything being wrong. Tests about losing a worker set their own.
 LOADED = aiowsync.Heartbeats(interval=0.5, missed=10)
-
-
-@pytest.mark.parametrize("kind", ["big", "many"])
-async def test_every_worker_holds_the_senders_bytes_after_each_send(kind: str) -> None:
-    torch.manual_seed(0)
-    model = make_model(kind)
-    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=LOADED)
-    scheme.init_on_sender(model=model, num_workers=4)
-    await ten_sends_reach_every_worker(scheme, model, kind)
 
 
 async def test_subset_sends_and_worker_joining_from_address_alone() -> None:
@@ -90,12 +80,12 @@ async def test_pull_mode_workers_apply_on_receive() -> None:
 
 
 @pytest.mark.parametrize("kind", ["big", "many"])
-async def test_no_mixed_reads_while_sending_back_to_back(kind: str) -> None:
+async def test_exact_bytes_after_each_send_and_no_mixed_reads_back_to_back(kind: str) -> None:
+    torch.manual_seed(0)
     model = make_model(kind)
-    fill(model, 0)
     scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=LOADED)
     scheme.init_on_sender(model=model, num_workers=4)
-    assert await sends_without_mixed_reads(scheme, model, kind) >= 10
+    assert await exact_bytes_then_no_mixed_reads(scheme, model, kind) >= 10
 
 
 async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_version() -> None:
