@@ -5,9 +5,8 @@
  * read it from memory. An ordinary store first reads every destination cache line it is about
  * to overwrite (the line must be owned before it is written), so a copy moves three bytes over
  * the memory bus for each byte copied. Non-temporal stores write whole lines straight to
- * memory and skip that read. On the 2-CPU machine of docs/benchmarks.md, a 1000-tensor 64 MiB
- * model was gathered in 3.5-3.7 ms this way with two threads, against 4.9-5.4 ms for
- * torch's own copy of one flat 64 MiB tensor (docs/decisions.md, 49).
+ * memory and skip that read, which makes staging copies markedly faster (docs/adr/0049;
+ * the figures are on docs/benchmarks.md).
  *
  * One call copies a list of moves, packed as native unsigned 64-bit integers, three per move:
  * destination address, source address, byte count. The interpreter lock is released for the

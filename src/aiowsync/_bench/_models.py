@@ -145,13 +145,11 @@ def raw_copy_bytes(nbytes: int) -> int:
     """How many bytes the raw ``copy_`` limit copies for a model of ``nbytes``: rounded up to a
     whole page.
 
-    torch copies a long uint8 tensor with two threads here, each taking half of it. When that
-    half does not start on a 64-byte boundary (most likely, the second thread's vector stores
-    then each span two cache lines), the copy slows down: for the 1000-tensor model (64 MiB
-    less 70 bytes) four buffer pairs copied in 5.7-7.9 ms (mean 6.4) against 5.0-5.4 ms (mean
-    5.2) for pairs of 64 MiB, its page-rounded length, alternated in one process; one thread
-    copies both lengths alike (docs/benchmarks.md). A limit made slow by its length alone
-    would flatter what is compared with it; the page costs at most 4095 bytes more to copy.
+    torch copies a long uint8 tensor with two threads, each taking half of it. When that half
+    does not start on a 64-byte boundary (the second thread's vector stores then each span two
+    cache lines), the copy slows down, so an odd length such as the 1000-tensor model's makes
+    the limit slow by its length alone, which would flatter what is compared with it
+    (docs/adr/0046); the page costs at most 4095 bytes more to copy.
     """
     return -(-nbytes // PAGE) * PAGE
 

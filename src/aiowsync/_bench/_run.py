@@ -348,31 +348,22 @@ async def _rounds(
 
     A rotating order changed only who went first: every contender followed the same one in
     every round, so whatever one turn left behind (TorchRL's MultiProcess ``send()`` of the
-    1000-tensor model is two seconds of many busy processes) fell on the same next contender.
-    In that cell aiowsync's ``send()``, always next, came out 1.4-1.6 ms slower than
-    ``send(weights)`` in two of three rotating runs, and level with it once shuffled.
-    Shuffled, each contender follows each other one about equally often;
+    1000-tensor model is seconds of many busy processes) fell on the same next contender
+    (docs/adr/0046). Shuffled, each contender follows each other one about equally often;
     ``Contender.after`` records, sample by sample, whose turn came just before.
 
     Each sample's timed part starts once no other task of the machine is running or ready to
     run (:func:`~aiowsync._bench._probe.wait_quiet`). TorchRL's trees of the 1000-tensor
     model keep their processes busy for a while after their ``send()`` returns, and
-    whichever contender came next paid for it: in full runs 9-13 the raw copy of that cell
-    took 8-11 ms in half its samples, against 5.0-5.7 ms in the others (exactly twice as
-    long: one of its two threads had no CPU), and once it was aiowsync's sends that took
-    9-10 ms instead of 6.6-7.4. With the wait, the next run of that cell was steady, but
-    full run 14 and another run of the cell alone still had the raw copy at about twice its
-    time in five and seven of ten samples: the wait takes away what other processes leave
-    running, not whatever else slows that copy (docs/benchmarks.md). Waits are usually a
-    few milliseconds; after one that gave up, the next waits at most
+    whichever contender came next paid for it (docs/adr/0050). The wait takes away what other
+    processes leave running, not whatever else slows a copy. Waits are usually a few
+    milliseconds; after one that gave up, the next waits at most
     :data:`~aiowsync._bench._probe.QUIET_AGAIN_S`.
 
     Before each round the garbage is collected (untimed), so that a collection never lands
     inside a sample; what exists before the first round (torch, the sessions, the trees) is
-    frozen out of those collections. A full collection of this process walks every object of
-    its heap: 64-99 ms here, after which the 1 MiB sends of the next few milliseconds took
-    0.9-1.1 ms instead of 0.62-0.66 ms, and the bare ZeroMQ round trip 0.36 ms instead of
-    0.26 ms (docs/benchmarks.md). bench_shm.py and bench_dist.py freeze the same way.
+    frozen out of those collections: a full collection walks every object of the heap and
+    slows the small sends right after it. bench_shm.py and bench_dist.py freeze the same way.
     """
     rng = random.Random(label)
     most = QUIET_MOST_S
