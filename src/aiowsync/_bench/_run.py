@@ -349,7 +349,7 @@ async def _rounds(
     A rotating order changed only who went first: every contender followed the same one in
     every round, so whatever one turn left behind (TorchRL's MultiProcess ``send()`` of the
     1000-tensor model is seconds of many busy processes) fell on the same next contender
-    (docs/adr/0046). Shuffled, each contender follows each other one about equally often;
+    (docs/adr/0018). Shuffled, each contender follows each other one about equally often;
     ``Contender.after`` records, sample by sample, whose turn came just before.
 
     Each sample's timed part starts once no other task of the machine is running or ready to
