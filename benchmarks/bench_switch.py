@@ -6,7 +6,7 @@ receiver either leaves its model alone or reads every weight once, as a forward 
 Reported per case (medians):
 
 * ``switch``: the synchronous step on the receiver's event loop that points the model at the
-  new version (``ReceiverCore._commit``, timed by wrapping it);
+  new version (``Applier._commit``, timed by wrapping it);
 * ``read``: reading every weight once after the switch (``tensor.sum()`` over the state dict).
 
 The point: remapping a window is nearly free while nobody reads the model, which is what a
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 import aiowsync
-from aiowsync import _receiver
+from aiowsync import _apply
 from aiowsync._bench._models import build_model, model_spec, random_init
 
 
@@ -48,7 +48,7 @@ async def one_case(model: str, switch: str, read: bool, sends: int) -> dict[str,
     src, dst = build_model(spec, random_init), build_model(spec, random_init)
     switch_s: list[float] = []
     read_s: list[float] = []
-    original = _receiver.ReceiverCore._commit
+    original = _apply.Applier._commit
 
     def timed_commit(self: Any, *args: Any, **kwargs: Any) -> None:
         t0 = time.perf_counter()
@@ -58,7 +58,7 @@ async def one_case(model: str, switch: str, read: bool, sends: int) -> dict[str,
 
     sender = aiowsync.SharedMemWeightSyncScheme()
     sender.init_on_sender(model=src, num_workers=1)
-    _receiver.ReceiverCore._commit = timed_commit  # type: ignore[method-assign]
+    _apply.Applier._commit = timed_commit  # type: ignore[method-assign]
     try:
         async with sender:
             receiver = aiowsync.SharedMemWeightSyncScheme(
@@ -80,7 +80,7 @@ async def one_case(model: str, switch: str, read: bool, sends: int) -> dict[str,
                 pairs = zip(src.state_dict().values(), dst.state_dict().values(), strict=True)
                 same = all(torch.equal(a, b) for a, b in pairs)
     finally:
-        _receiver.ReceiverCore._commit = original  # type: ignore[method-assign]
+        _apply.Applier._commit = original  # type: ignore[method-assign]
     if not same:
         raise AssertionError("the receiver does not hold the sender's weights")
     warm = switch_s[2:] or switch_s

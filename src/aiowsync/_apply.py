@@ -72,16 +72,18 @@ class Applier:
         bytes in place, no reader in the guard. False if it must go through :meth:`apply`.
         Otherwise ``check()`` runs first (it may raise, and nothing switches); then True, or
         the exception that fetching or switching raised (nothing switched)."""
-        if self.hooks or self.mode != "swap" or not self.guard._try_begin_switch():
+        if self.hooks or self.mode != "swap":
+            return False
+        failure: Exception | None = None
+        try:
+            staged = self.plane.fetch_nowait(params)
+        except Exception as exc:
+            staged, failure = None, exc
+        if staged is None and failure is None:
+            return False  # the bytes are not in place: apply() waits for them
+        if not self.guard._try_begin_switch():
             return False
         try:
-            failure: Exception | None = None
-            try:
-                staged = self.plane.fetch_nowait(params)
-            except Exception as exc:
-                staged, failure = None, exc
-            if staged is None and failure is None:
-                return False
             check()
             if failure is not None:
                 return failure

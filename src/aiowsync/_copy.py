@@ -140,14 +140,15 @@ class CopyPolicy:
         they are to take back (see :mod:`aiowsync._steer`)."""
         return self._steering.steer()
 
-    def close(self) -> None:
-        """Stop the helper threads (after the copies they run); idempotent."""
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the helper threads after the copies they run, waiting for them to end unless
+        ``wait`` is false (an owner closing on an event loop); idempotent."""
         with self._lock:
             pools = [self._copy_pool, self._gather.executor if self._gather else None]
             self._copy_pool, self._gather, self._gather_checked = None, None, False
         for pool in pools:
             if pool is not None:
-                pool.shutdown(wait=True)
+                pool.shutdown(wait=wait)
 
     def __repr__(self) -> str:
         return f"CopyPolicy(streaming={self._streaming})"

@@ -141,10 +141,13 @@ class DistDelivery(Delivery):
             attempt += 1
             route = plane.route(retry, version)
             try:
-                await retries.announce(retry, attempt, plane.route_params(route, left))
+                announced = await retries.announce(retry, attempt, plane.route_params(route, left))
             except BaseException:
                 plane.give_back(version, route)  # it will never carry this version
                 raise
+            if not announced:  # the sender is closing: nobody would join this route
+                plane.give_back(version, route)
+                return
 
     async def finish(self) -> None:
         # However the send ended (even cancelled), the version is read from the caller's

@@ -282,7 +282,7 @@ class DistSenderPlane(SenderPlane):
     def close(self) -> None:
         self._closed = True
         self._groups.close()
-        self._policy.close()
+        self._policy.close(wait=False)
 
 
 class DistReceiverPlane(ReceiverPlane):

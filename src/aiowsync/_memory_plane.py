@@ -124,7 +124,7 @@ class MemorySenderPlane(InPlaceSenderPlane):
     def close(self) -> None:
         self._closed = True
         self._stager.close()
-        self._policy.close()
+        self._policy.close(wait=False)
         with _planes_lock:
             if _planes.get(self.token) is self:
                 del _planes[self.token]

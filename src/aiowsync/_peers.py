@@ -92,7 +92,7 @@ class PeerTable:
             return
         self.by_routing.pop(old.routing, None)
         self.mark_lost(old, "replaced by a new connection under the same index")
-        if not self.gone(old) and old.pid != pid:
+        if self.sees_processes(old) and not self.gone(old) and old.pid != pid:
             self._retired.append(old)
 
     def said_goodbye(self, peer: Peer, reason: str) -> None:

@@ -126,9 +126,10 @@ class Retries(Protocol):
         """Wait until an answer arrives, a member is lost, or ``timeout`` passes."""
         ...
 
-    async def announce(self, members: Sequence[Member], attempt: int, params: Params) -> None:
+    async def announce(self, members: Sequence[Member], attempt: int, params: Params) -> bool:
         """Announce the version again to ``members`` with ``params``; their earlier failures
-        no longer count. Runs to its end once begun."""
+        no longer count. Runs to its end once begun. False if the sender is shutting down
+        (nothing was announced)."""
         ...
 
 

@@ -160,7 +160,9 @@ class ReceiverCore:
                 channel.start_heartbeat(self.heartbeat, welcome.heartbeat_interval)
                 self.connections_seen = self.confirmed = channel.connections
                 self._plane.setup(self.layout, welcome.params, swap=self.apply_mode == "swap")
-                answer = await self._updates.apply_and_answer(welcome.version, welcome.params)
+                answer = await self._updates.apply_and_answer(
+                    welcome.version, welcome.params, must_send=True
+                )
         except TimeoutError:
             await self._abandon()
             raise WeightSyncTimeout(

@@ -233,21 +233,30 @@ class SenderCore:
         started = time.perf_counter()
         self.check_targets(targets)
         move_by = time.monotonic() + stage_limit
+        late = WeightSyncTimeout(f"send did not stage within {stage_limit:g} s", targets)
+        if self._send_lock.locked():
+            # Only the wait for an earlier send can be cut short: a copy runs to its end, and
+            # its deadline is checked once it has (see _stage_and_announce).
+            try:
+                with anyio.fail_after(stage_limit):
+                    await self._send_lock.acquire()
+            except TimeoutError:
+                raise late from None
+        else:
+            # Free: taken without a checkpoint, so a small send never suspends before its
+            # announcements go out.
+            await self._send_lock.acquire()
         try:
-            with anyio.fail_after(stage_limit):
-                await self._send_lock.acquire()
-                try:
-                    self.check_targets(targets)
-                    version, pending, stage_s, delivery, members = await self._stage_and_announce(
-                        source, targets, move_by
-                    )
-                except BaseException:
-                    self._send_lock.release()
-                    raise
+            self.check_targets(targets)
+            version, pending, stage_s, delivery, members = await self._stage_and_announce(
+                source, targets, move_by
+            )
         except TimeoutError:
-            raise WeightSyncTimeout(
-                f"send did not stage within {stage_limit:g} s", targets
-            ) from None
+            self._send_lock.release()
+            raise late from None
+        except BaseException:
+            self._send_lock.release()
+            raise
         try:
             try:
                 # Still under the lock: a retry must be announced before the next version.
@@ -404,15 +413,16 @@ class _Retries:
         with anyio.move_on_after(timeout):
             await self.pending.changed.wait()
 
-    async def announce(self, members: Sequence[Member], attempt: int, params: Params) -> None:
+    async def announce(self, members: Sequence[Member], attempt: int, params: Params) -> bool:
         core = self._core
         channel = core.channel
         if channel is None:
-            return
+            return False
         update = Update(version=self.pending.version, attempt=attempt, params=params)
         peers = [p for w, _ in members if (p := core.peers.get(w)) is not None]
         self.pending.reopen([p.worker_idx for p in peers])
         await to_the_end(core._announce_all(channel, peers, update))
+        return True
 
 
 def _with_outcome(exc: WeightSyncError, version: int, pending: _Pending) -> WeightSyncError:

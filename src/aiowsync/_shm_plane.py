@@ -137,9 +137,9 @@ class SharedMemSenderPlane(InPlaceSenderPlane):
         return _File(file, parts, self.layout.views(parts))
 
     async def stage(self, slot: int, source: WeightSource) -> None:
-        self._slots[slot].value.file.back()
         if self.layout.total_bytes <= self._stager.inline_bytes:
             # Small: checked and copied on the loop, with nothing started early.
+            self._slots[slot].value.file.back()
             self._write(slot, source.snapshot(), None, source.key)
         else:
             await self._stager.run(self.layout.total_bytes, lambda: self._stage(slot, source))
@@ -148,7 +148,9 @@ class SharedMemSenderPlane(InPlaceSenderPlane):
         # A model's tensors (or its re-homed buffers) come back on every send, and checking a
         # thousand of them costs cold Python time: their copy starts first, in helper threads,
         # and is kept if the snapshot holds the same tensors.
-        parts = self._slots[slot].value.parts
+        file = self._slots[slot].value
+        file.file.back()  # a slot's first use allocates its pages: never on the loop
+        parts = file.parts
         key = source.key
         if key in self._last:
             last = self._last[key]
@@ -216,7 +218,7 @@ class SharedMemSenderPlane(InPlaceSenderPlane):
             self._last.clear()
         for s in self._slots:
             s.value.file.unlink()
-        self._policy.close()
+        self._policy.close(wait=False)
 
 
 def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor] | None) -> bool:

@@ -205,7 +205,11 @@ class UpdateLoop:
         log.warning("worker %d: %s; disconnecting", self._core.worker_idx, exc)
         self._core.notify()
 
-    async def apply_and_answer(self, version: int, params: Mapping[str, ParamValue]) -> Ack | Nack:
+    async def apply_and_answer(
+        self, version: int, params: Mapping[str, ParamValue], *, must_send: bool = False
+    ) -> Ack | Nack:
+        """Apply ``version`` and answer the sender. An answer that cannot be sent is logged,
+        unless ``must_send`` (the handshake's), when its error is raised."""
         answer: Ack | Nack
         try:
             await self._core.applier.apply(version, params)
@@ -218,7 +222,7 @@ class UpdateLoop:
             raise
         except Exception as exc:  # a user hook may raise anything; the sender must hear of it
             answer = self._failure(version, exc)
-        await self._answer(answer)
+        await self._answer(answer, must_send=must_send)
         return answer
 
     def _failure(self, version: int, exc: Exception) -> Nack:
@@ -240,23 +244,27 @@ class UpdateLoop:
             running=self._core.version,
         )
 
-    async def _answer(self, answer: Ack | Nack) -> None:
+    async def _answer(self, answer: Ack | Nack, *, must_send: bool = False) -> None:
         """Send ``answer``; once begun, not even cancellation stops it."""
         channel = self._core.channel
         if channel is None:
             return
         self._core.conn.send(answer)
-        await self._deliver_answer(channel, answer)
+        await self._deliver_answer(channel, answer, must_send=must_send)
 
-    async def _deliver_answer(self, channel: ReceiverChannel, answer: Ack | Nack) -> None:
+    async def _deliver_answer(
+        self, channel: ReceiverChannel, answer: Ack | Nack, *, must_send: bool = False
+    ) -> None:
         """Put ``answer`` on the wire. One that cannot go (the sender left, or its queue stayed
-        full) is logged, not raised: the model runs what it runs either way, and the sender
-        learns of it from its own deadline."""
+        full) is logged, not raised, unless ``must_send``: the model runs what it runs either
+        way, and the sender learns of it from its own deadline."""
         try:
             if channel.send_nowait(answer):
                 return
             await to_the_end(channel.send(answer, timeout=self._core.timeouts.control))
         except WeightSyncError as exc:
+            if must_send:
+                raise
             log.info(
                 "worker %d: the answer for version %d could not be sent: %s",
                 self._core.worker_idx,
