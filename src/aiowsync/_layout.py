@@ -298,5 +298,3 @@ _get_dtype = operator.attrgetter("dtype")
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
-
-
