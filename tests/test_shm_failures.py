@@ -969,7 +969,7 @@ async def test_pull_receive_reports_an_update_applied_even_if_its_answer_failed(
         core = r._receiver
         assert core is not None
 
-        async def unanswerable(answer: object) -> None:
+        async def unanswerable(answer: object, **kw: object) -> None:
             raise aiowsync.WeightSyncTimeout("the sender is not reading", [0])
 
         core._updates._answer = unanswerable  # type: ignore[method-assign]
