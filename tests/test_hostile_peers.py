@@ -22,7 +22,7 @@ from aiowsync import ProtocolError
 from aiowsync._layout import Layout, _dtype_from_name
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, Refuse, TensorDesc, decode, encode
 from aiowsync._shm_plane import SharedMemReceiverPlane, SwitchMode
-from aiowsync._shm_slots import SHM_DIR, open_slot
+from aiowsync._shm_slots import SHM_DIR, open_slot, pid_alive, remove_stale_slots
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -227,3 +227,32 @@ def test_a_slot_name_that_is_a_link_or_someone_elses_file_is_refused() -> None:
     finally:
         os.close(fd)
         os.unlink(name)
+
+
+def test_a_hello_cannot_claim_a_pid_no_process_can_have() -> None:
+    # One past the largest pid made os.kill overflow in the sender, for every send after it.
+    frame = encode(
+        Hello(protocol=PROTOCOL_VERSION, model_id="m", worker_idx=0, fingerprint="0" * 64)
+    )
+    hostile = frame.replace(b"\xa3pid\x00", b"\xa3pid\xce\x80\x00\x00\x00")
+    assert hostile != frame
+    with pytest.raises(ProtocolError):
+        decode(hostile)
+    assert decode(frame).pid == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("pid", [0, -1, 2**31, 99999999999999999999])
+def test_pids_no_process_can_have_name_no_process(pid: int) -> None:
+    assert pid_alive(pid) is False
+
+
+def test_a_slot_file_naming_an_impossible_pid_does_not_stop_senders(tmp_path: Path) -> None:
+    # Any local user could create such a name in /dev/shm; the sweep of stale slots at every
+    # sender's start then raised OverflowError. Ours is removed (its "process" is gone);
+    # another user's file is never touched, whatever its name says.
+    mine = tmp_path / "aiowsync-99999999999999999999-0-0"
+    mine.write_bytes(b"")
+    live = tmp_path / f"aiowsync-{os.getpid()}-0-0"
+    live.write_bytes(b"")
+    assert remove_stale_slots(tmp_path) == [mine.name]
+    assert live.exists() and not mine.exists()

@@ -36,7 +36,16 @@ SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^aiowsync-(\d+)-([0-9a-f]+)-(\d+)$")
 
 
+PID_MAX = 2**31 - 1
+"""The largest pid a process can have (Linux's limit is lower; ``kill`` takes a C int)."""
+
+
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists. A number that no process can have (0, negative, or
+    above :data:`PID_MAX`, as a hostile peer or file name may give) names none: ``kill``
+    would signal a process group, or overflow."""
+    if not 0 < pid <= PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -56,10 +65,12 @@ def remove_stale_slots(directory: Path = SHM_DIR) -> list[str]:
     me = os.getuid()
     for path in entries:
         m = _NAME.match(path.name)
-        if m is None or pid_alive(int(m.group(1))):
+        if m is None:
             continue
+        # Another user's file is never ours to judge, whatever its name says: the owner is
+        # checked before the pid that the name claims.
         with contextlib.suppress(OSError):
-            if path.stat().st_uid == me:
+            if path.stat().st_uid == me and not pid_alive(int(m.group(1))):
                 path.unlink()
                 removed.append(path.name)
     if removed:

@@ -73,7 +73,7 @@ class Hello(_Base, frozen=True, tag="hello"):
     worker_idx: WorkerIndex
     fingerprint: str
     layout: Annotated[tuple[TensorDesc, ...], msgspec.Meta(max_length=MAX_TENSORS)] = ()
-    pid: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    pid: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
 
     def __post_init__(self) -> None:
         if not _FINGERPRINT.match(self.fingerprint):
