@@ -13,11 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
 from ._exceptions import TransportError, WeightSyncError
 from ._plane import Delivery, Params, Retries
-from ._shield import to_the_end
 
 if TYPE_CHECKING:
     from ._dist_plane import DistSenderPlane
@@ -152,7 +149,7 @@ class DistDelivery(Delivery):
     async def finish(self) -> None:
         # However the send ended (even cancelled), the version is read from the caller's
         # weights now, never after send() stopped waiting.
-        await to_the_end(anyio.to_thread.run_sync(self._plane.seal_now, self._version))
+        await self._plane.seal(self._version)
 
     def abandon(self) -> None:
         route, self._route = self._route, None

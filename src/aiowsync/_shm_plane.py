@@ -148,9 +148,9 @@ class SharedMemSenderPlane(InPlaceSenderPlane):
         # A model's tensors (or its re-homed buffers) come back on every send, and checking a
         # thousand of them costs cold Python time: their copy starts first, in helper threads,
         # and is kept if the snapshot holds the same tensors.
-        file = self._slots[slot].value
-        file.file.back()  # a slot's first use allocates its pages: never on the loop
-        parts = file.parts
+        record = self._slots[slot].value
+        record.file.back()  # a slot's first use allocates its pages: never on the loop
+        parts = record.parts
         key = source.key
         if key in self._last:
             last = self._last[key]
