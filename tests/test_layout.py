@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import re
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -489,6 +490,31 @@ def test_fused_copy_of_a_large_mixed_list_copies_every_byte(policy: CopyPolicy) 
     assert sum(t.nbytes for t in dst) > 4 * 1024 * 1024  # large enough for the threaded path
     fused_copy(dst, src, policy)
     assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+
+
+def test_a_closed_policy_still_copies_every_byte_in_the_callers_thread() -> None:
+    # A plane that closes while a send stages shuts its helper threads down under that copy:
+    # the copy must still end whole, with no new threads started for it.
+    policy = CopyPolicy()
+    src = [torch.randn(3 * 1024 * 1024) for _ in range(3)]
+    dst = [torch.empty_like(t) for t in src]
+    fused_copy(dst, src, policy)
+    policy.close()
+    for t in src:
+        t.add_(1.0)
+    fused_copy(dst, src, policy)
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+    assert policy.gather_pool() is None
+
+
+def test_a_job_whose_helpers_cannot_start_is_finished_by_its_caller() -> None:
+    done: list[int] = []
+    job = CopyJob([0, 1], [2, 3], done.append)
+    shut = ThreadPoolExecutor(max_workers=1)
+    shut.shutdown()
+    job.start(shut)
+    job.finish()
+    assert sorted(done) == [0, 1, 2, 3]
 
 
 def _mixed_weights(seed: int, count: int = 400) -> dict[str, torch.Tensor]:

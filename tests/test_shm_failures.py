@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import gc
 import logging
 import os
@@ -540,28 +541,40 @@ async def test_a_slow_first_apply_is_not_taken_for_a_lost_worker() -> None:
 
 
 async def test_sender_shutdown_while_a_send_is_staging() -> None:
+    # 64 MiB: staged in the staging thread with helper threads, long enough for the sender to
+    # close under it. The receiver stays up, so only the sender's closing can fail a send.
     big = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
     sender.init_on_sender(model=big, num_workers=1)
-    results: list[BaseException] = []
-    async with sender:
-        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
-        r.init_on_receiver(
-            model=nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]), worker_idx=0
-        )
-        async with r:
+    r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+    m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
+    r.init_on_receiver(model=m, worker_idx=0)
+    outcomes: list[object] = []
+
+    async def one() -> None:
+        try:
+            outcomes.append(await sender.send(timeout=10))
+        except Exception as exc:  # every outcome is kept: the test checks each one's type
+            outcomes.append(exc)
+
+    async with r:
+        async with sender:
             await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
-
-            async def one() -> None:
-                try:
-                    await sender.send(timeout=10)
-                except aiowsync.WeightSyncError as exc:
-                    results.append(exc)
-
+            first = copy.deepcopy(big)
+            bump(big)
             tasks = [asyncio.create_task(one()) for _ in range(3)]
-            await asyncio.sleep(0)
-    await asyncio.gather(*tasks)
-    assert all(isinstance(e, aiowsync.WeightSyncError) for e in results)
+            await asyncio.sleep(0)  # the first send takes the lock and starts staging
+        await asyncio.gather(*tasks)
+        assert len(outcomes) == 3
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        # Nothing but the library's own errors, and at least the sends queued behind the
+        # staging one never ran: the sender closed under them.
+        assert all(type(o) is aiowsync.WeightSyncError for o in failed), outcomes
+        assert len(failed) >= 2, outcomes
+        assert all("shut" in str(o) for o in failed), outcomes
+        # Whatever version the worker holds, its bytes are whole: those of that version.
+        assert r.version in (0, 1)
+        assert same(m, big if r.version == 1 else first)
 
 
 @pytest.mark.parametrize(

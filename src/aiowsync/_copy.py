@@ -108,6 +108,7 @@ class CopyPolicy:
         self._copy_pool: ThreadPoolExecutor | None = None
         self._gather: GatherPool | None = None
         self._gather_checked = False
+        self._closed = False
 
     @property
     def streaming(self) -> bool:
@@ -117,6 +118,8 @@ class CopyPolicy:
     def copy_executor(self) -> ThreadPoolExecutor:
         """The helper threads of memmove copies (started at first use)."""
         with self._lock:
+            if self._closed:
+                return _SHUT  # a copy under way as its owner closes runs in its own thread
             if self._copy_pool is None:
                 self._copy_pool = ThreadPoolExecutor(
                     max_workers=MAX_THREADS - 1, thread_name_prefix=self._copy_name
@@ -129,6 +132,8 @@ class CopyPolicy:
         if self._gather_checked:
             return self._gather
         with self._lock:
+            if self._closed:
+                return None
             if not self._gather_checked:
                 threads = max(1, min(MAX_THREADS, torch.get_num_threads()))
                 self._gather = start_gather_pool(threads, self._gather_name)
@@ -142,8 +147,10 @@ class CopyPolicy:
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the helper threads after the copies they run, waiting for them to end unless
-        ``wait`` is false (an owner closing on an event loop); idempotent."""
+        ``wait`` is false (an owner closing on an event loop); idempotent. A copy started
+        after this runs in its caller's thread alone."""
         with self._lock:
+            self._closed = True
             pools = [self._copy_pool, self._gather.executor if self._gather else None]
             self._copy_pool, self._gather, self._gather_checked = None, None, False
         for pool in pools:
@@ -153,6 +160,10 @@ class CopyPolicy:
     def __repr__(self) -> str:
         return f"CopyPolicy(streaming={self._streaming})"
 
+
+_SHUT = ThreadPoolExecutor(max_workers=1)
+_SHUT.shutdown()
+"""The executor of a closed policy: it takes no work (see :meth:`CopyJob.start`)."""
 
 _live: weakref.WeakSet[CopyPolicy] = weakref.WeakSet()
 """Every policy of this process, for the fork handler."""

@@ -98,6 +98,7 @@ class CopyJob(Generic[W]):
         self._futures: list[Future[None]] = []
         self._begun = threading.Event()
         self._cpus: set[int] | None = None
+        self._orphans: list[W] = []
 
     def start(
         self,
@@ -113,7 +114,14 @@ class CopyJob(Generic[W]):
         :class:`aiowsync._steer.HelperSteering`)."""
         if self._tails and steer is not None:
             self._cpus = steer()
-        self._futures = [executor.submit(self._help, tail) for tail in self._tails]
+        for i, tail in enumerate(self._tails):
+            try:
+                self._futures.append(executor.submit(self._help, tail))
+            except RuntimeError:
+                # The pool was shut down by its owner closing while this copy was under way
+                # (a plane closing mid-send): the caller copies the tails left itself.
+                self._orphans = self._tails[i:]
+                break
         if settle > 0 and self._futures:
             self._begun.wait(settle)
 
@@ -138,6 +146,9 @@ class CopyJob(Generic[W]):
         is raised here)."""
         try:
             self._drain()
+            for tail in self._orphans:
+                if not self._stopped:
+                    self._run(tail)
         finally:
             self._wait()
 
