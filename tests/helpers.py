@@ -37,7 +37,8 @@ def model(seed: int = 0, *, big: bool = False) -> nn.Module:
 def same(a: nn.Module, b: nn.Module) -> bool:
     """Whether two models hold the same keys with equal tensors."""
     sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    # On the CPU: torch.equal refuses tensors of two devices (a CUDA receiver's, say).
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
 
 
 def bump(m: nn.Module, by: float = 1.0) -> None:

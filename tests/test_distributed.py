@@ -410,23 +410,6 @@ async def test_an_ipc_control_socket_needs_a_data_host_and_works_with_one() -> N
             assert same(mirror, src)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL ranks need a GPU each (two here)")
-async def test_nccl_sends_cuda_weights() -> None:  # pragma: no cover - GPU hosts only
-    src = model(0).to("cuda:0")
-    sender = aiowsync.DistributedWeightSyncScheme(backend="nccl", heartbeats=FAST)
-    sender.init_on_sender(model=src, num_workers=1)
-    async with sender:
-        r = aiowsync.DistributedWeightSyncScheme(address=sender.address, backend="nccl")
-        m = model(1).to("cuda:1")
-        r.init_on_receiver(model=m, worker_idx=0)
-        async with r:
-            await asyncio.gather(sender.connect(timeout=60), r.connect(timeout=60))
-            bump(src)
-            await sender.send(timeout=30)
-            assert same(m, src)
-
-
 async def test_a_send_cancelled_while_announcing_gives_its_group_back() -> None:
     # The update could not be queued at once, and the send was cancelled (asyncio) while it
     # waited: the announcement still goes out, but no transfer will follow. Its group must be

@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -125,20 +126,23 @@ def _hello(layout: list[TensorDesc], fingerprint: str = "0" * 64) -> Hello:
     )
 
 
-async def _refusal_for(hello: Hello) -> str:
-    """Send ``hello`` from a raw socket to a running sender; the refusal text it gets back."""
+async def _refusal_for(hello: Hello | bytes, protocol: int = PROTOCOL_VERSION) -> str:
+    """Send ``hello`` (or a raw frame) from a raw socket to a running sender; the refusal text
+    it gets back, which must come in ``protocol``."""
     sender = aiowsync.SharedMemWeightSyncScheme()
     sender.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
     ctx = zmq.Context()
     async with sender:
         raw = _intruder(ctx, sender.address)
         try:
-            raw.send(encode(hello))
+            raw.send(hello if isinstance(hello, bytes) else encode(hello))
             deadline = asyncio.get_running_loop().time() + 20
             while not raw.poll(0):
                 assert asyncio.get_running_loop().time() < deadline, "no answer to the hello"
                 await asyncio.sleep(0.02)
-            answer = decode(raw.recv())
+            frame = raw.recv()
+            assert frame[2] == protocol
+            answer = decode(frame)
         finally:
             raw.close(linger=0)
             ctx.term()
@@ -149,6 +153,46 @@ async def _refusal_for(hello: Hello) -> str:
         async with r:
             await asyncio.gather(sender.connect(timeout=20), r.connect(timeout=20))
     return answer.reason
+
+
+async def test_a_peer_of_another_protocol_version_is_refused_in_its_own_version() -> None:
+    # Before: the codec dropped the hello as garbage and the peer waited out its timeout.
+    later = PROTOCOL_VERSION + 1
+    body = msgspec.msgpack.encode(
+        {"type": "hello", "protocol": later, "worker_idx": 0, "a_field_of_later": True}
+    )
+    reason = await _refusal_for(b"AW" + bytes([later]) + body, protocol=later)
+    assert reason == f"protocol {later} is not supported (sender speaks {PROTOCOL_VERSION})"
+
+
+async def test_a_receiver_refused_by_a_sender_of_another_version_says_so() -> None:
+    # A sender of a later release answers this receiver's hello in this receiver's version;
+    # even a refusal in its own version is understood.
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    r = aiowsync.SharedMemWeightSyncScheme(address=f"tcp://127.0.0.1:{port}")
+    r.init_on_receiver(model=nn.Linear(4, 4), worker_idx=0)
+    refusal = Refuse(reason="protocol 2 is not supported (sender speaks 3)")
+
+    async def answer() -> None:
+        deadline = asyncio.get_running_loop().time() + 20
+        while not router.poll(0):
+            assert asyncio.get_running_loop().time() < deadline, "no hello came"
+            await asyncio.sleep(0.02)
+        peer, frame = router.recv_multipart()
+        assert isinstance(decode(frame), Hello)
+        router.send_multipart([peer, encode(refusal, protocol=PROTOCOL_VERSION + 1)])
+
+    try:
+        async with r:
+            with pytest.raises(aiowsync.RefusedError) as info:
+                await asyncio.gather(r.connect(timeout=20), answer())
+            assert info.value.reason == refusal.reason
+    finally:
+        router.close(linger=0)
+        ctx.term()
 
 
 async def test_a_hello_naming_a_huge_model_is_refused_by_its_count() -> None:

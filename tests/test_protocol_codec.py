@@ -117,9 +117,34 @@ def test_wrong_magic_is_rejected() -> None:
 
 @pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1, 255])
 def test_other_protocol_version_is_rejected(version: int) -> None:
-    frame = encode(Ack(worker_idx=0, version=1))
-    with pytest.raises(aiowsync.ProtocolError, match="protocol version"):
-        decode(frame[:2] + bytes([version]) + frame[3:])
+    for message in (Ack(worker_idx=0, version=1), Bye(), Update(version=1)):
+        frame = encode(message)
+        with pytest.raises(aiowsync.ProtocolError, match="protocol version"):
+            decode(frame[:2] + bytes([version]) + frame[3:])
+
+
+@pytest.mark.parametrize("version", [0, 1, PROTOCOL_VERSION + 1, 255])
+def test_a_hello_of_another_version_decodes_to_a_hello_that_only_names_it(version: int) -> None:
+    # A hello of another release, with fields this one does not know: read for its index.
+    body = msgspec.msgpack.encode(
+        {"type": "hello", "protocol": version, "worker_idx": 3, "transport": "x", "new": [1]}
+    )
+    hello = decode(b"AW" + bytes([version]) + body)
+    assert isinstance(hello, Hello)
+    assert (hello.protocol, hello.worker_idx, hello.model_id, hello.layout) == (version, 3, "", ())
+    # ... and a refusal goes back in that version, which any version reads.
+    frame = encode(Refuse(reason="no"), protocol=version)
+    assert frame[2] == version and decode(frame) == Refuse(reason="no")
+    for bad in ({"type": "hello", "worker_idx": -1}, {"type": "refuse"}, {"type": "ack"}, [1]):
+        with pytest.raises(aiowsync.ProtocolError, match="protocol version"):
+            decode(b"AW" + bytes([version]) + msgspec.msgpack.encode(bad))
+
+
+def test_only_a_refusal_is_encoded_in_another_version() -> None:
+    with pytest.raises(ValueError, match="only a refusal"):
+        encode(Bye(), protocol=PROTOCOL_VERSION + 1)
+    with pytest.raises(ValueError, match="only a refusal"):
+        encode(Refuse(reason="x"), protocol=256)
 
 
 def test_oversized_frame_is_rejected_before_parsing() -> None:

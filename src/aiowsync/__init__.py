@@ -7,6 +7,7 @@ from ._dist_plane import Backend
 from ._distributed import DistributedPlane, DistributedWeightSyncScheme
 from ._exceptions import (
     ConnectError,
+    ExperimentalWarning,
     LayoutMismatchError,
     LostDuringSendError,
     NotConnectedError,
@@ -64,6 +65,7 @@ __all__ = [
     "WeightsLike",
     # errors
     "ConnectError",
+    "ExperimentalWarning",
     "LayoutMismatchError",
     "LostDuringSendError",
     "NotConnectedError",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -11,6 +12,7 @@ from urllib.parse import urlsplit
 import torch
 
 from ._dist_plane import Backend, DistReceiverPlane, DistSenderPlane, host_of
+from ._exceptions import ExperimentalWarning
 from ._plane import DataPlane, ReceiverContext, ReceiverPlane, SenderContext, SenderPlane
 from ._scheme import SchemeOptions, WeightSyncScheme
 
@@ -49,6 +51,13 @@ class DistributedPlane(DataPlane):
             raise ValueError(f"bucket_bytes must be a positive integer, got {size!r}")
         if self.max_slots < 2:
             raise ValueError(f"max_slots must be at least 2, got {self.max_slots}")
+        if self.backend == "nccl":
+            warnings.warn(
+                "backend='nccl' is experimental: written for GPU hosts, it has not yet been "
+                "proven on one; gloo is the tested backend",
+                ExperimentalWarning,
+                stacklevel=3,
+            )
 
     def _device(self, tensors: Iterable[torch.Tensor]) -> torch.device:
         """Where the slots live: CPU for gloo; the model's GPU (or the current one) for NCCL."""
@@ -60,6 +69,13 @@ class DistributedPlane(DataPlane):
             if t.device.type == "cuda":
                 return t.device
         return torch.device("cuda", torch.cuda.current_device())
+
+    def can_swap(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        if self.backend != "nccl":
+            return DataPlane.can_swap(self, tensors)  # (no zero-argument super: slots=True)
+        return len({t.device for t in tensors.values()}) == 1 and all(
+            t.device.type == "cuda" for t in tensors.values()
+        )
 
     def _host(self, bind: str) -> str:
         if self.data_host is None and urlsplit(bind).scheme != "tcp":

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 
 __all__ = [
     "ConnectError",
+    "ExperimentalWarning",
     "LayoutMismatchError",
     "LostDuringSendError",
     "NotConnectedError",
@@ -116,3 +117,7 @@ class RemoteApplyError(WeightSyncError):
         self.worker_ids = tuple(self.errors)
         detail = "; ".join(f"worker {w}: {text}" for w, text in self.errors.items())
         super().__init__(f"version {version} was not applied by {list(self.worker_ids)}: {detail}")
+
+
+class ExperimentalWarning(UserWarning):
+    """A feature that has not yet been proven where it is meant to run (``backend="nccl"``)."""

@@ -283,3 +283,8 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     def receiver(self, context: ReceiverContext) -> ReceiverPlane:
         """A receiver's half, made when the receiver connects."""
+
+    def can_swap(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether swap mode may re-point ``tensors`` at this plane's buffers: they must
+        live where those buffers do (host memory, for every plane but NCCL's)."""
+        return all(t.device.type == "cpu" for t in tensors.values())

@@ -52,6 +52,13 @@ class ReceiverSide(SchemeState):
             else flatten_weights(model, detach=False)  # the user's own tensor objects
         )
         refuse_meta(self._targets, "they hold no memory to receive into")
+        if self.apply_mode == "swap" and not self.plane.can_swap(self._targets):
+            devices = sorted({str(t.device) for t in self._targets.values()})
+            raise ValueError(
+                f"apply_mode='swap' would re-point a model on {', '.join(devices)} at memory "
+                f"of another device ({type(self.plane).__name__}); use apply_mode='copy' "
+                "(or 'auto', which picks it)"
+            )
         self._layout = Layout.from_weights(self._targets)
         self._model, self._context = model, context
         self.worker_idx = worker_idx

@@ -238,6 +238,7 @@ class ControlLoop:
                     routing,
                     wire.Refuse(reason=reason[:REFUSAL_CHARS]),
                     timeout=self._core.timeouts.control,
+                    protocol=hello.protocol,  # a peer of another version reads its own
                 )
             return
         self._core.peers.replace(hello.worker_idx, hello.pid)

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 
 from .._exceptions import ProtocolError, WeightSyncTimeout
-from .._protocol import Heartbeat, Message, decode
+from .._protocol import PROTOCOL_VERSION, Heartbeat, Message, decode
 from .._text import worth_logging
 
 __all__ = ["ChannelFactory", "PeerId", "ReceiverChannel", "SenderChannel"]
@@ -50,8 +50,17 @@ class SenderChannel(_Counting, abc.ABC):
     address: str
 
     @abc.abstractmethod
-    async def send(self, peer: PeerId, message: Message, *, timeout: float | None) -> None:
-        """Send to one peer; raises :class:`TransportError` if the peer is gone."""
+    async def send(
+        self,
+        peer: PeerId,
+        message: Message,
+        *,
+        timeout: float | None,
+        protocol: int = PROTOCOL_VERSION,
+    ) -> None:
+        """Send to one peer; raises :class:`TransportError` if the peer is gone.
+        ``protocol``: the header of another version, for a refusal only (see
+        :func:`~aiowsync._protocol.encode`)."""
 
     def send_nowait(self, peer: PeerId, message: Message) -> bool:
         """Queue ``message`` only if that needs no wait; False when :meth:`send` must be used.
