@@ -8,6 +8,8 @@ import pathlib
 import pickle
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -697,3 +699,18 @@ async def test_a_message_whose_handler_fails_comes_out_of_recv(
         got = await receiving
         assert isinstance(got, Heartbeat) and got.version == 1
         assert "inline handler failed" in caplog.text
+
+
+def test_a_memory_factory_pickles_within_its_process_only() -> None:
+    factory = MemoryChannelFactory()
+    assert pickle.loads(pickle.dumps(factory)) is factory
+    scheme = aiowsync.WeightSyncScheme("mem://1", plane=aiowsync.MemoryPlane(), channels=factory)
+    blob = pickle.dumps(scheme)
+    run = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+        input=blob,
+        capture_output=True,
+        timeout=120,
+    )
+    assert run.returncode != 0
+    assert b"TransportError" in run.stderr and b"works within one process" in run.stderr

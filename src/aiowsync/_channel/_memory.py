@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import os
 import threading
+import weakref
 from collections.abc import Callable
 
 from .._exceptions import NotConnectedError, TransportError
@@ -32,6 +34,23 @@ async def _get(queue: asyncio.Queue[_Item], timeout: float | None) -> _Item:
         return await asyncio.wait_for(queue.get(), None if timeout is None else timeout)
     except TimeoutError:
         raise timeout_error("message", timeout) from None
+
+
+_factories: weakref.WeakValueDictionary[str, MemoryChannelFactory] = (
+    weakref.WeakValueDictionary()
+)
+"""This process's factories by token, for unpickling."""
+_factory_ids = itertools.count(1)
+
+
+def _factory(token: str) -> MemoryChannelFactory:
+    factory = _factories.get(token)
+    if factory is None:
+        raise TransportError(
+            "a MemoryChannelFactory works within one process: this scheme was pickled in "
+            "another (or its factory is gone); use ZeroMQ channels across processes"
+        )
+    return factory
 
 
 class MemorySenderChannel(SenderChannel):
@@ -158,11 +177,22 @@ class MemoryReceiverChannel(ReceiverChannel):
 
 
 class MemoryChannelFactory(ChannelFactory):
-    """Channels that live in this process; addresses look like ``mem://1``."""
+    """Channels that live in this process; addresses look like ``mem://1``.
+
+    A scheme built on one pickles (a receiver can be made from the pickled sender, as with
+    the other channels), but only within this process: the pickle names the factory, whose
+    channels cannot leave it, and unpickling it in another process raises
+    :class:`~aiowsync.TransportError`.
+    """
 
     def __init__(self) -> None:
         self._senders: dict[str, MemorySenderChannel] = {}
         self._ids = itertools.count(1)
+        self._token = f"{os.getpid()}-{next(_factory_ids)}"
+        _factories[self._token] = self
+
+    def __reduce__(self) -> tuple[Callable[[str], MemoryChannelFactory], tuple[str]]:
+        return _factory, (self._token,)
 
     def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
         if not address.startswith("mem://") or address in ("mem://", "mem://0"):
