@@ -901,3 +901,152 @@ async def test_a_receiver_built_from_the_pickled_sender_works(kind: Kind) -> Non
         assert same(mirror, src)
         fill(src, 3.0)
         assert (await sender.send()).version == 1 and values(mirror) == {3.0}
+
+
+# -- documented behaviours: context, model ids, slots, hooks, readiness -----------------------
+
+
+class _Trainer:
+    """A seed-style context: ``get_model`` and the worker count."""
+
+    num_workers = 2
+
+    def __init__(self, m: nn.Module) -> None:
+        self.m = m
+        self.asked: list[str] = []
+
+    def get_model(self, model_id: str) -> nn.Module:
+        self.asked.append(model_id)
+        return self.m
+
+
+class _Rollout:
+    """A context the receiver walks by attribute path: ``agents.0.policy``."""
+
+    def __init__(self, m: nn.Module) -> None:
+        self.agents = [nn.ModuleDict({"policy": m})]
+
+
+async def test_a_context_gives_the_model_and_the_worker_count(kind: Kind) -> None:
+    src = model(0)
+    trainer = _Trainer(src)
+    sender = kind.scheme(model_id="agents.0.policy")
+    sender.init_on_sender(context=trainer)
+    assert trainer.asked == ["agents.0.policy"]
+    rig = System(sender, src)
+    try:
+        await rig.enter(sender)
+        mirrors = [model(1), model(2)]
+        for i, m in enumerate(mirrors):
+            r = kind.scheme(sender.address, plane=sender.plane, model_id="agents.0.policy")
+            r.init_on_receiver(context=_Rollout(m), worker_idx=i)
+            await rig.enter(r)
+            rig.receivers.append((r, m))
+        await asyncio.gather(
+            sender.connect(timeout=CONNECT), *(r.connect(timeout=CONNECT) for r, _ in rig)
+        )
+        fill(src, 3.0)
+        result = await sender.send()
+        assert result.worker_ids == (0, 1)  # two workers: the context's count
+        assert all(values(m) == {3.0} for m in mirrors)
+        # send(weights=<model id>) resolves through the context too.
+        fill(src, 4.0)
+        assert (await sender.send(weights="agents.0.policy")).version == 2
+        assert all(values(m) == {4.0} for m in mirrors)
+    finally:
+        await rig.close()
+
+
+async def test_a_receiver_of_another_model_id_is_refused_naming_both(kind: Kind) -> None:
+    async with system(kind, 1) as rig:
+        other = kind.scheme(rig.sender.address, plane=rig.sender.plane, model_id="critic")
+        mine = model(3)
+        before = frozen(mine)
+        other.init_on_receiver(model=mine, worker_idx=0)
+        async with other:
+            with pytest.raises(aiowsync.RefusedError) as info:
+                await other.connect(timeout=CONNECT)
+        assert "serves model 'policy', not 'critic'" in info.value.reason
+        assert holds(mine, before) and other.version == -1
+        assert rig[0][0].connected and rig[0][0].version == 0  # the real worker 0 is untouched
+
+
+async def test_all_slots_pinned_refuses_the_send_before_it_takes_a_version(
+    kind: Kind, request: pytest.FixtureRequest
+) -> None:
+    if kind.name == "dist":
+        pytest.skip("receivers of the distributed plane keep their own copies: nothing pins")
+    plane = (
+        aiowsync.SharedMemPlane(max_slots=2)
+        if kind.name == "shm"
+        else aiowsync.MemoryPlane(max_slots=2)
+    )
+    async with system(kind, 2, plane=plane) as rig:
+        fill(rig.src, 1.0)
+        await rig.sender.send()  # slots: v0 (free), v1 (both workers)
+        fill(rig.src, 2.0)
+        await rig.sender.send(worker_ids=[1])  # v0's slot reused: v2 (worker 1), v1 (worker 0)
+        fill(rig.src, 3.0)
+        with pytest.raises(aiowsync.WeightSyncError, match=r"all 2 .*slots hold versions") as info:
+            await rig.sender.send(worker_ids=[1])
+        assert info.value.version is None and rig.sender.version == 2
+        assert rig.versions() == [1, 2]
+        assert values(rig[0][1]) == {1.0} and values(rig[1][1]) == {2.0}
+        # Every send needs a free slot, to any subset; once the lagging worker leaves, its
+        # pin goes with it and sends go on.
+        with pytest.raises(aiowsync.WeightSyncError, match="until a worker on one of them"):
+            await rig.sender.send(worker_ids=[0])
+        await rig.leave(0)
+        core = rig.sender._sender
+        assert core is not None
+        assert await eventually(lambda: 0 in core.lost_workers(), within=CONNECT)  # its bye
+        result = await rig.sender.send(worker_ids=[1])
+        assert result.version == 3 and values(rig[1][1]) == {3.0}
+
+
+async def test_a_hook_that_outlasts_the_ack_deadline_fails_the_send_after_the_switch(
+    kind: Kind,
+) -> None:
+    slow = aiowsync.Timeouts(handshake=20.0, ack=0.3, transfer=30.0, control=5.0)
+    async with system(kind, 2, each={1: {"timeouts": slow}}) as rig:
+        r1, m1 = rig[1]
+        release = asyncio.Event()
+
+        async def stuck(version: int) -> None:
+            await release.wait()
+
+        r1.register_hook(stuck)
+        fill(rig.src, 1.0)
+        with pytest.raises(aiowsync.RemoteApplyError) as info:
+            await rig.sender.send(timeout=CONNECT)
+        assert list(info.value.errors) == [1] and "TimeoutError" in info.value.errors[1]
+        assert info.value.acked == (0,) and info.value.version == 1
+        # The hook ran after the switch: worker 1 runs the version the sender counts as failed.
+        assert r1.version == 1 and values(m1) == {1.0}
+        r1._hooks.clear()
+        release.set()
+        fill(rig.src, 2.0)
+        assert (await rig.sender.send()).worker_ids == (0, 1)
+
+
+async def test_ready_is_false_until_connect_and_after_the_sender_leaves(kind: Kind) -> None:
+    src = model(0)
+    sender = kind.scheme()
+    sender.init_on_sender(model=src, num_workers=1)
+    rig = System(sender, src)
+    try:
+        await rig.enter(sender)
+        m = model(1)
+        r = await rig.add(kind, 0, m, background=False)
+        rig.receivers.append((r, m))
+        assert not r.ready and r.version == -1  # entered, not yet connected
+        await asyncio.gather(sender.connect(timeout=CONNECT), r.connect(timeout=CONNECT))
+        assert r.ready and r.connected and r.version == 0
+        await rig.stop_sender()
+        assert await eventually(lambda: not r.connected, within=CONNECT)
+        assert not r.ready
+        # Pull mode after the goodbye: receive() returns None, the weights stay.
+        assert await r.receive(timeout=0.5) is None
+        assert r.version == 0 and same(m, src)
+    finally:
+        await rig.close()

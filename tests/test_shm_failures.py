@@ -341,15 +341,17 @@ async def test_cancel_during_staging_keeps_workers_on_the_previous_version() -> 
     mirror = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
     async with pair(big, mirror) as (sender, r):
         before = mirror.state_dict()["0.weight"].clone()
+        events = slow_writes(sender, 0.3)  # the cancel surely lands while the copy runs
         bump(big)
-        with contextlib.suppress(asyncio.TimeoutError, aiowsync.WeightSyncTimeout):
-            await asyncio.wait_for(sender.send(timeout=10), 0.001)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(sender.send(timeout=10), 0.05)
+        assert events == ["start", "end"]  # the call returned only after the copy
         await asyncio.sleep(0.2)
-        assert r.version in (0, 1)
-        if r.version == 0:
-            assert torch.equal(mirror.state_dict()["0.weight"], before)
+        # Nothing announced and no version number used: the next send is version 1.
+        assert sender.version == 0 and r.version == 0
+        assert torch.equal(mirror.state_dict()["0.weight"], before)
         result = await sender.send(timeout=10)
-        assert r.version == result.version and same(mirror, big)
+        assert result.version == 1 and r.version == 1 and same(mirror, big)
 
 
 async def test_shutdown_during_a_send_raises_and_leaks_nothing() -> None:
@@ -882,6 +884,21 @@ async def test_a_copy_that_ends_past_the_deadline_is_not_announced() -> None:
         await asyncio.sleep(0.2)
         assert r.version == 0 and torch.equal(mirror[0].weight, before)
         result = await sender.send(timeout=10)
+        assert result.version == 1 and r.version == 1 and same(mirror, src)
+
+
+async def test_without_a_timeout_staging_is_bounded_by_timeouts_transfer() -> None:
+    src, mirror = big_model(0), big_model(1)
+    async with pair(src, mirror) as (sender, r):
+        sender.timeouts = aiowsync.Timeouts(transfer=0.2)
+        events = slow_writes(sender, 0.5)
+        bump(src)
+        with pytest.raises(aiowsync.WeightSyncTimeout, match=r"did not stage within 0\.2") as info:
+            await sender.send()  # no timeout: Timeouts.transfer is the bound
+        assert info.value.version is None and info.value.worker_ids == (0,)
+        assert events == ["start", "end"] and sender.version == 0 and r.version == 0
+        sender.timeouts = aiowsync.Timeouts()  # 120 s: the same slow copy now fits
+        result = await sender.send()
         assert result.version == 1 and r.version == 1 and same(mirror, src)
 
 

@@ -204,6 +204,9 @@ async def test_a_sender_restarted_on_the_same_address_is_not_taken_for_the_old_o
             procs[0].join(10)
             assert await eventually(lambda: not scheme.connected, within=15)
 
+            # A queue of its own: the killed sender may have died between writing "connected"
+            # and releasing the queue's write lock, which would then block every later put.
+            queue = SPAWN.Queue()
             procs.append(
                 SPAWN.Process(target=_sender_process, args=(queue, "small", 9, bind), daemon=True)
             )

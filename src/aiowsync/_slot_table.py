@@ -79,7 +79,9 @@ class SlotTable(Generic[T]):
             lambda s: s.version is None or s.version not in pinned,
             lambda: (
                 f"all {len(self.slots)} {what} slots hold versions still in use "
-                f"({sorted(pinned)}); raise max_slots or bring lagging workers up to date"
+                f"({sorted(pinned)}), so none is left for a new version until a worker on "
+                "one of them leaves; raise max_slots, or send to lagging workers before they "
+                "fall that far behind"
             ),
         )
 
