@@ -1050,3 +1050,69 @@ async def test_ready_is_false_until_connect_and_after_the_sender_leaves(kind: Ki
         assert r.version == 0 and same(m, src)
     finally:
         await rig.close()
+
+
+# -- tear-free while workers lag --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["swap", "copy"])
+async def test_readers_of_workers_that_lag_never_see_two_versions(kind: Kind, mode: str) -> None:
+    """Workers fall behind one another (subset sends, a slow hook, two sends in flight at
+    once), so older versions stay in use while newer ones are staged beside them; a reader
+    thread on each worker checks, under the read guard, that every value is its version's."""
+    async with system(kind, 3, apply_mode=mode) as rig:
+
+        async def slow_hook(version: int) -> None:
+            await asyncio.sleep(0.02)
+
+        rig[2][0].register_hook(slow_hook)
+        keys = list(rig.src.state_dict())
+
+        def weights(value: float) -> dict[str, torch.Tensor]:
+            return {k: torch.full_like(t, value) for k, t in rig.src.state_dict().items()}
+
+        await rig.sender.send(weights=weights(1.0))
+        stop = threading.Event()
+        mixed: list[str] = []
+        seen: list[set[int]] = [set(), set(), set()]
+
+        def reader(i: int) -> None:
+            r, m = rig[i]
+            while not stop.is_set():
+                with r.read_guard():
+                    version = r.version
+                    found = values(m)
+                if found != {float(version)}:
+                    mixed.append(f"worker {i}: values {sorted(found)} at version {version}")
+                seen[i].add(version)
+                time.sleep(0.001)
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        subsets = [[0], [1, 2], [1], [0, 2], [2], [0, 1]]
+        try:
+            for step in range(12):
+                first = [rig.sender.version + 1, rig.sender.version + 2]
+                # Two sends in flight: staged in call order, the second while the first
+                # still waits for its acks (worker 2's hook is slow).
+                a = asyncio.create_task(
+                    rig.sender.send(weights=weights(float(first[0])), worker_ids=subsets[step % 6])
+                )
+                b = asyncio.create_task(
+                    rig.sender.send(
+                        weights=weights(float(first[1])), worker_ids=subsets[(step + 1) % 6]
+                    )
+                )
+                results = await asyncio.gather(a, b)
+                assert [res.version for res in results] == first
+                await asyncio.sleep(0.005)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=10)
+        assert not mixed, mixed[:5]
+        assert all(len(s) >= 4 for s in seen), seen
+        last = rig.sender.version + 1
+        await rig.sender.send(weights=weights(float(last)))
+        assert all(values(m) == {float(last)} for _, m in rig.receivers) and keys

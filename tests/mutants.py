@@ -1,0 +1,176 @@
+"""Plant known bugs into a scratch copy of the library and show which tests catch each one.
+
+    .venv/bin/python tests/mutants.py                 # every mutant, the default tests
+    .venv/bin/python tests/mutants.py --only pins     # one mutant
+    .venv/bin/python tests/mutants.py --tests tests/test_behaviour.py -k lag
+
+Each mutant is one exact replacement in one source file (the script stops if the original
+text is gone, so it cannot silently test nothing). The copy of ``src/`` and ``tests/`` lives
+in a temporary folder and goes first on ``PYTHONPATH``; the repository is never touched. The
+report is a Markdown table: each mutant, how many tests failed, and their names. A mutant
+that no test catches ("survived") makes the script exit with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TESTS = ["tests/test_behaviour.py", "tests/test_layout.py"]
+FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+
+
+MUTANTS = [
+    Mutant(
+        "pins",
+        "the sender pins only its latest version, not the versions lagging workers still read",
+        "src/aiowsync/_peers.py",
+        "            pinned |= peer.inflight\n        return pinned\n",
+        "            pinned |= peer.inflight\n        return {current}\n",
+    ),
+    Mutant(
+        "guard",
+        "a switch does not wait for readers to leave the read guard",
+        "src/aiowsync/_guard.py",
+        "            if self._readers:\n                return False\n",
+        "            if False:\n                return False\n",
+    ),
+    Mutant(
+        "one-bucket",
+        "a distributed receiver switches once the first bucket arrived, not all of them",
+        "src/aiowsync/_dist_plane.py",
+        "        for work in works:\n",
+        "        for work in works[:1]:\n",
+    ),
+    Mutant(
+        "layout-check",
+        "the handshake skips the layout check (any model is welcomed)",
+        "src/aiowsync/_handshake.py",
+        "    if hello.fingerprint != layout.fingerprint:\n",
+        "    if False:\n",
+    ),
+    Mutant(
+        "no-hooks",
+        "a receiver acks a version without running its hooks",
+        "src/aiowsync/_updates.py",
+        "            if self._core.hooks:\n"
+        "                await self._core.applier.run_hooks(version)\n"
+        "            answer = Ack(",
+        "            answer = Ack(",
+    ),
+]
+
+
+def _scratch() -> Path:
+    where = Path(tempfile.mkdtemp(prefix="aiowsync-mutants-"))
+    shutil.copytree(ROOT / "src", where / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "tests", where / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", where / "pyproject.toml")
+    return where
+
+
+def _plant(where: Path, mutant: Mutant) -> None:
+    path = where / mutant.path
+    text = path.read_text()
+    if text.count(mutant.old) != 1:
+        raise SystemExit(f"mutant {mutant.name}: its original text is not in {mutant.path} once")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def _run(where: Path, tests: list[str], extra: list[str]) -> tuple[list[str], float]:
+    env = dict(os.environ, PYTHONPATH=str(where / "src"), OMP_WAIT_POLICY="PASSIVE")
+    probe = subprocess.run(
+        [sys.executable, "-c", "import aiowsync; print(aiowsync.__file__)"],
+        cwd=where,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    if not probe.stdout.startswith(str(where)):
+        raise SystemExit(f"the scratch copy is not the one imported: {probe.stdout.strip()}")
+    started = time.monotonic()
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rfE",
+            "--timeout",
+            "90",
+            *tests,
+            *extra,
+        ],
+        cwd=where,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    failed = sorted(set(FAILED.findall(run.stdout)))
+    if run.returncode not in (0, 1):
+        failed.append(f"(pytest exit {run.returncode})")
+    return failed, time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", help="a mutant's name (repeatable)")
+    parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS, help="test paths to run")
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if not chosen:
+        parser.error(f"no such mutant; known: {', '.join(m.name for m in MUTANTS)}")
+    extra = ["-k", args.keyword] if args.keyword else []
+    rows, survived = [], []
+    for mutant in [None, *chosen]:
+        where = _scratch()
+        try:
+            if mutant is not None:
+                _plant(where, mutant)
+            failed, seconds = _run(where, args.tests, extra)
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+        name = "(none: the code as it is)" if mutant is None else mutant.name
+        what = "every test must pass" if mutant is None else mutant.what
+        if mutant is None and failed:
+            print(f"the unmutated copy fails: {failed}", file=sys.stderr)
+            return 2
+        if mutant is not None and not failed:
+            survived.append(mutant.name)
+        shown = "<br>".join(f.split("::", 1)[-1] for f in failed[:12])
+        more = f"<br>... and {len(failed) - 12} more" if len(failed) > 12 else ""
+        rows.append(f"| {name} | {what} | {len(failed)} | {shown}{more} | {seconds:.0f} s |")
+        print(rows[-1], file=sys.stderr, flush=True)
+    print("| mutant | planted bug | tests failed | which | time |")
+    print("|---|---|--:|---|--:|")
+    print("\n".join(rows))
+    if survived:
+        print(f"\nsurvived: {', '.join(survived)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
