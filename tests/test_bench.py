@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import json
 import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -234,7 +235,10 @@ def test_report_from_an_earlier_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_TORCHRL, reason="torchrl is not installed (the bench extra)")
+@pytest.mark.skipif(
+    not HAS_TORCHRL and not os.environ.get("AIOWSYNC_REQUIRE_TORCHRL"),
+    reason="torchrl is not installed (the bench extra; `make test` runs this in .venv-bench)",
+)
 async def test_torchrl_tree_sends_and_counts_reads() -> None:
     from aiowsync._bench._torchrl import TorchRLTree
 

@@ -1,0 +1,69 @@
+"""The example and the benchmark scripts run to the end, at their smallest settings.
+
+They are what a user runs first; here each runs in a process of its own, as from the shell,
+and must exit 0 and say what it is meant to say. Their figures are not judged (that is the
+benchmark page's business), only that they ran and wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    run = subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=360
+    )
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    return run
+
+
+def test_the_rollouts_example_ends_with_every_worker_on_the_trainers_bytes(tmp_path: Path) -> None:
+    run = _run([str(ROOT / "examples" / "async_rollouts.py")], tmp_path)
+    assert "OK: every worker runs version 8 with the trainer's exact weights" in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("script", "args"),
+    [
+        ("bench_channel.py", ["--rounds", "1", "--round-trips", "50", "--warmup", "10"]),
+        ("bench_layout.py", ["--rounds", "1", "--reps", "1", "--warmup", "1", "--n-tensors", "50"]),
+        (
+            "bench_shm.py",
+            ["--sizes", "1MiB", "--workers", "1", "--iters", "3", "--warmup", "1",
+             "--gap-sends", "2", "--idle-s", "0.1"],
+        ),
+        (
+            "bench_dist.py",
+            ["--models", "64MiB", "--workers", "1", "--no-sweep", "--iters", "2",
+             "--warmup", "1"],
+        ),
+    ],
+)  # fmt: skip
+def test_a_benchmark_script_runs_and_writes_its_samples(
+    script: str, args: list[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "samples.json"
+    _run([str(ROOT / "benchmarks" / script), *args, "--json", str(out)], tmp_path)
+    assert json.loads(out.read_text())  # something was measured and written
+
+
+def test_the_switch_benchmark_runs(tmp_path: Path) -> None:
+    out = tmp_path / "switch.json"
+    _run(
+        [str(ROOT / "benchmarks" / "bench_switch.py"), "--model", "1MiB", "--sends", "3",
+         "--rounds", "1", "--json", str(out)],
+        tmp_path,
+    )  # fmt: skip
+    assert json.loads(out.read_text())
