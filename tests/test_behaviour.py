@@ -1111,6 +1111,7 @@ async def test_readers_of_workers_that_lag_never_see_two_versions(kind: Kind, mo
             stop.set()
             for t in threads:
                 t.join(timeout=10)
+        print(f"versions seen per worker: {[len(s) for s in seen]}; mixed reads: {len(mixed)}")
         assert not mixed, mixed[:5]
         assert all(len(s) >= 4 for s in seen), seen
         last = rig.sender.version + 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,15 +15,18 @@ import torch
 
 import aiowsync
 from _workers import (
+    SPAWN,
     Workers,
     connect_all,
     digest,
     exact_bytes_then_no_mixed_reads,
+    fill,
     make_model,
     on_version_1,
     randomize,
     workers,
 )
+from helpers import eventually
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -111,3 +116,90 @@ async def test_killed_receiver_is_named_by_the_timeout_the_others_commit_and_it_
         assert result.worker_ids == (0, 1, 2, 3) and result.version == 3
         seen = await asyncio.to_thread(w.collect, "version", 4)
         assert {(e[2], e[3]) for e in seen} == {(3, digest(model))}
+
+
+async def _latest(w: Workers, want: dict[int, tuple[int, str]], within: float = 60) -> None:
+    """Read version reports until each worker's latest is ``want[worker]`` (version, digest)."""
+    latest: dict[int, tuple[int, str]] = {}
+    deadline = time.monotonic() + within
+    while any(latest.get(k) != v for k, v in want.items()):
+        assert time.monotonic() < deadline, f"reported {latest}, wanted {want}"
+        event = (await asyncio.to_thread(w.collect, "version", 1, deadline - time.monotonic()))[0]
+        latest[event[1]] = (event[2], event[3])
+
+
+async def test_a_stalled_receiver_fails_the_send_is_lost_and_comes_back_with_the_latest() -> None:
+    beats = aiowsync.Heartbeats(interval=0.25, missed=8)  # silent for 2 s: lost
+    async with _four_receivers_on_version_1(heartbeats=beats) as (scheme, model, w):
+        stalled = w.procs[1]
+        os.kill(stalled.pid, signal.SIGSTOP)
+        try:
+            randomize(model, 2)
+            # Four buckets, and gloo sends wait for the receiver: the others wait with the
+            # stalled worker until the deadline, and all stay on version 1 (no mix).
+            with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+                await scheme.send(timeout=8)
+            assert info.value.worker_ids == (1,) and info.value.version == 2
+            assert set(info.value.acked) <= {0, 2, 3}
+            await _latest(w, dict.fromkeys(info.value.acked, (2, digest(model))))
+            sender = scheme._sender
+            assert sender is not None
+            assert await eventually(lambda: 1 in sender.lost_workers(), within=30)
+            started = time.monotonic()
+            with pytest.raises(aiowsync.WorkerLostError) as lost:
+                await scheme.send(timeout=30)
+            assert lost.value.worker_ids == (1,) and time.monotonic() - started < 10
+            randomize(model, 3)
+            result = await scheme.send(worker_ids=[0, 2, 3], timeout=20)
+            assert result.version == 3  # the refused send used no version
+            await _latest(w, {i: (3, digest(model)) for i in (0, 2, 3)})
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+        assert await eventually(lambda: 1 not in sender.lost_workers(), within=30)
+        randomize(model, 4)
+        result = await scheme.send(timeout=30)
+        assert result.worker_ids == (0, 1, 2, 3) and result.version == 4
+        await _latest(w, dict.fromkeys(range(4), (4, digest(model))))
+
+
+def _dist_sender_process(queue: Any) -> None:
+    async def main() -> None:
+        model = make_model("small")
+        fill(model, 7)
+        scheme = scheme_for("small", heartbeats=aiowsync.Heartbeats(interval=0.25, missed=8))
+        scheme.init_on_sender(model=model, num_workers=1)
+        async with scheme:
+            queue.put(scheme.address)
+            await scheme.connect(timeout=60)
+            queue.put("connected")
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())
+
+
+async def test_receivers_keep_their_weights_when_the_distributed_sender_dies() -> None:
+    queue = SPAWN.Queue()
+    proc = SPAWN.Process(target=_dist_sender_process, args=(queue,), daemon=True)
+    proc.start()
+    try:
+        address = await asyncio.to_thread(queue.get, True, 90)
+        model = make_model("small")
+        r = scheme_for("small", address=address, background=False,
+                       heartbeats=aiowsync.Heartbeats(interval=0.25, missed=8))  # fmt: skip
+        r.init_on_receiver(model=model, worker_idx=0)
+        async with r:
+            await r.connect(timeout=60)
+            assert await asyncio.to_thread(queue.get, True, 30) == "connected"
+            assert r.connected and r.version == 0
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+            assert await eventually(lambda: not r.connected, within=30)
+            assert not r.ready and r.version == 0
+            assert await r.receive(timeout=0.5) is None
+            with pytest.raises(aiowsync.WeightSyncTimeout):
+                await r.wait_for_version(1, timeout=0.5)
+            assert all(bool((t == 7).all()) for t in model.state_dict().values())
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
