@@ -344,3 +344,28 @@ async def on_version_1(
             await scheme.send(timeout=20)
             await asyncio.to_thread(w.collect, "version", n)
             yield model, w
+
+
+def blocking_worker_main(scheme: Any, worker_idx: int, events: Any, stop: Any) -> None:
+    """A synchronous worker: ``aiowsync.blocking`` and a plain loop that reads the model under
+    the read guard. Reports ("done", idx, version, digest, reads, torn reads, versions seen)."""
+    torch.set_num_threads(1)
+    model = make_model("small")
+    scheme.init_on_receiver(model=model, worker_idx=worker_idx)
+    reads = torn = 0
+    seen: set[int] = set()
+    with aiowsync.blocking(scheme) as s:
+        s.connect(timeout=120)
+        events.put(("ready", worker_idx, s.version, digest(model)))
+        while not stop.is_set():
+            with s.read_guard(), torch.no_grad():
+                version = s.version
+                value = _check_uniform(model)
+            reads += 1
+            seen.add(version)
+            if value != float(version):
+                torn += 1
+            time.sleep(0.0005)
+        with s.read_guard():
+            final = (s.version, digest(model))
+    events.put(("done", worker_idx, *final, reads, torn, len(seen)))

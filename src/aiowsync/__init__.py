@@ -1,6 +1,7 @@
 """aiowsync: versioned, tear-free async broadcast of PyTorch weights."""
 
 from ._auth import CurveKeys
+from ._blocking import BlockingScheme, blocking
 from ._channel import ChannelFactory, MemoryChannelFactory, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
 from ._dist_plane import Backend
@@ -41,6 +42,9 @@ __all__ = [
     "WeightSyncScheme",
     "SchemeOptions",
     "ReadGuard",
+    # synchronous code
+    "blocking",
+    "BlockingScheme",
     # data planes
     "DataPlane",
     "DistributedPlane",
