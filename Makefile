@@ -16,15 +16,16 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q torch==2.13.0 -e ".[test,dev]"
 
-# The suite, then the tests that need torchrl 0.14 (the comparison that `aiowsync bench` rests
-# on) in the bench venv, where they must run, not skip.
+# The suite, then the tests that need torchrl 0.14.1 (the TorchRL adapter with real collectors
+# on CartPole, and the comparison that `aiowsync bench` rests on) in the bench venv, where
+# they must run, not skip.
 test: setup test-setup-torchrl
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_TORCHRL=1 $(BENCH_BIN)/python -m pytest -q -rs \
-		-p no:cacheprovider tests/test_bench.py -k torchrl
+		-p no:cacheprovider tests/test_torchrl_adapter.py tests/test_bench.py -k torchrl
 
 test-setup-torchrl: bench-setup
-	$(BENCH_BIN)/pip install -q torch==2.13.0 -e ".[bench,test]"
+	$(BENCH_BIN)/pip install -q torch==2.13.0 -e ".[bench,torchrl,test]" "gymnasium>=1.0,<2"
 	$(BENCH_BIN)/pip check
 
 lint: setup

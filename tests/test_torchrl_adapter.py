@@ -1,0 +1,230 @@
+"""``aiowsync.torchrl``: real TorchRL 0.14.1 collectors with real worker processes on CartPole.
+
+These run where torchrl and gymnasium are installed (``make test`` runs them in .venv-bench,
+where they must not skip). Each policy writes its ``marker`` weight into every frame, so a
+batch shows which version each of its forwards ran.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import aiowsync
+
+HAS_TORCHRL = all(importlib.util.find_spec(m) for m in ("torchrl", "gymnasium"))
+needs_torchrl = pytest.mark.skipif(
+    not HAS_TORCHRL and not os.environ.get("AIOWSYNC_REQUIRE_TORCHRL"),
+    reason="torchrl and gymnasium are not installed (`make test` runs this in .venv-bench)",
+)
+pytestmark = [
+    pytest.mark.timeout(300),
+    # TorchRL and gymnasium warn about their own deprecations; those are not ours to fix.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+FRAMES = 32
+"""Frames per batch: 16 per worker."""
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"aiowsync-{os.getpid()}-")}
+
+
+def _policy() -> Any:
+    from tensordict.nn import TensorDictModule
+
+    from _torchrl_policy import Marked
+
+    return TensorDictModule(Marked(), in_keys=["observation"], out_keys=["action", "marker"])
+
+
+def _scheme(kind: str) -> Any:
+    import torchrl.weight_update
+
+    import aiowsync.torchrl
+
+    if kind == "torchrl":
+        return torchrl.weight_update.SharedMemWeightSyncScheme()
+    if kind == "shm":
+        return aiowsync.torchrl.SharedMemWeightSyncScheme(send_timeout=30)
+    return aiowsync.torchrl.DistributedWeightSyncScheme(send_timeout=30)
+
+
+def _mark(policy: Any, value: float) -> None:
+    with torch.no_grad():
+        policy.module.marker.fill_(value)
+
+
+@needs_torchrl
+@pytest.mark.parametrize("kind", ["shm", "dist", "torchrl"])
+def test_every_frame_of_a_batch_ran_the_weights_sent_before_it(kind: str) -> None:
+    from tensordict import TensorDict
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.weight_update import WeightSyncScheme
+
+    from _torchrl_policy import make_env
+
+    policy, scheme = _policy(), _scheme(kind)
+    assert isinstance(scheme, WeightSyncScheme)
+    collector = MultiSyncCollector(
+        [make_env, make_env],
+        policy,
+        frames_per_batch=FRAMES,
+        total_frames=FRAMES * 21,
+        weight_sync_schemes={"policy": scheme},
+    )
+    expected, seen, times = 0.0, [], []
+    try:
+        for batch, data in enumerate(collector):
+            markers = set(data["marker"].unique().tolist())
+            seen.append(markers)
+            assert markers == {expected}, (batch, markers, expected)
+            if batch == 20:
+                break
+            expected = float(batch + 1)
+            if batch % 3 == 2:
+                # Explicit weights, which differ from the trainer's live policy.
+                weights = TensorDict.from_module(policy).clone()
+                weights["module", "marker"] = torch.tensor(expected)
+                started = time.perf_counter()
+                collector.update_policy_weights_(weights)
+            else:
+                _mark(policy, expected)
+                started = time.perf_counter()
+                collector.update_policy_weights_()
+            times.append(time.perf_counter() - started)
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    assert len(seen) == 21
+    print(f"{kind}: median update_policy_weights_() {statistics.median(times) * 1e3:.2f} ms")
+    assert multiprocessing.active_children() == []
+    assert _segments() == set()
+
+
+@needs_torchrl
+def test_an_async_collector_switches_its_workers_between_forwards() -> None:
+    from torchrl.collectors import MultiAsyncCollector
+
+    from _torchrl_policy import make_env
+
+    policy, scheme = _policy(), _scheme("shm")
+    collector = MultiAsyncCollector(
+        [make_env, make_env],
+        policy,
+        frames_per_batch=FRAMES,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+    )
+    sent = [0.0]
+    try:
+        for batch, data in enumerate(collector):
+            markers = set(data["marker"].unique().tolist())
+            assert markers <= set(sent), (markers, sent)
+            if batch < 6:
+                sent.append(float(batch + 1))
+                _mark(policy, sent[-1])
+                collector.update_policy_weights_()
+            elif markers == {sent[-1]} or batch > 40:
+                break
+        assert markers == {sent[-1]}  # the workers run the last version sent
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    assert multiprocessing.active_children() == []
+    assert _segments() == set()
+
+
+@needs_torchrl
+def test_a_single_process_collector_takes_explicit_weights_into_its_policy() -> None:
+    from tensordict import TensorDict
+    from torchrl.collectors import Collector
+
+    from _torchrl_policy import make_env
+
+    policy, scheme = _policy(), _scheme("shm")
+    collector = Collector(
+        make_env, policy, frames_per_batch=16, total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+    )  # fmt: skip
+    try:
+        it = iter(collector)
+        assert set(next(it)["marker"].unique().tolist()) == {0.0}
+        weights = TensorDict.from_module(policy).clone()
+        weights["module", "marker"] = torch.tensor(5.0)
+        collector.update_policy_weights_(weights)
+        assert set(next(it)["marker"].unique().tolist()) == {5.0}
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+
+@needs_torchrl
+def test_a_dead_worker_and_wrong_weights_raise_from_the_update() -> None:
+    from tensordict import TensorDict
+    from torchrl.collectors import MultiSyncCollector
+
+    from _torchrl_policy import make_env
+
+    policy, scheme = _policy(), _scheme("shm")
+    collector = MultiSyncCollector(
+        [make_env, make_env], policy, frames_per_batch=FRAMES, total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+    )  # fmt: skip
+    try:
+        next(iter(collector))
+        wrong = TensorDict({"module": {"net": {"weight": torch.zeros(3, 4)}}}, [])
+        with pytest.raises(aiowsync.LayoutMismatchError):
+            collector.update_policy_weights_(wrong)
+        collector.procs[1].kill()
+        collector.procs[1].join(10)
+        _mark(policy, 9.0)
+        with pytest.raises(aiowsync.WeightSyncError) as info:
+            collector.update_policy_weights_()
+        assert isinstance(info.value, (aiowsync.WorkerLostError, aiowsync.WeightSyncTimeout))
+        assert info.value.worker_ids == (1,)  # type: ignore[attr-defined]
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    assert _segments() == set()
+
+
+@needs_torchrl
+def test_the_schemes_pickle_before_and_after_init() -> None:
+    import aiowsync.torchrl
+
+    for cls in (aiowsync.torchrl.SharedMemWeightSyncScheme,
+                aiowsync.torchrl.DistributedWeightSyncScheme):  # fmt: skip
+        fresh = pickle.loads(pickle.dumps(cls()))
+        assert isinstance(fresh, cls) and fresh.version == -1
+    with pytest.raises(ValueError, match="name workers by index"):
+        aiowsync.torchrl._worker_ids([torch.device("cpu")])
+
+
+def test_without_torchrl_the_module_says_what_to_install() -> None:
+    code = "import sys; sys.modules['torchrl'] = None; import aiowsync.torchrl"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "aiowsync.torchrl needs TorchRL: pip install 'aiowsync[torchrl]'" in run.stderr
+
+
+@needs_torchrl
+def test_the_collector_example_runs(tmp_path: Any) -> None:
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "torchrl_collector.py")
+    run = subprocess.run(
+        [sys.executable, example], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "OK: 10 batches; the workers ran version 10 at the end" in run.stdout
