@@ -369,3 +369,81 @@ def blocking_worker_main(scheme: Any, worker_idx: int, events: Any, stop: Any) -
         with s.read_guard():
             final = (s.version, digest(model))
     events.put(("done", worker_idx, *final, reads, torn, len(seen)))
+
+
+def sender_main(
+    queue: Any,
+    kind: str,
+    value: float = 7,
+    bind: str | None = None,
+    transport: str = "shm",
+    beats: tuple[float, int] = (0.5, 10),
+) -> None:
+    """A sender process of a model filled with ``value``, for one worker: puts its address on
+    ``queue``, then "connected", then serves until killed."""
+
+    async def main() -> None:
+        model = make_model(kind)
+        fill(model, value)
+        options: dict[str, Any] = {"heartbeats": aiowsync.Heartbeats(*beats)}
+        if bind is not None:
+            options["bind"] = bind
+        scheme: aiowsync.WeightSyncScheme = (
+            aiowsync.SharedMemWeightSyncScheme(**options)
+            if transport == "shm"
+            else aiowsync.DistributedWeightSyncScheme(
+                backend="gloo", bucket_bytes=8 << 10, **options
+            )
+        )
+        scheme.init_on_sender(model=model, num_workers=1)
+        async with scheme:
+            queue.put(scheme.address)
+            await scheme.connect(timeout=60)
+            queue.put("connected")
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def a_killed_sender(
+    transport: str, **receiver_options: Any
+) -> AsyncIterator[tuple[aiowsync.WeightSyncScheme, nn.Module, int]]:
+    """A sender process (``transport`` "shm" or "dist") of a "small" model filled with 7, a
+    connected receiver of it here, then the sender killed with SIGKILL and seen gone by the
+    receiver: yields (the receiver, inside its ``async with``; its model; the dead pid)."""
+    import signal
+
+    from helpers import eventually
+
+    queue = SPAWN.Queue()
+    beats = (0.25, 8)
+    proc = SPAWN.Process(
+        target=sender_main, args=(queue, "small", 7, None, transport, beats), daemon=True
+    )
+    proc.start()
+    try:
+        address = await asyncio.to_thread(queue.get, True, 90)
+        model = make_model("small")
+        options: dict[str, Any] = {"heartbeats": aiowsync.Heartbeats(*beats)}
+        r: aiowsync.WeightSyncScheme = (
+            aiowsync.SharedMemWeightSyncScheme(address=address, **options, **receiver_options)
+            if transport == "shm"
+            else aiowsync.DistributedWeightSyncScheme(
+                address=address, backend="gloo", bucket_bytes=8 << 10,
+                **options, **receiver_options,
+            )
+        )  # fmt: skip
+        r.init_on_receiver(model=model, worker_idx=0)
+        async with r:
+            await r.connect(timeout=60)
+            assert await asyncio.to_thread(queue.get, True, 30) == "connected"
+            assert r.connected and r.version == 0
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+            assert await eventually(lambda: not r.connected, within=30)
+            yield r, model, proc.pid
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)

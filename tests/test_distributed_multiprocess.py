@@ -15,12 +15,11 @@ import torch
 
 import aiowsync
 from _workers import (
-    SPAWN,
     Workers,
+    a_killed_sender,
     connect_all,
     digest,
     exact_bytes_then_no_mixed_reads,
-    fill,
     make_model,
     on_version_1,
     randomize,
@@ -162,44 +161,10 @@ async def test_a_stalled_receiver_fails_the_send_is_lost_and_comes_back_with_the
         await _latest(w, dict.fromkeys(range(4), (4, digest(model))))
 
 
-def _dist_sender_process(queue: Any) -> None:
-    async def main() -> None:
-        model = make_model("small")
-        fill(model, 7)
-        scheme = scheme_for("small", heartbeats=aiowsync.Heartbeats(interval=0.25, missed=8))
-        scheme.init_on_sender(model=model, num_workers=1)
-        async with scheme:
-            queue.put(scheme.address)
-            await scheme.connect(timeout=60)
-            queue.put("connected")
-            await asyncio.sleep(3600)
-
-    asyncio.run(main())
-
-
 async def test_receivers_keep_their_weights_when_the_distributed_sender_dies() -> None:
-    queue = SPAWN.Queue()
-    proc = SPAWN.Process(target=_dist_sender_process, args=(queue,), daemon=True)
-    proc.start()
-    try:
-        address = await asyncio.to_thread(queue.get, True, 90)
-        model = make_model("small")
-        r = scheme_for("small", address=address, background=False,
-                       heartbeats=aiowsync.Heartbeats(interval=0.25, missed=8))  # fmt: skip
-        r.init_on_receiver(model=model, worker_idx=0)
-        async with r:
-            await r.connect(timeout=60)
-            assert await asyncio.to_thread(queue.get, True, 30) == "connected"
-            assert r.connected and r.version == 0
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(10)
-            assert await eventually(lambda: not r.connected, within=30)
-            assert not r.ready and r.version == 0
-            assert await r.receive(timeout=0.5) is None
-            with pytest.raises(aiowsync.WeightSyncTimeout):
-                await r.wait_for_version(1, timeout=0.5)
-            assert all(bool((t == 7).all()) for t in model.state_dict().values())
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(5)
+    async with a_killed_sender("dist", background=False) as (r, model, _):
+        assert not r.ready and r.version == 0
+        assert await r.receive(timeout=0.5) is None
+        with pytest.raises(aiowsync.WeightSyncTimeout):
+            await r.wait_for_version(1, timeout=0.5)
+        assert all(bool((t == 7).all()) for t in model.state_dict().values())

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import aiowsync
-from helpers import bump, model, same
+from helpers import bump, model, pair, same
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -93,19 +93,12 @@ async def test_a_cuda_receiver_gets_each_version_in_copy_mode(scheme: str) -> No
 @pytest.mark.gpu
 @ONE_GPU
 async def test_a_cuda_sender_model_reaches_a_cpu_receiver() -> None:
-    src = model(0).cuda()
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
-    sender.init_on_sender(model=src, num_workers=1)
-    async with sender:
-        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
-        m = model(1)
-        r.init_on_receiver(model=m, worker_idx=0)
-        async with r:
-            await asyncio.gather(sender.connect(timeout=60), r.connect(timeout=60))
-            assert same(m, src)
-            bump(src)
-            await sender.send(timeout=30)
-            assert r.version == 1 and same(m, src)
+    src, m = model(0).cuda(), model(1)
+    async with pair(src, m, heartbeats=FAST) as (sender, r):
+        assert same(m, src)
+        bump(src)
+        await sender.send(timeout=30)
+        assert r.version == 1 and same(m, src)
 
 
 # -- NCCL: one GPU per rank, so the receiver runs in a process of its own ---------------------

@@ -14,13 +14,14 @@ import torch
 import aiowsync
 from _workers import (
     SPAWN,
+    a_killed_sender,
     connect_all,
     digest,
     exact_bytes_then_no_mixed_reads,
-    fill,
     make_model,
     on_version_1,
     randomize,
+    sender_main,
     workers,
 )
 from helpers import eventually
@@ -121,53 +122,16 @@ async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_vers
         assert result.worker_ids == (0, 1, 2) and result.version == 3
 
 
-def _sender_process(address_queue, kind: str, value: int = 7, bind: str | None = None) -> None:
-    async def main() -> None:
-        model = make_model(kind)
-        fill(model, value)
-        scheme = aiowsync.SharedMemWeightSyncScheme(
-            heartbeats=LOADED, **({} if bind is None else {"bind": bind})
-        )
-        scheme.init_on_sender(model=model, num_workers=1)
-        async with scheme:
-            address_queue.put(scheme.address)
-            await scheme.connect(timeout=60)
-            address_queue.put("connected")
-            await asyncio.sleep(3600)
-
-    asyncio.run(main())
-
-
 async def test_receivers_keep_weights_and_report_disconnected_when_the_sender_dies() -> None:
-    queue = SPAWN.Queue()
-    sender = SPAWN.Process(target=_sender_process, args=(queue, "small"), daemon=True)
-    sender.start()
-    try:
-        address = await asyncio.to_thread(queue.get, True, 60)
-        model = make_model("small")
-        scheme = aiowsync.SharedMemWeightSyncScheme(
-            address=address, heartbeats=aiowsync.Heartbeats(interval=0.2, missed=10)
-        )
-        scheme.init_on_receiver(model=model, worker_idx=0)
-        async with scheme:
-            await scheme.connect(timeout=30)
-            assert await asyncio.to_thread(queue.get, True, 30) == "connected"
-            assert scheme.connected and scheme.version == 0
-            os.kill(sender.pid, signal.SIGKILL)
-            sender.join(10)
-            assert await eventually(lambda: not scheme.connected, within=15)
-            assert scheme.version == 0
-            assert all(bool((t == 7).all()) for t in model.state_dict().values())
-        # The dead sender's slot files are removed by the next sender to start.
-        next_sender = aiowsync.SharedMemWeightSyncScheme()
-        next_sender.init_on_sender(model=make_model("small"), num_workers=1)
-        async with next_sender:
-            prefix = f"aiowsync-{sender.pid}-"
-            assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    finally:
-        if sender.is_alive():
-            sender.kill()
-        sender.join(5)
+    async with a_killed_sender("shm") as (scheme, model, pid):
+        assert scheme.version == 0 and not scheme.ready
+        assert all(bool((t == 7).all()) for t in model.state_dict().values())
+    # The dead sender's slot files are removed by the next sender to start.
+    next_sender = aiowsync.SharedMemWeightSyncScheme()
+    next_sender.init_on_sender(model=make_model("small"), num_workers=1)
+    async with next_sender:
+        prefix = f"aiowsync-{pid}-"
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
@@ -190,7 +154,7 @@ async def test_a_sender_restarted_on_the_same_address_is_not_taken_for_the_old_o
             bind = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
     beats = aiowsync.Heartbeats(interval=0.2, missed=10)
     queue = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_sender_process, args=(queue, "small", 7, bind), daemon=True)]
+    procs = [SPAWN.Process(target=sender_main, args=(queue, "small", 7, bind), daemon=True)]
     procs[0].start()
     try:
         address = await asyncio.to_thread(queue.get, True, 60)
@@ -208,7 +172,7 @@ async def test_a_sender_restarted_on_the_same_address_is_not_taken_for_the_old_o
             # and releasing the queue's write lock, which would then block every later put.
             queue = SPAWN.Queue()
             procs.append(
-                SPAWN.Process(target=_sender_process, args=(queue, "small", 9, bind), daemon=True)
+                SPAWN.Process(target=sender_main, args=(queue, "small", 9, bind), daemon=True)
             )
             procs[1].start()
             assert await asyncio.to_thread(queue.get, True, 60) == address

@@ -62,6 +62,19 @@ def _scheme(kind: str) -> Any:
     return aiowsync.torchrl.DistributedWeightSyncScheme(send_timeout=30)
 
 
+def _collector(cls: Any, policy: Any, scheme: Any, total_frames: int = -1) -> Any:
+    """A collector of ``cls`` over two CartPole workers, its weights moved by ``scheme``."""
+    from _torchrl_policy import make_env
+
+    return cls(
+        [make_env, make_env],
+        policy,
+        frames_per_batch=FRAMES,
+        total_frames=total_frames,
+        weight_sync_schemes={"policy": scheme},
+    )
+
+
 def _mark(policy: Any, value: float) -> None:
     with torch.no_grad():
         policy.module.marker.fill_(value)
@@ -74,17 +87,10 @@ def test_every_frame_of_a_batch_ran_the_weights_sent_before_it(kind: str) -> Non
     from torchrl.collectors import MultiSyncCollector
     from torchrl.weight_update import WeightSyncScheme
 
-    from _torchrl_policy import make_env
 
     policy, scheme = _policy(), _scheme(kind)
     assert isinstance(scheme, WeightSyncScheme)
-    collector = MultiSyncCollector(
-        [make_env, make_env],
-        policy,
-        frames_per_batch=FRAMES,
-        total_frames=FRAMES * 21,
-        weight_sync_schemes={"policy": scheme},
-    )
+    collector = _collector(MultiSyncCollector, policy, scheme, total_frames=FRAMES * 21)
     expected, seen, times = 0.0, [], []
     try:
         for batch, data in enumerate(collector):
@@ -118,16 +124,9 @@ def test_every_frame_of_a_batch_ran_the_weights_sent_before_it(kind: str) -> Non
 def test_an_async_collector_switches_its_workers_between_forwards() -> None:
     from torchrl.collectors import MultiAsyncCollector
 
-    from _torchrl_policy import make_env
 
     policy, scheme = _policy(), _scheme("shm")
-    collector = MultiAsyncCollector(
-        [make_env, make_env],
-        policy,
-        frames_per_batch=FRAMES,
-        total_frames=-1,
-        weight_sync_schemes={"policy": scheme},
-    )
+    collector = _collector(MultiAsyncCollector, policy, scheme)
     sent = [0.0]
     try:
         for batch, data in enumerate(collector):
@@ -176,13 +175,9 @@ def test_a_dead_worker_and_wrong_weights_raise_from_the_update() -> None:
     from tensordict import TensorDict
     from torchrl.collectors import MultiSyncCollector
 
-    from _torchrl_policy import make_env
 
     policy, scheme = _policy(), _scheme("shm")
-    collector = MultiSyncCollector(
-        [make_env, make_env], policy, frames_per_batch=FRAMES, total_frames=-1,
-        weight_sync_schemes={"policy": scheme},
-    )  # fmt: skip
+    collector = _collector(MultiSyncCollector, policy, scheme)
     try:
         next(iter(collector))
         wrong = TensorDict({"module": {"net": {"weight": torch.zeros(3, 4)}}}, [])

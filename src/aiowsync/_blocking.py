@@ -16,7 +16,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import Coroutine, Sequence
-from types import TracebackType
 from typing import Any, TypeVar
 
 from ._guard import ReadGuard
@@ -100,12 +99,7 @@ class BlockingScheme:
                 entered.set_exception(exc)
             raise
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is None:
             self.close()
             return

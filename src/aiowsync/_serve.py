@@ -234,11 +234,11 @@ class ControlLoop:
         if reason is not None:
             log.warning("refused worker %d: %s", hello.worker_idx, excerpt(reason, 2000))
             with contextlib.suppress(WeightSyncError):
-                await channel.send(
+                await channel.refuse(
                     routing,
                     wire.Refuse(reason=reason[:REFUSAL_CHARS]),
-                    timeout=self._core.timeouts.control,
                     protocol=hello.protocol,  # a peer of another version reads its own
+                    timeout=self._core.timeouts.control,
                 )
             return
         self._core.peers.replace(hello.worker_idx, hello.pid)

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 
 from .._exceptions import ProtocolError, WeightSyncTimeout
-from .._protocol import PROTOCOL_VERSION, Heartbeat, Message, decode
+from .._protocol import Heartbeat, Message, Refuse, decode, encode
 from .._text import worth_logging
 
 __all__ = ["ChannelFactory", "PeerId", "ReceiverChannel", "SenderChannel"]
@@ -49,18 +49,21 @@ class SenderChannel(_Counting, abc.ABC):
 
     address: str
 
-    @abc.abstractmethod
-    async def send(
-        self,
-        peer: PeerId,
-        message: Message,
-        *,
-        timeout: float | None,
-        protocol: int = PROTOCOL_VERSION,
+    async def send(self, peer: PeerId, message: Message, *, timeout: float | None) -> None:
+        """Send to one peer; raises :class:`TransportError` if the peer is gone."""
+        await self.send_frame(peer, encode(message), timeout=timeout)
+
+    async def refuse(
+        self, peer: PeerId, refusal: Refuse, *, protocol: int, timeout: float | None
     ) -> None:
-        """Send to one peer; raises :class:`TransportError` if the peer is gone.
-        ``protocol``: the header of another version, for a refusal only (see
-        :func:`~aiowsync._protocol.encode`)."""
+        """Send ``refusal`` in the peer's own protocol version, which a peer of another
+        version can still read (see :mod:`aiowsync._protocol._codec`)."""
+        await self.send_frame(peer, encode(refusal, protocol=protocol), timeout=timeout)
+
+    @abc.abstractmethod
+    async def send_frame(self, peer: PeerId, frame: bytes, *, timeout: float | None) -> None:
+        """Send one encoded frame to one peer; raises :class:`TransportError` if the peer is
+        gone."""
 
     def send_nowait(self, peer: PeerId, message: Message) -> bool:
         """Queue ``message`` only if that needs no wait; False when :meth:`send` must be used.

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 
 from .._exceptions import NotConnectedError, TransportError
-from .._protocol import PROTOCOL_VERSION, Heartbeat, Message, encode
+from .._protocol import Heartbeat, Message, encode
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
 
 __all__ = ["MemoryChannelFactory"]
@@ -67,20 +67,13 @@ class MemorySenderChannel(SenderChannel):
         if not self.closed:
             self._loop.call_soon_threadsafe(self.inbox.put_nowait, (peer, frame))
 
-    async def send(
-        self,
-        peer: PeerId,
-        message: Message,
-        *,
-        timeout: float | None,
-        protocol: int = PROTOCOL_VERSION,
-    ) -> None:
+    async def send_frame(self, peer: PeerId, frame: bytes, *, timeout: float | None) -> None:
         if self.closed:
             raise TransportError("channel is closed")
         target = self.peers.get(peer)
         if target is None or target.closed:
             raise TransportError(f"peer {peer.hex()} is not connected")
-        target.inbox.put_nowait((b"", encode(message, protocol=protocol)))
+        target.inbox.put_nowait((b"", frame))
         await asyncio.sleep(0)
 
     async def recv(self, *, timeout: float | None) -> tuple[PeerId, Message]:

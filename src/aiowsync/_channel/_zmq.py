@@ -22,7 +22,7 @@ import zmq
 from .._auth import CurveKeys, CurveServer, SameUserServer, check_server_keys, client_options
 from .._exceptions import TransportError
 from .._libc import libc
-from .._protocol import MAX_FRAME, PROTOCOL_VERSION, Heartbeat, Message, encode
+from .._protocol import MAX_FRAME, Heartbeat, Message, encode
 from .._signal import Signal
 from ._address import LOCAL_BIND, is_loopback_address, resolve_local
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
@@ -123,15 +123,8 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
             raise TransportError(f"cannot bind {address}: {exc}") from None
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    async def send(
-        self,
-        peer: PeerId,
-        message: Message,
-        *,
-        timeout: float | None,
-        protocol: int = PROTOCOL_VERSION,
-    ) -> None:
-        await self._send_frames([peer, encode(message, protocol=protocol)], timeout)
+    async def send_frame(self, peer: PeerId, frame: bytes, *, timeout: float | None) -> None:
+        await self._send_frames([peer, frame], timeout)
 
     def send_nowait(self, peer: PeerId, message: Message) -> bool:
         return self._try_send(peer, encode(message))
