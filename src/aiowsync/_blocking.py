@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import threading
 from collections.abc import Coroutine, Sequence
@@ -117,17 +116,22 @@ class BlockingScheme:
         loop, host = self._loop, self._host
         if loop is None or host is None:
             return
+        error: BaseException | None = None
         try:
             if self._stop is not None:
                 loop.call_soon_threadsafe(self._stop.set)
-            with contextlib.suppress(concurrent.futures.TimeoutError):
-                host.result(STOP_WAIT_S)
+            if not concurrent.futures.wait([host], STOP_WAIT_S).done:
+                log.warning("the scheme did not leave `async with` within %g s", STOP_WAIT_S)
+            elif not host.cancelled():
+                error = host.exception()  # the scheme's own error on leaving, if any
             pending = [f for f in self._calls if not f.done()]
             concurrent.futures.wait(pending, STOP_WAIT_S)
             for future in pending:
                 future.cancel()
         finally:
             self._shut_loop()
+        if error is not None:
+            raise error
 
     def _shut_loop(self) -> None:
         loop, thread = self._loop, self._thread

@@ -119,9 +119,9 @@ class _Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type i
     ) -> None:
         if self._face is None:
             return
-        if weights is not None:
-            self._face.send(weights, timeout=self.send_timeout)
         self._face.connect(self.connect_timeout)
+        if weights is not None:  # first weights other than the model's: a version of their own
+            self._face.send(weights, timeout=self.send_timeout)
 
     def send(self, weights: Any = None, worker_ids: Any = None) -> SendResult | None:
         """Send ``weights`` (by default the trainer's model) as a new version; returns once
