@@ -3,6 +3,8 @@ the TorchRL adapter tests (importable by the collectors' spawned workers)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -18,6 +20,23 @@ class Marked(nn.Module):
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         action = nn.functional.one_hot(self.net(obs).argmax(-1), 2)
         return action, self.marker.expand(obs.shape[:-1]).unsqueeze(-1).clone()
+
+
+class TwiceMarked(Marked):
+    """Reads ``marker``, pauses, then reads ``twin`` (always set to the same value): a
+    forward that straddles a switch outputs two different values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.twin = nn.Parameter(torch.zeros(()))
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        first = self.marker.detach().clone()
+        time.sleep(0.002)
+        second = self.twin.detach().clone()
+        action = nn.functional.one_hot(self.net(obs).argmax(-1), 2)
+        both = torch.stack([first, second]).expand(*obs.shape[:-1], 2).clone()
+        return action, both
 
 
 def make_env():  # type: ignore[no-untyped-def]

@@ -8,7 +8,6 @@ whole picture.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 
@@ -101,6 +100,14 @@ def test_calls_from_a_running_event_loop_are_refused_rather_than_deadlocking() -
         with pytest.raises(RuntimeError, match="event loop"):
             asyncio.run(inside())
 
+        async def close_on_its_own_loop() -> None:
+            s.close()
+
+        on_loop = asyncio.run_coroutine_threadsafe(close_on_its_own_loop(), s._loop)
+        with pytest.raises(RuntimeError, match="own loop thread"):
+            on_loop.result(30)
+        assert s.version == 0  # still open
+
         async def enter_inside() -> None:
             with aiowsync.blocking(r):
                 pass
@@ -177,4 +184,3 @@ def test_a_sync_trainer_and_two_sync_workers_never_read_a_torn_model() -> None:
                 p.kill()
                 p.join(5)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    assert os.getpid()  # nothing left: the autouse fixture checks this process's slots

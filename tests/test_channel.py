@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import pathlib
 import pickle
 import random
@@ -714,3 +715,14 @@ def test_a_memory_factory_pickles_within_its_process_only() -> None:
     )
     assert run.returncode != 0
     assert b"TransportError" in run.stderr and b"works within one process" in run.stderr
+
+
+def test_a_memory_factory_named_by_another_process_is_refused() -> None:
+    from aiowsync._channel._memory import _factory
+
+    factory = MemoryChannelFactory()
+    token = factory._token
+    assert _factory(token) is factory
+    forked = f"{os.getpid() + 1}-{token.split('-', 1)[1]}"  # as a forked child would see it
+    with pytest.raises(aiowsync.TransportError, match="works within one process"):
+        _factory(forked)

@@ -165,6 +165,14 @@ async def test_a_peer_of_another_protocol_version_is_refused_in_its_own_version(
     assert reason == f"protocol {later} is not supported (sender speaks {PROTOCOL_VERSION})"
 
 
+async def test_a_hello_naming_an_impossible_protocol_is_refused_in_this_version() -> None:
+    # 300 fits the hello's field but no frame header: the refusal goes back in this version
+    # (before: encoding it raised ValueError in the serve loop, which ended the sender).
+    hello = Hello(protocol=300, model_id="policy", worker_idx=0, fingerprint="0" * 64)
+    reason = await _refusal_for(hello)
+    assert reason == f"protocol 300 is not supported (sender speaks {PROTOCOL_VERSION})"
+
+
 async def test_a_receiver_refused_by_a_sender_of_another_version_says_so() -> None:
     # A sender of a later release answers this receiver's hello in this receiver's version;
     # even a refusal in its own version is understood.

@@ -343,8 +343,9 @@ async def test_cancel_during_staging_keeps_workers_on_the_previous_version() -> 
         before = mirror.state_dict()["0.weight"].clone()
         events = slow_writes(sender, 0.3)  # the cancel surely lands while the copy runs
         bump(big)
-        with pytest.raises(asyncio.TimeoutError):
+        with pytest.raises(asyncio.TimeoutError) as info:
             await asyncio.wait_for(sender.send(timeout=10), 0.05)
+        assert not isinstance(info.value, aiowsync.WeightSyncError)  # wait_for's, not send's
         assert events == ["start", "end"]  # the call returned only after the copy
         await asyncio.sleep(0.2)
         # Nothing announced and no version number used: the next send is version 1.

@@ -147,6 +147,37 @@ def test_an_async_collector_switches_its_workers_between_forwards() -> None:
 
 
 @needs_torchrl
+def test_no_forward_of_a_worker_straddles_a_switch() -> None:
+    from tensordict.nn import TensorDictModule
+    from torchrl.collectors import MultiAsyncCollector
+
+    from _torchrl_policy import TwiceMarked
+
+    policy = TensorDictModule(TwiceMarked(), in_keys=["observation"], out_keys=["action", "both"])
+    scheme = _scheme("shm")
+    collector = _collector(MultiAsyncCollector, policy, scheme)
+    frames = versions = 0
+    try:
+        for batch, data in enumerate(collector):
+            both = data["both"].reshape(-1, 2)
+            straddled = (both[:, 0] != both[:, 1]).sum().item()
+            assert straddled == 0, f"batch {batch}: {straddled} forwards saw two versions"
+            frames += both.shape[0]
+            if batch == 30:
+                break
+            # The workers keep collecting while the trainer sends (the async collector).
+            with torch.no_grad():
+                policy.module.marker.fill_(float(batch + 1))
+                policy.module.twin.fill_(float(batch + 1))
+            collector.update_policy_weights_()
+            versions += 1
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    print(f"{frames} frames over {versions} versions: 0 forwards straddled a switch")
+
+
+@needs_torchrl
 def test_a_single_process_collector_takes_explicit_weights_into_its_policy() -> None:
     from tensordict import TensorDict
     from torchrl.collectors import Collector
@@ -200,10 +231,26 @@ def test_a_dead_worker_and_wrong_weights_raise_from_the_update() -> None:
 def test_the_schemes_pickle_before_and_after_init() -> None:
     import aiowsync.torchrl
 
+    class Trainer:  # what a collector offers a scheme: its workers and its models
+        num_workers = 1
+
+        def get_model(self, model_id: str) -> Any:
+            return policy
+
+    policy, trainer = _policy(), Trainer()
     for cls in (aiowsync.torchrl.SharedMemWeightSyncScheme,
                 aiowsync.torchrl.DistributedWeightSyncScheme):  # fmt: skip
         fresh = pickle.loads(pickle.dumps(cls()))
         assert isinstance(fresh, cls) and fresh.version == -1
+        sender = cls()
+        sender.init_on_sender(model_id="policy", context=trainer)
+        try:
+            copy = pickle.loads(pickle.dumps(sender))  # what each worker gets
+            assert copy._inner.address == sender._inner.address
+            assert copy._face is None and not copy.initialized_on_sender
+        finally:
+            sender.shutdown()
+    assert _segments() == set()
     with pytest.raises(ValueError, match="name workers by index"):
         aiowsync.torchrl._worker_ids([torch.device("cpu")])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Coroutine, Sequence
@@ -63,6 +64,7 @@ class BlockingScheme:
         self._stop: asyncio.Event | None = None
         self._host: concurrent.futures.Future[None] | None = None
         self._calls: set[concurrent.futures.Future[Any]] = set()
+        self._calls_lock = threading.Lock()  # the loop thread discards, the caller adds
         self._closed = False
 
     # -- life cycle -------------------------------------------------------------------------
@@ -82,6 +84,9 @@ class BlockingScheme:
         try:
             entered.result(START_WAIT_S)
         except BaseException:
+            # Entering failed, timed out or was interrupted: unwind what it entered.
+            self._host.cancel()
+            concurrent.futures.wait([self._host], STOP_WAIT_S)
             self._shut_loop()
             raise
         return self
@@ -109,9 +114,12 @@ class BlockingScheme:
 
     def close(self) -> None:
         """Leave the scheme and stop the loop thread; idempotent. Calls still running get the
-        scheme's shutdown errors; any left after :data:`STOP_WAIT_S` are cancelled."""
+        scheme's shutdown errors; any left after :data:`STOP_WAIT_S` are cancelled, and the
+        loop runs until they have unwound."""
         if self._closed:
             return
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("close() from the scheme's own loop thread would wait on itself")
         self._closed = True
         loop, host = self._loop, self._host
         if loop is None or host is None:
@@ -124,22 +132,26 @@ class BlockingScheme:
                 log.warning("the scheme did not leave `async with` within %g s", STOP_WAIT_S)
             elif not host.cancelled():
                 error = host.exception()  # the scheme's own error on leaving, if any
-            pending = [f for f in self._calls if not f.done()]
+            with self._calls_lock:
+                pending = [f for f in self._calls if not f.done()]
             concurrent.futures.wait(pending, STOP_WAIT_S)
-            for future in pending:
-                future.cancel()
         finally:
             self._shut_loop()
         if error is not None:
             raise error
 
     def _shut_loop(self) -> None:
+        """Cancel what still runs on the loop and let it unwind, as ``asyncio.run`` does at
+        its end; then stop the loop and its thread."""
         loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
         self._closed = True
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(STOP_WAIT_S)
+        if thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_unwind(), loop).result(STOP_WAIT_S)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(STOP_WAIT_S)
         if not thread.is_alive():
             loop.close()
 
@@ -158,9 +170,14 @@ class BlockingScheme:
             coro.close()
             raise
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        self._calls.add(future)
-        future.add_done_callback(self._calls.discard)
+        with self._calls_lock:
+            self._calls.add(future)
+        future.add_done_callback(self._forget)
         return future
+
+    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._calls_lock:
+            self._calls.discard(future)
 
     def _wait(self, future: concurrent.futures.Future[T]) -> T:
         # Every call has its own deadline inside the scheme; this only makes sure a dead loop
@@ -222,6 +239,16 @@ class BlockingScheme:
     def connected(self) -> bool:
         """See :attr:`WeightSyncScheme.connected`."""
         return self.scheme.connected
+
+
+async def _unwind() -> None:
+    """Cancel every other task of the running loop and wait for them to end."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
 
 
 def _refuse_inside_a_loop() -> None:

@@ -107,7 +107,8 @@ class ReceiverSide(SchemeState):
         mode: ApplyMode
         if self.apply_mode == "auto":
             devices = {t.device.type for t in self._targets.values()}
-            mode = "swap" if devices <= {"cpu"} else "copy"
+            can_swap = devices <= {"cpu"} and self.plane.can_swap(self._targets)
+            mode = "swap" if can_swap else "copy"
         else:
             mode = self.apply_mode
         context = ReceiverContext(

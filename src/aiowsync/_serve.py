@@ -237,7 +237,7 @@ class ControlLoop:
                 await channel.refuse(
                     routing,
                     wire.Refuse(reason=reason[:REFUSAL_CHARS]),
-                    protocol=hello.protocol,  # a peer of another version reads its own
+                    protocol=_answer_in(hello.protocol),
                     timeout=self._core.timeouts.control,
                 )
             return
@@ -294,3 +294,9 @@ class ControlLoop:
             log.warning(
                 "worker %d could not be brought up to version %d: %s", peer.worker_idx, version, exc
             )
+
+
+def _answer_in(protocol: int) -> int:
+    """The version a refusal goes back in: the hello's own, which a peer of another version
+    reads, unless no frame header can carry it (a hello that names an impossible one)."""
+    return protocol if 0 <= protocol <= 255 else wire.PROTOCOL_VERSION

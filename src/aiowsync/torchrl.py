@@ -24,13 +24,14 @@ How TorchRL (0.14) drives a scheme, and what these classes do at each step:
   version, so every frame collected afterwards ran it.
 - ``scheme.shutdown()`` leaves the scheme: the trainer's removes its shared-memory files.
   TorchRL's ``collector.shutdown()`` does not call it; call it yourself after the collector's
-  (it also runs when the scheme is collected, and at interpreter exit).
+  (it also runs at interpreter exit, on both sides).
 """
 
 from __future__ import annotations
 
 import atexit
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,6 +114,7 @@ class _Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type i
         inner.init_on_sender(model=model, num_workers=int(workers))
         self._inner = inner
         self._face = blocking(inner).__enter__()  # serving before the workers are started
+        _shut_at_exit(self)
 
     def _setup_connection_and_weights_on_sender_impl(
         self, *, worker_idx: int | None = None, weights: Any = None
@@ -171,12 +173,16 @@ class _Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type i
     def _guard_forward(self, model: nn.Module, inner: _Scheme) -> None:
         """Hold the read guard for each forward of ``model``: a switch waits for it to end."""
         guard = inner.read_guard()
+        held = threading.local()  # a forward whose pre-hooks failed never took the guard
 
         def enter(module: nn.Module, args: Any) -> None:
             guard.acquire()
+            held.depth = getattr(held, "depth", 0) + 1
 
         def leave(module: nn.Module, args: Any, output: Any) -> None:
-            guard.release()
+            if getattr(held, "depth", 0) > 0:
+                held.depth -= 1
+                guard.release()
 
         self._guard_handles = [
             model.register_forward_pre_hook(enter),
@@ -190,17 +196,18 @@ class _Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type i
             raise RuntimeError("init_on_receiver() first")
         face = blocking(self._inner).__enter__()
         self._face = face
-        atexit.register(self.shutdown)  # a worker process ends without calling it
+        _shut_at_exit(self)  # a worker process ends without calling shutdown()
         face.connect(self.connect_timeout)
 
     def receive(self, timeout: float | None = None) -> int | None:
-        """Wait up to ``timeout`` for a version newer than the one the model runs now; the
-        version it runs then, or None. (A background task applies versions as they come.)"""
+        """Wait up to ``timeout`` seconds (none by default) for a version newer than the one
+        the model runs now; the version it runs then, or None. A background task applies
+        versions as they come, so this only reports them."""
         if self._face is None:
             raise RuntimeError("receive() needs a connected receiver")
         current = self._face.version
         try:
-            return self._face.wait_for_version(current + 1, timeout)
+            return self._face.wait_for_version(current + 1, timeout or 0.0)
         except TimeoutError:
             return None
 
@@ -219,9 +226,11 @@ class _Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type i
             for handle in getattr(self, "_guard_handles", []):
                 handle.remove()
             self._guard_handles = []
-        if face is not None:
-            face.close()
-        super().shutdown()
+        try:
+            if face is not None:
+                face.close()
+        finally:
+            super().shutdown()
 
     def __getstate__(self) -> dict[str, Any]:
         state: dict[str, Any] = super().__getstate__()
@@ -233,6 +242,19 @@ class _Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type i
         super().__setstate__(state)
         self._face, self._local, self._guard_handles = None, None, []
         self._closing = threading.Lock()
+
+
+def _shut_at_exit(scheme: _Adapter) -> None:
+    """Shut ``scheme`` down at interpreter exit, while its loop thread still runs (a weak
+    reference: the scheme may go earlier)."""
+    ref = weakref.ref(scheme)
+
+    def shut() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.shutdown()
+
+    atexit.register(shut)
 
 
 def _worker_ids(worker_ids: Any) -> int | Sequence[int] | None:

@@ -44,7 +44,8 @@ _factory_ids = itertools.count(1)
 
 
 def _factory(token: str) -> MemoryChannelFactory:
-    factory = _factories.get(token)
+    # A forked child inherits the registry, but not the loop the factory's channels run on.
+    factory = _factories.get(token) if token.startswith(f"{os.getpid()}-") else None
     if factory is None:
         raise TransportError(
             "a MemoryChannelFactory works within one process: this scheme was pickled in "

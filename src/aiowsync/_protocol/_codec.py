@@ -79,7 +79,14 @@ def _decode_foreign(protocol: int, body: memoryview) -> Message:
     """A hello or a refusal of another protocol version; anything else is rejected."""
     try:
         message = _foreign.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError):
+    except (
+        msgspec.DecodeError,
+        msgspec.ValidationError,
+        ValueError,
+        TypeError,
+        RecursionError,
+        OverflowError,
+    ):
         raise ProtocolError(
             f"protocol version {protocol} is not supported (this side speaks {PROTOCOL_VERSION})"
         ) from None
