@@ -371,6 +371,14 @@ def blocking_worker_main(scheme: Any, worker_idx: int, events: Any, stop: Any) -
     events.put(("done", worker_idx, *final, reads, torn, len(seen)))
 
 
+def scheme_of(transport: str, **options: Any) -> aiowsync.WeightSyncScheme:
+    """A scheme of ``transport``: "shm", or "dist" (gloo, buckets small enough that a "small"
+    model spans several)."""
+    if transport == "shm":
+        return aiowsync.SharedMemWeightSyncScheme(**options)
+    return aiowsync.DistributedWeightSyncScheme(backend="gloo", bucket_bytes=8 << 10, **options)
+
+
 def sender_main(
     queue: Any,
     kind: str,
@@ -388,13 +396,7 @@ def sender_main(
         options: dict[str, Any] = {"heartbeats": aiowsync.Heartbeats(*beats)}
         if bind is not None:
             options["bind"] = bind
-        scheme: aiowsync.WeightSyncScheme = (
-            aiowsync.SharedMemWeightSyncScheme(**options)
-            if transport == "shm"
-            else aiowsync.DistributedWeightSyncScheme(
-                backend="gloo", bucket_bytes=8 << 10, **options
-            )
-        )
+        scheme = scheme_of(transport, **options)
         scheme.init_on_sender(model=model, num_workers=1)
         async with scheme:
             queue.put(scheme.address)
@@ -425,15 +427,9 @@ async def a_killed_sender(
     try:
         address = await asyncio.to_thread(queue.get, True, 90)
         model = make_model("small")
-        options: dict[str, Any] = {"heartbeats": aiowsync.Heartbeats(*beats)}
-        r: aiowsync.WeightSyncScheme = (
-            aiowsync.SharedMemWeightSyncScheme(address=address, **options, **receiver_options)
-            if transport == "shm"
-            else aiowsync.DistributedWeightSyncScheme(
-                address=address, backend="gloo", bucket_bytes=8 << 10,
-                **options, **receiver_options,
-            )
-        )  # fmt: skip
+        r = scheme_of(
+            transport, address=address, heartbeats=aiowsync.Heartbeats(*beats), **receiver_options
+        )
         r.init_on_receiver(model=model, worker_idx=0)
         async with r:
             await r.connect(timeout=60)
