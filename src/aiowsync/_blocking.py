@@ -104,12 +104,12 @@ class BlockingScheme:
             raise
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if exc is None:
-            self.close()
-            return
         try:
             self.close()
-        except Exception:  # the body's own exception is the one to see
+        except Exception:
+            if exc is None:
+                raise
+            # The body's own exception is the one to see.
             log.warning("leaving the scheme after an error failed too", exc_info=True)
 
     def close(self) -> None:
