@@ -855,8 +855,17 @@ async def test_receivers_keep_the_last_version_when_the_sender_shuts_down(kind: 
         assert not any(r.ready for r in receivers)
         assert [r.version for r in receivers] == [1, 2]
         assert values(mirrors[0]) == {1.0} and values(mirrors[1]) == {2.0}
-        with pytest.raises(aiowsync.WeightSyncTimeout):
-            await receivers[0].wait_for_version(2, timeout=0.2)
+        # The end of the sender is an event: a wait for a newer version raises at once (not at
+        # its deadline), saying so and naming the version the worker keeps.
+        started = time.monotonic()
+        with pytest.raises(aiowsync.SenderGoneError) as info:
+            await receivers[0].wait_for_version(2, timeout=60)
+        assert time.monotonic() - started < 30
+        assert str(info.value) == (
+            "the sender closed (sender shutting down); worker 0 keeps version 1"
+        )
+        assert info.value.closed and info.value.version == 1
+        assert await receivers[1].wait_for_version(2, timeout=60) == 2  # held already
     # Out of their schemes, the models keep valid values, in writable memory of their own.
     assert values(mirrors[0]) == {1.0} and values(mirrors[1]) == {2.0}
     with torch.no_grad():
@@ -1045,8 +1054,9 @@ async def test_ready_is_false_until_connect_and_after_the_sender_leaves(kind: Ki
         await rig.stop_sender()
         assert await eventually(lambda: not r.connected, within=CONNECT)
         assert not r.ready
-        # Pull mode after the goodbye: receive() returns None, the weights stay.
-        assert await r.receive(timeout=0.5) is None
+        # Pull mode after the goodbye: receive() raises at once saying so, the weights stay.
+        with pytest.raises(aiowsync.SenderGoneError, match="keeps version 0"):
+            await r.receive(timeout=60)
         assert r.version == 0 and same(m, src)
     finally:
         await rig.close()

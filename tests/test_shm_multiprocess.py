@@ -125,6 +125,14 @@ async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_vers
 async def test_receivers_keep_weights_and_report_disconnected_when_the_sender_dies() -> None:
     async with a_killed_sender("shm") as (scheme, model, pid):
         assert scheme.version == 0 and not scheme.ready
+        # A wait for a newer version raises at once, naming the loss and the version kept.
+        started = time.monotonic()
+        with pytest.raises(aiowsync.SenderGoneError) as info:
+            await scheme.wait_for_version(1, timeout=120)
+        assert time.monotonic() - started < 60
+        assert not info.value.closed and info.value.version == 0
+        assert str(info.value).startswith("the sender was lost (the connection to ")
+        assert str(info.value).endswith("); worker 0 keeps version 0")
         assert all(bool((t == 7).all()) for t in model.state_dict().values())
     # The dead sender's slot files are removed by the next sender to start.
     next_sender = aiowsync.SharedMemWeightSyncScheme()

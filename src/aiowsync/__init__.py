@@ -15,6 +15,7 @@ from ._exceptions import (
     ProtocolError,
     RefusedError,
     RemoteApplyError,
+    SenderGoneError,
     TransportError,
     WeightSyncError,
     WeightSyncTimeout,
@@ -31,6 +32,7 @@ from ._shared_mem import SharedMemWeightSyncScheme
 from ._shm_plane import SharedMemPlane, SwitchMode
 from ._strategy import StrategyName, WeightStrategy
 from ._weights import WeightsLike
+from ._workers import WorkerState, WorkerStatus, WorkerTable
 
 __version__ = "0.1.0"
 
@@ -67,6 +69,10 @@ __all__ = [
     "TensorSpec",
     "WeightStrategy",
     "WeightsLike",
+    # status
+    "WorkerState",
+    "WorkerStatus",
+    "WorkerTable",
     # errors
     "ConnectError",
     "ExperimentalWarning",
@@ -76,6 +82,7 @@ __all__ = [
     "ProtocolError",
     "RefusedError",
     "RemoteApplyError",
+    "SenderGoneError",
     "TransportError",
     "WeightSyncError",
     "WeightSyncTimeout",

@@ -17,6 +17,7 @@ __all__ = [
     "ProtocolError",
     "RefusedError",
     "RemoteApplyError",
+    "SenderGoneError",
     "TransportError",
     "WeightSyncError",
     "WeightSyncTimeout",
@@ -49,6 +50,21 @@ class TransportError(WeightSyncError):
 
 class NotConnectedError(TransportError):
     """The operation needs a live connection that does not exist (yet, or any more)."""
+
+
+class SenderGoneError(NotConnectedError):
+    """A receiver's sender said goodbye (``closed`` is True) or was lost (False).
+
+    Raised at once by ``wait_for_version`` and ``receive`` from then on. The model keeps the
+    version it runs, ``version``; ``reason`` is the sender's goodbye or what the receiver saw.
+    """
+
+    def __init__(self, worker_idx: int, version: int, reason: str, *, closed: bool) -> None:
+        self.version = version
+        self.reason = reason
+        self.closed = closed
+        what = "closed" if closed else "was lost"
+        super().__init__(f"the sender {what} ({reason}); worker {worker_idx} keeps version {version}")
 
 
 class ConnectError(WeightSyncError):

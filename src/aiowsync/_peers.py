@@ -38,6 +38,7 @@ class Peer:
     another host), so its versions need no pin."""
     inflight: set[int] = field(default_factory=set)
     """Versions announced to it and not yet answered."""
+    host: str = ""
 
 
 class PeerTable:
@@ -56,6 +57,9 @@ class PeerTable:
         self.by_routing: dict[PeerId, Peer] = {}
         self._retired: list[Peer] = []
         """Replaced peers whose process may still read the version it ran."""
+        self.notes: dict[int, str] = {}
+        """By worker index, the last thing known that explains its state (a refusal, a
+        loss, a goodbye), for the worker table and the sender's errors."""
 
     def get(self, worker: int) -> Peer | None:
         return self.by_index.get(worker)
@@ -81,6 +85,7 @@ class PeerTable:
     # -- joining and leaving ------------------------------------------------------------------
 
     def add(self, peer: Peer) -> None:
+        self.notes.pop(peer.worker_idx, None)
         self.by_index[peer.worker_idx] = peer
         self.by_routing[peer.routing] = peer
 
@@ -105,6 +110,8 @@ class PeerTable:
     def mark_lost(self, peer: Peer, why: str, *, level: int = logging.WARNING) -> None:
         if not peer.lost:
             log.log(level, "worker %d lost: %s", peer.worker_idx, excerpt(why))
+            if self.by_index.get(peer.worker_idx) is peer:
+                self.notes[peer.worker_idx] = why
         peer.lost = True
         self._plane.forget(peer.worker_idx)
         self._on_lost(peer)

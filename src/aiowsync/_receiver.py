@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from collections.abc import Mapping
 
 import anyio
@@ -15,7 +17,9 @@ from ._config import Heartbeats, Timeouts
 from ._exceptions import (
     ConnectError,
     ProtocolError,
+    NotConnectedError,
     RefusedError,
+    SenderGoneError,
     WeightSyncError,
     WeightSyncTimeout,
 )
@@ -42,6 +46,8 @@ from ._updates import UpdateLoop
 __all__ = ["ApplyMode", "Hook", "ReceiverCore"]
 
 log = logging.getLogger("aiowsync.receiver")
+
+_HOST = socket.gethostname()[:256]
 
 
 BYE_FLUSH_S = 1.0
@@ -86,6 +92,12 @@ class ReceiverCore:
         self.shield_updates = False
         self.protocol_errors = 0
         self.bye: str | None = None
+        """Why this receiver takes nothing more from its sender (its goodbye, or a broken
+        protocol); None while it does."""
+        self.said_bye = False
+        """The sender ended it with a goodbye (rather than breaking the protocol)."""
+        self._renewed: tuple[int, float] | None = None
+        """A renewed connection not yet confirmed: its count and when it was first seen."""
         self.session = ""
         self._changed = Signal()
         self.applier = Applier(
@@ -119,13 +131,50 @@ class ReceiverCore:
         beat naming its session): a sender restarted on the same address takes the socket's
         reconnection, but has never heard of this worker and never will.
         """
+        return self.channel is not None and self.gone() is None
+
+    def gone(self) -> SenderGoneError | None:
+        """Why this worker's sender is gone (said goodbye, or lost), or None while it is not.
+
+        Lost means the transport saw the connection drop, or a renewed connection was not
+        confirmed by the sender within the heartbeat timeout. A renewal is given that long:
+        the sender confirms it with its next beat, or disowns the session if it is another
+        sender on the same address.
+        """
+        keeps = max(self.version, 0)
+        if self.bye is not None:
+            return SenderGoneError(self.worker_idx, keeps, self.bye, closed=self.said_bye)
         channel = self.channel
-        return (
-            channel is not None
-            and self.bye is None
-            and channel.peer_alive
-            and channel.connections == self.confirmed
+        if channel is None:
+            return None
+        if not channel.peer_alive:
+            return SenderGoneError(
+                self.worker_idx, keeps, f"the connection to {self.address} is down", closed=False
+            )
+        count = channel.connections
+        if count == self.confirmed:
+            self._renewed = None
+            return None
+        now = time.monotonic()
+        if self._renewed is None or self._renewed[0] != count:
+            self._renewed = (count, now)
+        if now - self._renewed[1] <= self.beats.timeout:
+            return None
+        return SenderGoneError(
+            self.worker_idx,
+            keeps,
+            f"the connection to {self.address} was renewed and the sender has not recognised "
+            f"this worker for {self.beats.timeout:g} s",
+            closed=False,
         )
+
+    def check_sender(self) -> None:
+        """Raise :class:`SenderGoneError` if the sender is gone, :class:`NotConnectedError`
+        if this receiver is closed."""
+        if self.channel is None:
+            raise NotConnectedError(f"worker {self.worker_idx}: this receiver is closed")
+        if (why := self.gone()) is not None:
+            raise why
 
     @property
     def dropped(self) -> int:
@@ -139,7 +188,10 @@ class ReceiverCore:
         try:
             with anyio.fail_after(timeout):
                 while self.version < version:
-                    await self._changed.wait()
+                    self.check_sender()
+                    # A goodbye wakes this at once; a lost connection is seen at the next look.
+                    with anyio.move_on_after(self.beats.interval):
+                        await self._changed.wait()
         except TimeoutError:
             raise WeightSyncTimeout(
                 f"worker {self.worker_idx} still runs version {self.version}, "
@@ -195,6 +247,7 @@ class ReceiverCore:
             fingerprint=self.layout.fingerprint,
             layout=self.layout.descs(),
             pid=os.getpid(),
+            host=_HOST,
         )
         self.conn.send(hello)
         await channel.send(hello, timeout=self.timeouts.control)

@@ -22,6 +22,7 @@ from ._sender import SenderCore
 from ._source import ModelSource
 from ._strategy import StrategyName, WeightStrategy
 from ._weights import WeightsLike
+from ._workers import WorkerTable
 
 __all__ = ["SchemeOptions", "WeightSyncScheme"]
 
@@ -205,6 +206,18 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
         if self._receiver is not None:
             return self._connected and self._receiver.connected
         return self._sender is not None and self._tg is not None
+
+    @property
+    def workers(self) -> WorkerTable:
+        """Sender: a live, read-only mapping of worker index to :class:`WorkerStatus` (state,
+        versions held and in flight, when last heard, pid, host, and why it is lost or was
+        refused). Before ``async with`` and after it, every worker reads as never connected.
+        """
+        if self._role != "sender":
+            raise RuntimeError("workers is the sender's view: read it on the trainer")
+        return WorkerTable(
+            lambda: self._sender.peers if self._sender is not None else None, self.num_workers
+        )
 
     @property
     def dropped_messages(self) -> int:

@@ -36,6 +36,7 @@ from ._protocol import (
 from ._serve import ControlLoop
 from ._shield import to_the_end
 from ._signal import Flag, Signal
+from ._workers import explain_missing
 
 __all__ = ["SendResult", "SenderCore"]
 
@@ -179,9 +180,10 @@ class SenderCore:
                 while missing := everyone - self.ready_workers():
                     await self._changed.wait()
         except TimeoutError:
-            raise WeightSyncTimeout(
-                f"workers did not connect within {timeout:g} s", sorted(missing)
-            ) from None
+            exc = WeightSyncTimeout(f"workers did not connect within {timeout:g} s", missing)
+            # Each missing worker's story: refused and why, never said hello, lost.
+            exc.args = (f"{exc}:\n  {explain_missing(self.peers, sorted(missing))}",)
+            raise exc from None
 
     def notify(self) -> None:
         self._changed.notify()

@@ -35,6 +35,8 @@ QUEUED_PER_BEAT = 256
 """Queued messages read before each round of beats, at most (a flood must not delay them)."""
 REFUSAL_CHARS = 60000
 """The longest refusal text sent (a layout mismatch lists its differences)."""
+NOTE_CHARS = 4000
+"""The longest refusal text kept for the worker table and ``connect()``'s error."""
 
 
 class ControlLoop:
@@ -221,6 +223,8 @@ class ControlLoop:
         channel = self._core.channel
         assert channel is not None
         reason = refusal(hello, self._core.layout, self._core.model_id, self._core.num_workers)
+        if hello.problem and 0 <= hello.worker_idx < self._core.num_workers:
+            reason = f"it could not start its receiver: {hello.problem}"
         if reason is None:
             old = self._core.peers.get(hello.worker_idx)
             gone = old is None or old.lost
@@ -233,6 +237,7 @@ class ControlLoop:
                 )
         if reason is not None:
             log.warning("refused worker %d: %s", hello.worker_idx, excerpt(reason, 2000))
+            self._note_refusal(hello.worker_idx, reason)
             with contextlib.suppress(WeightSyncError):
                 await channel.refuse(
                     routing,
@@ -269,6 +274,7 @@ class ControlLoop:
             welcome_version=self._core.version,
             last_seen=time.monotonic(),
             inflight={self._core.version},
+            host=hello.host,
         )
         self._core.peers.add(peer)
         try:
@@ -284,6 +290,17 @@ class ControlLoop:
             else:
                 join.abandon()
         self._core.notify()
+
+    def _note_refusal(self, worker: int, reason: str) -> None:
+        """Keep why ``worker`` was refused, for the worker table and ``connect()``'s error,
+        unless the index is held by a worker that takes updates (a refused second claimant
+        says nothing about it)."""
+        peers = self._core.peers
+        if not 0 <= worker < self._core.num_workers:
+            return
+        holder = peers.get(worker)
+        if holder is None or holder.lost:
+            peers.notes[worker] = f"refused: {reason[:NOTE_CHARS]}"
 
     async def _bring_up(self, peer: Peer, version: int, join: Delivery) -> None:
         """Move the welcome version to a joining worker, where the plane moves bytes."""

@@ -131,19 +131,25 @@ class UpdateLoop:
 
     async def receive(self, timeout: float) -> int | None:
         """Pull mode: apply the next update if one arrives within ``timeout``; its version."""
-        if self._core.channel is None:
-            raise NotConnectedError("connect() first")
+        if self._core.channel is None or self._core.bye is not None:
+            self._core.check_sender()
         before = self._core.version
         with anyio.move_on_after(timeout):
-            while self._core.bye is None and self._core.version == before:
+            # What is queued is read before a lost connection counts: a goodbye may be there.
+            while self._core.version == before:
                 await self._announce_reconnection()
                 try:
                     if await self._step(timeout=self._core.beats.interval) is not None:
                         return self._core.version
                 except WeightSyncTimeout:
                     pass
+                if self._core.gone() is not None:
+                    break
         # An update applied whose answer could not be sent still counts.
-        return self._core.version if self._core.version != before else None
+        if self._core.version != before:
+            return self._core.version
+        self._core.check_sender()
+        return None
 
     async def _step(self, timeout: float | None) -> int | None:
         channel = self._core.channel
@@ -173,6 +179,7 @@ class UpdateLoop:
             return None
         if isinstance(message, Bye):
             self._core.bye = message.reason or "sender said goodbye"
+            self._core.said_bye = True
             if self._core.channel is not None:
                 # Beats would only reach a sender that left, or one that never knew us.
                 self._core.channel.stop_heartbeat()

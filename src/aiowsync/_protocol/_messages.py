@@ -28,9 +28,9 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 """Raised whenever a message changes incompatibly (2: Hello lost transport and credential,
-Welcome lost missed_beats)."""
+Welcome lost missed_beats; 3: Hello gained host and problem)."""
 SENDER_INDEX: Final = -1
 """The ``worker_idx`` the sender uses in messages it originates (heartbeats)."""
 
@@ -74,6 +74,11 @@ class Hello(_Base, frozen=True, tag="hello"):
     fingerprint: str
     layout: Annotated[tuple[TensorDesc, ...], msgspec.Meta(max_length=MAX_TENSORS)] = ()
     pid: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
+    host: Name = ""
+    """The receiver's host name, as the sender reports it in its worker table."""
+    problem: Text = ""
+    """Not empty: the receiver cannot start, and says why (the sender refuses it and keeps
+    the text for its worker table and its errors)."""
 
     def __post_init__(self) -> None:
         if not _FINGERPRINT.match(self.fingerprint):
