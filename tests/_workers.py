@@ -443,3 +443,14 @@ async def a_killed_sender(
         if proc.is_alive():
             proc.kill()
         proc.join(5)
+
+
+def forked_worker_main(scheme: aiowsync.WeightSyncScheme, events: Any) -> None:
+    """What a user's worker does first, in a process forked from the trainer: report the
+    error it meets (or that it met none)."""
+    try:
+        scheme.init_on_receiver(model=make_model("small"), worker_idx=0)
+    except RuntimeError as exc:
+        events.put(("refused", str(exc)))
+    else:
+        events.put(("accepted", ""))

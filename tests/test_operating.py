@@ -4,16 +4,16 @@ themselves (the exact text each side reads)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import os
-import signal
 import socket
-import time
 
 import pytest
+import torch
 from torch import nn
 
 import aiowsync
-from _workers import SPAWN, make_model, randomize, workers
+from _workers import forked_worker_main, make_model, randomize, workers
 from helpers import eventually, model
 
 pytestmark = pytest.mark.timeout(120)
@@ -123,9 +123,7 @@ async def test_the_worker_table_through_a_worker_killed_and_restarted() -> None:
                 pid = scheme.workers[0].pid
                 assert pid is not None and pid != os.getpid()
                 w.kill(0)
-                assert await eventually(
-                    lambda: scheme.workers[0].state == "gone", within=60
-                )
+                assert await eventually(lambda: scheme.workers[0].state == "gone", within=60)
                 assert scheme.workers[0].version == 1  # what it last held
                 w.start(0, "small", scheme=scheme)
                 await scheme.connect(timeout=150)
@@ -143,3 +141,90 @@ async def test_the_worker_table_through_a_worker_killed_and_restarted() -> None:
     assert "ready" in middle and set(middle) <= {"connecting", "ready", "lost"}
     after = states[states.index("gone") + 1 :]
     assert set(after) <= {"connecting", "ready"} and after[-1] == "ready"
+
+
+async def test_a_worker_forked_from_the_trainer_is_told_to_spawn_and_the_trainer_hears_why() -> (
+    None
+):
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=aiowsync.Heartbeats(0.25, 8))
+    scheme.init_on_sender(model=make_model("small"), num_workers=1)
+    async with scheme:
+        fork = mp.get_context("fork")
+        events = fork.Queue()
+        proc = fork.Process(target=forked_worker_main, args=(scheme, events))
+        proc.start()
+        try:
+            kind, text = await asyncio.to_thread(events.get, True, 60)
+        finally:
+            proc.join(30)
+        assert kind == "refused"
+        assert text == (
+            f"this process ({proc.pid}) was forked from the trainer (process {os.getpid()}) "
+            "and holds the trainer's own sender, not a receiver's copy of the scheme: start "
+            "worker processes with the 'spawn' start method "
+            "(multiprocessing.get_context('spawn')), or build the worker's scheme from the "
+            "sender's address"
+        )
+        assert scheme.workers[0].note == f"refused: it could not start its receiver: {text}"
+        with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+            await scheme.connect(timeout=0.5)
+        assert str(info.value) == (
+            "workers did not connect within 0.5 s (workers [0]):\n"
+            f"  worker 0: refused: it could not start its receiver: {text}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("address", "problem"),
+    [
+        ("garbage", "no transport: it must start with tcp:// or ipc://"),
+        ("localhost:5555", "no transport: it must start with tcp:// or ipc://"),
+        ("tcp://localhost", "tcp needs HOST:PORT"),
+        ("tcp://127.0.0.1:99999", "bad port '99999'"),
+        ("tcp://127.0.0.1:0", "port 0 is for binding; connect to the port the sender reports"),
+        ("udp://127.0.0.1:5555", "unknown transport 'udp'"),
+        ("ipc://@*", "ipc://@* is for binding; connect to the address the sender reports"),
+    ],
+)
+def test_a_bad_address_is_refused_when_the_scheme_is_built(address: str, problem: str) -> None:
+    with pytest.raises(ValueError) as info:
+        aiowsync.SharedMemWeightSyncScheme(address=address)
+    assert str(info.value) == (
+        f"{address!r} is not a control address ({problem}); use tcp://HOST:PORT "
+        "(e.g. tcp://127.0.0.1:5555, tcp://[::1]:5555; port 0 binds a free one), "
+        "ipc:///path/to/socket, ipc://@abstract-name (Linux), or ipc://@* to bind a fresh one"
+    )
+
+
+def test_good_addresses_and_binds_are_accepted() -> None:
+    for address in (
+        "tcp://127.0.0.1:5555",
+        "tcp://[::1]:1",
+        "tcp://host-a.example:80",
+        "ipc:///tmp/x.sock",
+        "ipc://@name",
+    ):
+        aiowsync.SharedMemWeightSyncScheme(address=address)
+    for bind in ("tcp://*:0", "tcp://0.0.0.0:5555", "ipc://@*", "tcp://127.0.0.1:0"):
+        aiowsync.WeightSyncScheme(plane=aiowsync.MemoryPlane(), bind=bind)
+    with pytest.raises(ValueError, match="bad host"):
+        aiowsync.SharedMemWeightSyncScheme(bind="tcp://a b:1")
+    with pytest.raises(ValueError, match="in-process channels: they look like mem://1"):
+        memory_pair(aiowsync.MemoryChannelFactory(), "tcp://127.0.0.1:5555")
+
+
+async def test_a_receiver_takes_weights_as_the_sender_does() -> None:
+    channels = aiowsync.MemoryChannelFactory()
+    sender = memory_pair(channels)
+    src = model(0)
+    sender.init_on_sender(model=src, num_workers=1)
+    target = {k: torch.zeros_like(v) for k, v in src.state_dict().items()}
+    receiver = memory_pair(channels)
+    with pytest.raises(ValueError, match="give model= or weights=, not both"):
+        receiver.init_on_receiver(model=model(1), weights=target, worker_idx=0)
+    async with sender:
+        receiver = memory_pair(channels, sender.address)
+        receiver.init_on_receiver(weights=target, worker_idx=0)
+        async with receiver:
+            await asyncio.gather(sender.connect(timeout=20), receiver.connect(timeout=20))
+            assert all(torch.equal(target[k], v) for k, v in src.state_dict().items())

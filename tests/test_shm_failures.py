@@ -452,8 +452,12 @@ async def test_misuse_gives_clear_errors() -> None:
     with pytest.raises(RuntimeError, match="async with"):
         await s.send()
     async with s:
-        with pytest.raises(aiowsync.WorkerLostError, match="not connected"):
+        with pytest.raises(aiowsync.WorkerLostError) as lost:
             await s.send(timeout=1)
+        assert str(lost.value) == (
+            "cannot send: workers [0] have not connected yet: call `await scheme.connect()` "
+            "first, which waits until every worker holds version 0 (workers [0])"
+        )
         with pytest.raises(aiowsync.WeightSyncTimeout) as info:
             await s.connect(timeout=0.2)
         assert info.value.worker_ids == (0,)

@@ -87,7 +87,6 @@ def test_every_frame_of_a_batch_ran_the_weights_sent_before_it(kind: str) -> Non
     from torchrl.collectors import MultiSyncCollector
     from torchrl.weight_update import WeightSyncScheme
 
-
     policy, scheme = _policy(), _scheme(kind)
     assert isinstance(scheme, WeightSyncScheme)
     collector = _collector(MultiSyncCollector, policy, scheme, total_frames=FRAMES * 21)
@@ -123,7 +122,6 @@ def test_every_frame_of_a_batch_ran_the_weights_sent_before_it(kind: str) -> Non
 @needs_torchrl
 def test_an_async_collector_switches_its_workers_between_forwards() -> None:
     from torchrl.collectors import MultiAsyncCollector
-
 
     policy, scheme = _policy(), _scheme("shm")
     collector = _collector(MultiAsyncCollector, policy, scheme)
@@ -205,7 +203,6 @@ def test_a_single_process_collector_takes_explicit_weights_into_its_policy() -> 
 def test_a_dead_worker_and_wrong_weights_raise_from_the_update() -> None:
     from tensordict import TensorDict
     from torchrl.collectors import MultiSyncCollector
-
 
     policy, scheme = _policy(), _scheme("shm")
     collector = _collector(MultiSyncCollector, policy, scheme)

@@ -64,7 +64,9 @@ class SenderGoneError(NotConnectedError):
         self.reason = reason
         self.closed = closed
         what = "closed" if closed else "was lost"
-        super().__init__(f"the sender {what} ({reason}); worker {worker_idx} keeps version {version}")
+        super().__init__(
+            f"the sender {what} ({reason}); worker {worker_idx} keeps version {version}"
+        )
 
 
 class ConnectError(WeightSyncError):

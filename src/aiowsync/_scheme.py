@@ -94,6 +94,10 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
             raise ValueError(f"apply_mode must be 'auto', 'swap' or 'copy', got {apply_mode!r}")
         if not isinstance(plane, DataPlane):
             raise TypeError(f"plane must be a DataPlane, got {type(plane).__name__}")
+        channels = channels or ZmqChannelFactory()
+        channels.check_address(bind, bind=True)
+        if address is not None:
+            channels.check_address(address, bind=False)
         self.plane = plane
         self._address = address
         self._strategy = WeightStrategy(strategy)
@@ -101,7 +105,7 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
         self.bind = bind
         self.timeouts = timeouts or Timeouts()
         self.heartbeats = heartbeats or Heartbeats()
-        self.channels = channels or ZmqChannelFactory()
+        self.channels = channels
         self.apply_mode: Literal["auto", "swap", "copy"] = apply_mode
         self.background = background
         self._reset_runtime()

@@ -7,6 +7,7 @@ declared here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
@@ -25,9 +26,19 @@ from ._source import ModelSource
 from ._strategy import WeightStrategy
 from ._weights import WeightsLike
 
-__all__ = ["Role", "SchemeState", "resolve_model"]
+__all__ = ["Role", "SchemeState", "forked_text", "resolve_model"]
 
 Role = Literal["sender", "receiver"]
+
+
+def forked_text(sender_pid: int) -> str:
+    """What a process forked from a sender is told when it tries to be a receiver."""
+    return (
+        f"this process ({os.getpid()}) was forked from the trainer (process {sender_pid}) and "
+        "holds the trainer's own sender, not a receiver's copy of the scheme: start worker "
+        "processes with the 'spawn' start method (multiprocessing.get_context('spawn')), "
+        "or build the worker's scheme from the sender's address"
+    )
 
 
 def resolve_model(context: Any, model_id: str) -> Any:
@@ -76,7 +87,11 @@ class SchemeState:
     _served: str | None
     _bound: tuple[SenderChannel, Any] | None
 
+    _sender_pid: int
+
     def _check_fresh(self) -> None:
+        if self._role == "sender" and self._sender_pid != os.getpid():
+            raise RuntimeError(forked_text(self._sender_pid))
         if self._role is not None:
             raise RuntimeError(f"this scheme is already initialised as a {self._role}")
 

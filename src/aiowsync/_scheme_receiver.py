@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import threading
 from typing import Any
 
 import anyio
@@ -11,14 +15,44 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from ._binding import module_targets
+from ._channel import ChannelFactory
+from ._exceptions import WeightSyncError
 from ._guard import ReadGuard
 from ._layout import Layout, refuse_meta
 from ._plane import ReceiverContext
 from ._receiver import ApplyMode, Hook, ReceiverCore
-from ._scheme_base import SchemeState, resolve_model
+from ._protocol import PROTOCOL_VERSION, Hello
+from ._scheme_base import SchemeState, forked_text, resolve_model
 from ._weights import WeightsLike, flatten_weights
 
-__all__ = ["ReceiverSide"]
+__all__ = ["ReceiverSide", "tell_sender"]
+
+TELL_WAIT_S = 2.0
+"""How long a process that cannot be a receiver spends telling the trainer why."""
+
+
+def tell_sender(channels: ChannelFactory, address: str, hello: Hello, *, wait: float) -> None:
+    """Best effort, blocking at most about ``wait`` seconds: hand ``hello`` (which names a
+    problem) to the sender at ``address`` and wait for its refusal, so that the trainer can
+    say why this worker never connects. Runs its own event loop in a thread: the caller may
+    be inside one."""
+
+    async def run() -> None:
+        channel = channels.connect(address, heartbeat_timeout=wait)
+        try:
+            await channel.send(hello, timeout=wait)
+            with contextlib.suppress(WeightSyncError):
+                await channel.recv(timeout=wait)  # the refusal: the sender has read it
+        finally:
+            channel.close()
+
+    def target() -> None:
+        with contextlib.suppress(Exception):
+            anyio.run(run)
+
+    thread = threading.Thread(target=target, name="aiowsync-tell-sender", daemon=True)
+    thread.start()
+    thread.join(wait * 2 + 1)
 
 
 class ReceiverSide(SchemeState):
@@ -27,21 +61,31 @@ class ReceiverSide(SchemeState):
         model: nn.Module | TensorDictBase | dict[str, torch.Tensor] | None = None,
         *,
         worker_idx: int,
+        weights: TensorDictBase | dict[str, torch.Tensor] | None = None,
         model_id: str | None = None,
         context: Any = None,
     ) -> None:
         """Prepare this object as receiver ``worker_idx`` for ``model``.
 
         ``model`` is a module, a ``TensorDict`` or a state_dict whose tensors will be made to
-        hold each new version (swap mode re-points them, copy mode copies into them).
+        hold each new version (swap mode re-points them, copy mode copies into them);
+        ``weights=`` takes a ``TensorDict`` or state_dict instead, as on the sender.
         """
+        if self._role == "sender" and self._sender_pid != os.getpid():
+            self._refuse_forked(worker_idx)
         self._check_fresh()
         if model_id is not None:
             self.model_id = model_id
+        if model is not None and weights is not None:
+            raise ValueError("give model= or weights=, not both")
+        if model is None:
+            model = weights
         if model is None and context is not None:
             model = resolve_model(context, self.model_id)
         if model is None:
-            raise ValueError("init_on_receiver needs model= (or a context holding the model)")
+            raise ValueError(
+                "init_on_receiver needs model=, weights= or a context holding the model"
+            )
         if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
             raise ValueError(f"worker_idx must be a non-negative integer, got {worker_idx!r}")
         if self._address is None:
@@ -63,6 +107,23 @@ class ReceiverSide(SchemeState):
         self._model, self._context = model, context
         self.worker_idx = worker_idx
         self._role = "receiver"
+
+    def _refuse_forked(self, worker_idx: object) -> None:
+        """This process is a fork of the sender's: tell the trainer (it can say why this
+        worker never connects), then raise with the fix."""
+        text = forked_text(self._sender_pid)
+        if isinstance(worker_idx, int) and worker_idx >= 0 and self._served is not None:
+            hello = Hello(
+                protocol=PROTOCOL_VERSION,
+                model_id=self.model_id[:256],
+                worker_idx=min(worker_idx, 2**31),
+                fingerprint=self._layout.fingerprint,
+                pid=os.getpid(),
+                host=socket.gethostname()[:256],
+                problem=text,
+            )
+            tell_sender(self.channels, self._served, hello, wait=TELL_WAIT_S)
+        raise RuntimeError(text)
 
     def _need_receiver(self) -> ReceiverCore:
         if self._receiver is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -128,6 +129,7 @@ class SenderSide(SchemeState):
         self.num_workers = num_workers
         self._rehome = rehome
         self._role = "sender"
+        self._sender_pid = os.getpid()
 
     async def _start_sender(self, tg: anyio.abc.TaskGroup) -> None:
         channel = self._take_bound() or self._bind_again()

@@ -36,7 +36,7 @@ from ._protocol import (
 from ._serve import ControlLoop
 from ._shield import to_the_end
 from ._signal import Flag, Signal
-from ._workers import explain_missing
+from ._workers import explain_missing, unavailable_text
 
 __all__ = ["SendResult", "SenderCore"]
 
@@ -214,9 +214,7 @@ class SenderCore:
         if self._channel is None:
             raise WeightSyncError("the sender is shut down")
         if unavailable := self.peers.unavailable(targets):
-            raise WorkerLostError(
-                "cannot send: targeted workers are lost or not connected", unavailable
-            )
+            raise WorkerLostError(unavailable_text(self.peers, unavailable), unavailable)
 
     async def send(
         self,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from ._peers import Peer, PeerTable
 
-__all__ = ["WorkerState", "WorkerStatus", "WorkerTable", "explain_missing"]
+__all__ = ["WorkerState", "WorkerStatus", "WorkerTable", "explain_missing", "unavailable_text"]
 
 WorkerState = Literal["never connected", "connecting", "ready", "lost", "gone"]
 """Where a worker stands, seen from the sender:
@@ -112,3 +112,21 @@ def explain_missing(peers: PeerTable, workers: list[int]) -> str:
             what = f"{s.state}: {s.note or 'no reason known'}"
         lines.append(f"worker {worker}: {what}".replace("\n", "\n  "))
     return "\n  ".join(lines)
+
+
+def unavailable_text(peers: PeerTable, workers: list[int]) -> str:
+    """Why a send cannot reach ``workers``, with what to do (the error names them after)."""
+    never = [w for w in workers if peers.get(w) is None]
+    lost = [w for w in workers if w not in never]
+    parts = []
+    if never:
+        parts.append(
+            f"workers {never} have not connected yet: call `await scheme.connect()` first, "
+            "which waits until every worker holds version 0"
+        )
+    if lost:
+        why = "; ".join(f"worker {w}: {peers.notes.get(w) or 'lost'}" for w in lost)
+        parts.append(
+            f"workers {lost} are lost ({why}); leave them out with worker_ids= until they rejoin"
+        )
+    return "cannot send: " + "; ".join(parts)

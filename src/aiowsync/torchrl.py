@@ -262,9 +262,7 @@ def _worker_ids(worker_ids: Any) -> int | Sequence[int] | None:
         return worker_ids
     if isinstance(worker_ids, (list, tuple)) and all(isinstance(w, int) for w in worker_ids):
         return list(worker_ids)
-    raise ValueError(
-        f"worker_ids={worker_ids!r}: aiowsync's TorchRL schemes name workers by index"
-    )
+    raise ValueError(f"worker_ids={worker_ids!r}: aiowsync's TorchRL schemes name workers by index")
 
 
 class SharedMemWeightSyncScheme(_Adapter):
@@ -296,4 +294,3 @@ class DistributedWeightSyncScheme(_Adapter):
     def _make(self, **options: Any) -> _Scheme:
         options.setdefault("backend", "gloo")
         return _DistScheme(**options)
-

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import secrets
 import sys
 from urllib.parse import urlsplit
 
-__all__ = ["LOCAL_BIND", "is_loopback_address", "resolve_local"]
+__all__ = ["LOCAL_BIND", "check_zmq_address", "is_loopback_address", "resolve_local"]
 
 LOCAL_BIND = "ipc://@*"
 """Bind a fresh, uniquely named socket that only this host can reach: on Linux an abstract Unix
@@ -37,3 +38,46 @@ def is_loopback_address(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+ACCEPTED = (
+    "tcp://HOST:PORT (e.g. tcp://127.0.0.1:5555, tcp://[::1]:5555; port 0 binds a free one), "
+    "ipc:///path/to/socket, ipc://@abstract-name (Linux), or ipc://@* to bind a fresh one"
+)
+_HOST = re.compile(r"^(\*|[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])$")
+
+
+def check_zmq_address(address: str, *, bind: bool) -> None:
+    """``ValueError`` listing the accepted forms unless ZeroMQ can bind (or connect to)
+    ``address`` the way schemes use it."""
+    if not isinstance(address, str):
+        raise ValueError(f"an address is a string, got {type(address).__name__}; use {ACCEPTED}")
+    problem = _problem(address, bind=bind)
+    if problem is not None:
+        raise ValueError(f"{address!r} is not a control address ({problem}); use {ACCEPTED}")
+
+
+def _problem(address: str, *, bind: bool) -> str | None:
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        return "no transport: it must start with tcp:// or ipc://"
+    if scheme == "ipc":
+        if not rest:
+            return "no socket path or name"
+        if rest == "@*" and not bind:
+            return "ipc://@* is for binding; connect to the address the sender reports"
+        return None
+    if scheme == "inproc":
+        return None if rest else "no name"
+    if scheme != "tcp":
+        return f"unknown transport {scheme!r}"
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        return "tcp needs HOST:PORT"
+    if not _HOST.match(host) or (host == "*" and not bind):
+        return f"bad host {host!r}"
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        return f"bad port {port!r}"
+    if int(port) == 0 and not bind:
+        return "port 0 is for binding; connect to the port the sender reports"
+    return None

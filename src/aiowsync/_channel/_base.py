@@ -144,6 +144,12 @@ class ReceiverChannel(_Counting, abc.ABC):
 class ChannelFactory(abc.ABC):
     """Creates the two ends of a control channel for one transport."""
 
+    def check_address(self, address: str, *, bind: bool) -> None:
+        """Raise ``ValueError`` listing the accepted forms unless ``address`` is one this
+        transport can ``bind`` (True) or connect to (False). Schemes call it when they are
+        built, so that a typo fails there rather than at ``connect()``."""
+        del address, bind
+
     @abc.abstractmethod
     def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
         """The sender's end, bound to ``address`` (port 0: any free port; see ``.address``).

@@ -36,9 +36,7 @@ async def _get(queue: asyncio.Queue[_Item], timeout: float | None) -> _Item:
         raise timeout_error("message", timeout) from None
 
 
-_factories: weakref.WeakValueDictionary[str, MemoryChannelFactory] = (
-    weakref.WeakValueDictionary()
-)
+_factories: weakref.WeakValueDictionary[str, MemoryChannelFactory] = weakref.WeakValueDictionary()
 """This process's factories by token, for unpickling."""
 _factory_ids = itertools.count(1)
 
@@ -187,6 +185,13 @@ class MemoryChannelFactory(ChannelFactory):
 
     def __reduce__(self) -> tuple[Callable[[str], MemoryChannelFactory], tuple[str]]:
         return _factory, (self._token,)
+
+    def check_address(self, address: str, *, bind: bool) -> None:
+        # A sender binds a fresh mem:// name whatever it is given (schemes default to tcp).
+        if not bind and not (isinstance(address, str) and address.startswith("mem://")):
+            raise ValueError(
+                f"{address!r} is not an address of in-process channels: they look like mem://1"
+            )
 
     def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
         if not address.startswith("mem://") or address in ("mem://", "mem://0"):

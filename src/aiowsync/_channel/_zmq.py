@@ -24,7 +24,7 @@ from .._exceptions import TransportError
 from .._libc import libc
 from .._protocol import MAX_FRAME, Heartbeat, Message, encode
 from .._signal import Signal
-from ._address import LOCAL_BIND, is_loopback_address, resolve_local
+from ._address import LOCAL_BIND, check_zmq_address, is_loopback_address, resolve_local
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
 from ._fdwait import POLLIN, ZmqEnd, deadline_after
 from ._monitor import ConnectionWatch
@@ -366,6 +366,9 @@ class ZmqChannelFactory(ChannelFactory):
         self.curve = curve
         self.allow_insecure_bind = allow_insecure_bind
         self.allow_other_users = allow_other_users
+
+    def check_address(self, address: str, *, bind: bool) -> None:
+        check_zmq_address(address, bind=bind)
 
     def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
         if self.curve is None:
