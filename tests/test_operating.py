@@ -87,7 +87,7 @@ async def test_the_worker_table_and_a_connect_timeout_that_says_why_each_worker_
     receiver = memory_pair(channels, "mem://x")
     receiver.init_on_receiver(model=model(2), worker_idx=0)
     with pytest.raises(RuntimeError, match="workers is the sender's view"):
-        receiver.workers
+        _ = receiver.workers
 
 
 def _compress(states: list[str]) -> list[str]:

@@ -16,8 +16,8 @@ from ._channel import ChannelFactory, ReceiverChannel
 from ._config import Heartbeats, Timeouts
 from ._exceptions import (
     ConnectError,
-    ProtocolError,
     NotConnectedError,
+    ProtocolError,
     RefusedError,
     SenderGoneError,
     WeightSyncError,

@@ -20,8 +20,8 @@ from ._exceptions import WeightSyncError
 from ._guard import ReadGuard
 from ._layout import Layout, refuse_meta
 from ._plane import ReceiverContext
-from ._receiver import ApplyMode, Hook, ReceiverCore
 from ._protocol import PROTOCOL_VERSION, Hello
+from ._receiver import ApplyMode, Hook, ReceiverCore
 from ._scheme_base import SchemeState, forked_text, resolve_model
 from ._weights import WeightsLike, flatten_weights
 
