@@ -499,6 +499,55 @@ async def test_no_reader_ever_sees_two_versions_at_once(kind: Kind, mode: str) -
 # -- hooks ------------------------------------------------------------------------------------
 
 
+async def test_publish_frees_the_weights_once_staged_and_gives_the_outcome_later(
+    kind: Kind,
+) -> None:
+    async with system(kind, 2) as rig:
+        fill(rig.src, 1.0)
+        pending = await rig.sender.publish()
+        assert pending.version == 1 and rig.sender.version == 1
+        fill(rig.src, 9.0)  # the trainer's next step, at once: version 1 must not see it
+        result = await pending
+        assert result.version == 1 and result.worker_ids == (0, 1)
+        assert pending.done() and await pending is result  # awaited again: the same outcome
+        assert all(values(m) == {1.0} for _, m in rig.receivers)
+        # Two in flight keep their order; each carries what the trainer held when published.
+        fill(rig.src, 2.0)
+        second = await rig.sender.publish()
+        fill(rig.src, 3.0)
+        third = await rig.sender.publish()
+        fill(rig.src, 4.0)
+        assert (await third).version == 3 and (await second).version == 2
+        assert rig.versions() == [3, 3] and all(values(m) == {3.0} for _, m in rig.receivers)
+
+
+async def test_a_published_version_that_fails_raises_when_awaited_naming_the_worker(
+    kind: Kind,
+) -> None:
+    async with system(kind, 2) as rig:
+        r1, m1 = rig[1]
+        fill(rig.src, 1.0)
+        with held(r1.read_guard()):
+            pending = await rig.sender.publish(timeout=kind.late)
+            fill(rig.src, 2.0)
+            # Not known yet: a bounded look says so and leaves the send going.
+            with pytest.raises(TimeoutError) as early:
+                await pending.wait(timeout=0.05)
+            assert not isinstance(early.value, aiowsync.WeightSyncError) and not pending.done()
+            with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+                await pending
+            assert info.value.worker_ids == (1,) and info.value.acked == (0,)
+            assert str(info.value) == "version 1 was not acknowledged in time (workers [1])"
+        assert values(rig[0][1]) == {1.0}
+        assert await r1.wait_for_version(1, timeout=CONNECT) == 1 and values(m1) == {1.0}
+        # Before anything is staged, publish() itself raises (here: a worker that is lost).
+        await rig.leave(1)
+        assert await eventually(lambda: rig.sender.workers[1].state == "gone", within=CONNECT)
+        with pytest.raises(aiowsync.WorkerLostError):
+            await rig.sender.publish()
+        assert rig.sender.version == 1
+
+
 async def test_sync_and_async_hooks_run_once_per_switch_with_its_version(kind: Kind) -> None:
     async with system(kind, 2) as rig:
         calls: list[list[tuple[str, int]]] = [[], []]

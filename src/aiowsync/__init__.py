@@ -24,10 +24,10 @@ from ._exceptions import (
 from ._guard import ReadGuard
 from ._layout import Layout, TensorSpec
 from ._memory_plane import MemoryPlane
+from ._outcome import PendingSend, SendResult
 from ._plane import DataPlane
 from ._receiver import Hook
 from ._scheme import SchemeOptions, WeightSyncScheme
-from ._sender import SendResult
 from ._shared_mem import SharedMemWeightSyncScheme
 from ._shm_plane import SharedMemPlane, SwitchMode
 from ._strategy import StrategyName, WeightStrategy
@@ -39,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     # schemes
     "DistributedWeightSyncScheme",
+    "PendingSend",
     "SendResult",
     "SharedMemWeightSyncScheme",
     "WeightSyncScheme",

@@ -20,7 +20,7 @@ from ._exceptions import TransportError
 from ._layout import Layout, refuse_meta
 from ._plane import SenderContext, WeightSource
 from ._scheme_base import SchemeState, resolve_model
-from ._sender import SenderCore, SendResult
+from ._sender import PendingSend, SenderCore, SendResult
 from ._source import ModelSource, WeightsSource
 from ._weights import WeightsLike, flatten_weights
 
@@ -195,9 +195,45 @@ class SenderSide(SchemeState):
 
         Concurrent calls are served one at a time in call order.
         """
+        sender, source, targets, limits = self._send_args("send", weights, worker_ids, timeout)
+        return await sender.send(source, targets, **limits)
+
+    async def publish(
+        self,
+        weights: WeightsLike | str | None = None,
+        worker_ids: int | Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> PendingSend:
+        """Two-phase send: return as soon as the version is staged; await the acks later.
+
+        ``pending = await scheme.publish()`` takes the same arguments as :meth:`send` and
+        returns once the weights are copied out (from then on the trainer may change them)
+        and the version is announced; ``result = await pending`` then gives the
+        :class:`SendResult`, or raises what ``send()`` would have. Versions keep their order:
+        a later ``publish()`` or ``send()`` stages only once this one's bytes are delivered,
+        as with ``send()``. Errors found before staging (lost workers, a layout mismatch) are
+        raised by ``publish()`` itself. Await every pending send before leaving
+        ``async with``: leaving ends the ones still waiting, with an error.
+        """
+        sender, source, targets, limits = self._send_args("publish", weights, worker_ids, timeout)
+        assert self._tg is not None
+        return await sender.publish(source, targets, tasks=self._tg, **limits)
+
+    def _send_args(
+        self,
+        what: str,
+        weights: WeightsLike | str | None,
+        worker_ids: int | Sequence[int] | None,
+        timeout: float | None,
+    ) -> tuple[SenderCore, WeightSource, list[int], dict[str, Any]]:
         sender = self._sender
         if sender is None or self._tg is None:
-            raise RuntimeError("send() needs an initialised sender inside `async with scheme`")
+            if self._role == "sender":
+                raise RuntimeError(
+                    f"{what}() runs inside `async with scheme:` (enter it, then "
+                    "`await scheme.connect()`, then send)"
+                )
+            raise RuntimeError(f"{what}() needs an initialised sender inside `async with scheme`")
         targets = self._targets_of(worker_ids)
         if weights is not None and weights is self._model and self._source is not None:
             # The model given at init, passed again: the same as send(), whose watch knows its
@@ -208,13 +244,8 @@ class SenderSide(SchemeState):
         else:
             stage_limit = ack_limit = timeout
             deadline = time.monotonic() + timeout
-        return await sender.send(
-            self._source_of(weights),
-            targets,
-            stage_limit=stage_limit,
-            ack_limit=ack_limit,
-            deadline=deadline,
-        )
+        limits = {"stage_limit": stage_limit, "ack_limit": ack_limit, "deadline": deadline}
+        return sender, self._source_of(weights), targets, limits
 
     def _targets_of(self, worker_ids: int | Sequence[int] | None) -> list[int]:
         if worker_ids is None:

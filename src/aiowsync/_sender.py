@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 
@@ -27,6 +27,7 @@ from ._exceptions import (
     WorkerLostError,
 )
 from ._layout import Layout
+from ._outcome import Answers, PendingSend, SendResult, with_outcome
 from ._peers import Peer, PeerTable
 from ._plane import Delivery, Member, Params, SenderPlane, WeightSource
 from ._protocol import (
@@ -35,10 +36,10 @@ from ._protocol import (
 )
 from ._serve import ControlLoop
 from ._shield import to_the_end
-from ._signal import Flag, Signal
+from ._signal import Signal
 from ._workers import explain_missing, unavailable_text
 
-__all__ = ["SendResult", "SenderCore"]
+__all__ = ["PendingSend", "SendResult", "SenderCore"]
 
 log = logging.getLogger("aiowsync.sender")
 
@@ -48,47 +49,15 @@ BYE_SEND_S = 0.2
 """How long one goodbye may wait for room on its socket."""
 
 
-@dataclass(frozen=True, slots=True)
-class SendResult:
-    """What a successful ``send()`` did."""
-
-    version: int
-    """The version now live on every targeted worker."""
-    worker_ids: tuple[int, ...]
-    """The workers that acknowledged it."""
-    nbytes: int
-    """Bytes staged."""
-    seconds: float
-    """Wall time of the whole call."""
-    stage_seconds: float
-    """Time spent copying the weights into the data plane."""
-
-
 @dataclass(slots=True)
-class _Pending:
+class _Staged:
+    """A version staged and announced, whose delivery and answers are still to come."""
+
     version: int
-    waiting: set[int]
-    done: Flag = field(default_factory=Flag)
-    acked: set[int] = field(default_factory=set)
-    nacks: dict[int, str] = field(default_factory=dict)
-    retryable: set[int] = field(default_factory=set)
-    lost: set[int] = field(default_factory=set)
-    changed: Signal = field(default_factory=Signal)
-
-    def settle(self, worker: int) -> None:
-        self.waiting.discard(worker)
-        if not self.waiting:
-            self.done.set()
-        self.changed.notify()
-
-    def reopen(self, workers: list[int]) -> None:
-        """``workers`` get another attempt: their failed answers no longer count."""
-        for worker in workers:
-            self.nacks.pop(worker, None)
-            self.retryable.discard(worker)
-            self.waiting.add(worker)
-        if self.waiting:
-            self.done.clear()
+    pending: Answers
+    seconds: float
+    delivery: Delivery
+    members: list[Peer]
 
 
 class SenderCore:
@@ -110,9 +79,10 @@ class SenderCore:
         self.beats = heartbeats
         self._channel: SenderChannel | None = None
         self.peers = PeerTable(plane, heartbeats, self._on_lost)
-        self.pending: dict[int, _Pending] = {}
+        self.pending: dict[int, Answers] = {}
         # FIFO; taken without a checkpoint when free (one loop pass less per send).
-        self._send_lock = anyio.Lock(fast_acquire=True)
+        # Not a Lock: a published send's delivery, in a task of its own, gives it back.
+        self._send_lock = anyio.Semaphore(1, max_value=1, fast_acquire=True)
         self._changed = Signal()
         self.version = 0
         self._loop = ControlLoop(self)
@@ -231,10 +201,42 @@ class SenderCore:
         until ``deadline`` (monotonic) if given, else for ``ack_limit`` seconds after delivery.
         """
         started = time.perf_counter()
+        staged = await self._stage_in_turn(source, targets, stage_limit)
+        return await self._complete(staged, ack_limit, deadline, started)
+
+    async def publish(
+        self,
+        source: WeightSource,
+        targets: list[int],
+        *,
+        stage_limit: float,
+        ack_limit: float,
+        deadline: float | None,
+        tasks: anyio.abc.TaskGroup,
+    ) -> PendingSend:
+        """As :meth:`send`, but return once the version is staged and announced and the
+        source will never be read again; the rest runs in ``tasks`` and the returned
+        :class:`PendingSend` gives its outcome."""
+        started = time.perf_counter()
+        staged = await self._stage_in_turn(source, targets, stage_limit)
+        pending = PendingSend(staged.version)
+        try:
+            # Planes that copy out of the source while they deliver (the distributed one
+            # packs bucket by bucket) copy the rest now: the caller may change it next.
+            await to_the_end(self.plane.seal(staged.version))
+        finally:
+            tasks.start_soon(pending.run, self._complete(staged, ack_limit, deadline, started))
+        return pending
+
+    async def _stage_in_turn(
+        self, source: WeightSource, targets: list[int], stage_limit: float
+    ) -> _Staged:
+        """Wait for the send before (by ``stage_limit``), then stage and announce; returns
+        holding the send lock, which :meth:`_complete` releases."""
         self.check_targets(targets)
         move_by = time.monotonic() + stage_limit
         late = WeightSyncTimeout(f"send did not stage within {stage_limit:g} s", targets)
-        if self._send_lock.locked():
+        if self._send_lock.value == 0:
             # Only the wait for an earlier send can be cut short: a copy runs to its end, and
             # its deadline is checked once it has (see _stage_and_announce).
             try:
@@ -248,19 +250,23 @@ class SenderCore:
             await self._send_lock.acquire()
         try:
             self.check_targets(targets)
-            version, pending, stage_s, delivery, members = await self._stage_and_announce(
-                source, targets, move_by
-            )
+            return await self._stage_and_announce(source, targets, move_by)
         except TimeoutError:
             self._send_lock.release()
             raise late from None
         except BaseException:
             self._send_lock.release()
             raise
+
+    async def _complete(
+        self, staged: _Staged, ack_limit: float, deadline: float | None, started: float
+    ) -> SendResult:
+        """Deliver a staged version (then release the send lock) and wait for its answers."""
+        version, pending = staged.version, staged.pending
         try:
             try:
                 # Still under the lock: a retry must be announced before the next version.
-                await delivery.run(_Retries(self, pending, members))
+                await staged.delivery.run(_Retries(self, pending, staged.members))
             except WeightSyncError as exc:
                 # The members that failed say so themselves, or their deadline names them.
                 log.warning("version %d: %s", version, exc)
@@ -268,7 +274,7 @@ class SenderCore:
                 try:
                     # However this ended (even cancelled), the version is read from the
                     # caller's weights now, never after send() stopped waiting.
-                    await delivery.finish()
+                    await staged.delivery.finish()
                 finally:
                     self._send_lock.release()
             wait = ack_limit if deadline is None else max(0.0, deadline - time.monotonic())
@@ -277,13 +283,13 @@ class SenderCore:
             self.pending.pop(version, None)
         elapsed = time.perf_counter() - started
         if missing := sorted(pending.waiting):
-            raise _with_outcome(
+            raise with_outcome(
                 WeightSyncTimeout(f"version {version} was not acknowledged in time", missing),
                 version,
                 pending,
             )
         if pending.lost:
-            raise _with_outcome(
+            raise with_outcome(
                 LostDuringSendError(
                     f"workers were lost during the send of version {version}", pending.lost
                 ),
@@ -291,14 +297,14 @@ class SenderCore:
                 pending,
             )
         if pending.nacks:
-            raise _with_outcome(RemoteApplyError(version, pending.nacks), version, pending)
+            raise with_outcome(RemoteApplyError(version, pending.nacks), version, pending)
         return SendResult(
-            version, tuple(sorted(pending.acked)), self.layout.total_bytes, elapsed, stage_s
+            version, tuple(sorted(pending.acked)), self.layout.total_bytes, elapsed, staged.seconds
         )
 
     async def _stage_and_announce(
         self, source: WeightSource, targets: list[int], move_by: float
-    ) -> tuple[int, _Pending, float, Delivery, list[Peer]]:
+    ) -> _Staged:
         plane = self.plane
         slot = plane.reserve(self.peers.pinned_versions(self.version))
         t0 = time.perf_counter()
@@ -322,7 +328,7 @@ class SenderCore:
         version = self.version + 1
         plane.publish(slot, version)
         self.version = version
-        pending = _Pending(version, set(targets))
+        pending = Answers(version, set(targets))
         self.pending[version] = pending
         delivery: Delivery | None = None
         try:
@@ -353,7 +359,7 @@ class SenderCore:
                 delivery.abandon()
                 await delivery.finish()
             raise
-        return version, pending, stage_s, delivery, members
+        return _Staged(version, pending, stage_s, delivery, members)
 
     async def _announce_all(
         self, channel: SenderChannel, peers: Sequence[Peer], update: Update, *, queued: bool = False
@@ -390,7 +396,7 @@ class SenderCore:
 class _Retries:
     """The engine's side of a delivery's retries (see :class:`Retries`), for one version."""
 
-    def __init__(self, core: SenderCore, pending: _Pending, members: list[Peer]) -> None:
+    def __init__(self, core: SenderCore, pending: Answers, members: list[Peer]) -> None:
         self._core = core
         self.pending = pending
         self._members = members
@@ -423,9 +429,3 @@ class _Retries:
         self.pending.reopen([p.worker_idx for p in peers])
         await to_the_end(core._announce_all(channel, peers, update))
         return True
-
-
-def _with_outcome(exc: WeightSyncError, version: int, pending: _Pending) -> WeightSyncError:
-    exc.version = version
-    exc.acked = tuple(sorted(pending.acked))
-    return exc

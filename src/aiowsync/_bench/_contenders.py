@@ -149,6 +149,8 @@ class AiowsyncSession:
         torch.manual_seed(0)
         self.sources = SendSources(build_model(spec, random_init))
         self.k = 0
+        self.totals: list[float] = []
+        """Whole ``publish()`` sends, acks included (seconds)."""
         beats = Heartbeats(interval=0.5, missed=10)  # busy 2-core machine: slow beats are normal
         self.scheme: SharedMemWeightSyncScheme | DistributedWeightSyncScheme
         if transport == "shm":
@@ -171,12 +173,24 @@ class AiowsyncSession:
 
     def fill_next(self, mode: str) -> None:
         self.k += 1
-        fill(self.sources.targets(mode), self.k)
+        fill(self.sources.targets("send()" if mode == "publish()" else mode), self.k)
 
     async def send(self, mode: str) -> float:
+        """One send in ``mode``; its time. For ``publish()``, the time the trainer is held
+        (until ``publish()`` returns): the trainer then writes its weights at once, as its
+        next step would, and the acks are awaited after (their wait is in ``totals``)."""
         t0 = time.perf_counter()
         if mode == "send()":
             await self.scheme.send(timeout=self.timeout)
+        elif mode == "publish()":
+            pending = await self.scheme.publish(timeout=self.timeout)
+            held = time.perf_counter() - t0
+            # Written while the version is on its way: a worker that read any of it would
+            # hold a mix of two values, which the tear readers count.
+            fill(self.sources.targets("send()"), -self.k)
+            await pending
+            self.totals.append(time.perf_counter() - t0)
+            return held
         else:
             await self.scheme.send(self.sources.weights, timeout=self.timeout)
         return time.perf_counter() - t0

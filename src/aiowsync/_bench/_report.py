@@ -120,6 +120,31 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "{:.2f}x",
                 False,
             )
+    for transport in ("shm", "dist"):
+        # Two-phase sends: how long the trainer is held before it may touch its weights.
+        cell = _find(report, "256MiB", 4, transport)
+        rows = _rows(cell) if cell else {}
+        held, whole = (
+            rows.get(f"aiowsync {transport} publish()"),
+            rows.get(f"aiowsync {transport} send()"),
+        )
+        held_s = _median(held) if held else None
+        whole_s = _median(whole) if whole else None
+        shown = "not measured"
+        if held_s is not None and whole_s:
+            shown = (
+                f"{held_s * 1e3:.1f} ms held / {whole_s * 1e3:.1f} ms send() = "
+                f"{held_s / whole_s:.2f}x"
+            )
+        out.append(
+            {
+                "check": f"256MiB x4: aiowsync {transport} publish(): trainer held, "
+                "against the whole send()",
+                "value": shown,
+                "target": "none",
+                "met": None,
+            }
+        )
     cell = _find(report, "1MiB", 4, "shm")
     floor = _rows(cell).get(FLOOR) if cell else None
     floor_p50 = _median(floor) if floor else None

@@ -227,7 +227,7 @@ async def _cell(
     out["batches"] = batches
     progress.say(f"{label}: opening aiowsync {transport} session ({nbytes / MIB:.0f} MiB)")
     session = AiowsyncSession(transport, pool, spec, n, settings.timeout)
-    ours: list[Contender] = [AiowsyncSend(session, "send()")]
+    ours: list[Contender] = [AiowsyncSend(session, "send()"), AiowsyncSend(session, "publish()")]
     limit: RawCopy | RawGloo
     floors: list[RawZmq] = []
     if transport == "shm":
@@ -278,6 +278,9 @@ async def _cell(
                 limit.close()
         finally:
             await session.close()
+    for c in ours:
+        if isinstance(c, AiowsyncSend) and c.mode == "publish()":
+            c.info = {"whole_send_s": session.totals}  # acks included, every publish() sent
     out["contenders"] = [_row(c) for c in (*ours, limit, *floors, *theirs)]
     return out
 
