@@ -187,7 +187,8 @@ class AiowsyncSession:
             held = time.perf_counter() - t0
             # Written while the version is on its way: a worker that read any of it would
             # hold a mix of two values, which the tear readers count.
-            fill(self.sources.targets("send()"), -self.k)
+            # In a thread, as a trainer's step would not run on its loop either.
+            await asyncio.to_thread(fill, self.sources.targets("send()"), -self.k)
             await pending
             self.totals.append(time.perf_counter() - t0)
             return held
