@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 
-
 USAGE = """\
 usage: aiowsync demo [--workers N] [--sends N] [options]   a trainer and workers on this host
        aiowsync bench [--quick] [options]                  aiowsync against the raw limits
