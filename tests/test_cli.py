@@ -73,7 +73,7 @@ def test_doctor_judges_shared_memory_against_the_model_size(
     from aiowsync._doctor import findings
 
     small = findings(1 << 20, workers=2, shm=Path("/dev/shm"))
-    assert [f.what for f in small][0] == "shared memory (/dev/shm)"
+    assert next(f.what for f in small) == "shared memory (/dev/shm)"
     assert main(["doctor", "--model-bytes", "1MiB", "--workers", "2"]) in (0, 1)
     out = capsys.readouterr().out
     assert "shared memory (/dev/shm)" in out and "open files" in out and "OpenMP" in out
