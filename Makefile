@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 
-.PHONY: setup test test-setup-torchrl lint demo docs bench bench-quick bench-setup clean
+.PHONY: setup test test-setup-torchrl lint demo package docs bench bench-quick bench-setup clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,8 +32,23 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy --strict src/
 
-demo: setup
+# The demo needs aiowsync and torch only: no test or dev tools.
+demo: $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0 -e .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/aiowsync demo
+
+# The sdist and the wheel, built as a release would be; the wheel is installed into a fresh
+# venv (torch pinned) and imported there, with its compiled copy module and its command.
+WHEEL_VENV ?= .venv-wheel
+package: $(BIN)/python
+	rm -rf dist $(WHEEL_VENV)
+	$(BIN)/pip install -q build
+	$(BIN)/python -m build -q --outdir dist .
+	$(PY) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install -q torch==2.13.0 dist/aiowsync-*.whl
+	cd / && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import aiowsync, aiowsync._stream; \
+		print('wheel imports:', aiowsync.__version__, aiowsync.__file__)"
+	$(WHEEL_VENV)/bin/aiowsync --version
 
 # The documentation site, built into site/; --strict fails on any warning (a broken link, a
 # docstring that does not match its signature). After setup, so that torch stays pinned.
@@ -58,4 +73,4 @@ bench-quick: bench-setup
 	$(BENCH_BIN)/aiowsync bench --quick --out bench-results/bench-quick
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) $(WHEEL_VENV) build dist *.egg-info src/*.egg-info
