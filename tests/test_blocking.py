@@ -59,13 +59,20 @@ def test_a_sync_sender_and_receiver_send_receive_and_fail_as_the_async_api_does(
             s.send(weights={"nope": torch.zeros(1)})
         with pytest.raises(ValueError, match="not in range"):
             s.send(worker_ids=[5])
-        with pytest.raises(aiowsync.WeightSyncTimeout, match="not 9"):
-            w.wait_for_version(9, timeout=0.2)
+        with pytest.raises(aiowsync.WeightSyncTimeout, match="not 99"):
+            w.wait_for_version(99, timeout=0.2)
         with pytest.raises(RuntimeError, match="pull mode"):
             w.receive(timeout=0.1)
         with w.read_guard():
             assert w.version == 6
         assert s.version == 6
+        # Two-phase: back once staged, so the weights may change at once; the outcome later.
+        fill(src, 7.0)
+        outcome = s.publish(timeout=30)
+        fill(src, 99.0)
+        assert outcome.result(60).version == 7 == w.version
+        assert all(bool((t == 7).all()) for t in mirror.state_dict().values())
+        assert s.workers[0].state == "ready" and s.workers[0].version == 7
     # After exit: a clear error, not a hang.
     with pytest.raises(RuntimeError, match="closed"):
         s.send()

@@ -19,9 +19,10 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ._guard import ReadGuard
+from ._outcome import SendResult
 from ._scheme import WeightSyncScheme
-from ._sender import SendResult
 from ._weights import WeightsLike
+from ._workers import WorkerTable
 
 __all__ = ["BlockingScheme", "blocking"]
 
@@ -212,6 +213,23 @@ class BlockingScheme:
         error). Sends are staged in call order. The weights must not change before the future
         is done."""
         return self._submit(self.scheme.send(weights, worker_ids, timeout))
+
+    def publish(
+        self,
+        weights: WeightsLike | str | None = None,
+        worker_ids: int | Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> concurrent.futures.Future[SendResult]:
+        """Two-phase send (see :meth:`WeightSyncScheme.publish`): blocks until the version is
+        staged, after which the weights may change, and returns a future of its
+        :class:`SendResult` (or its error)."""
+        pending = self._wait(self._submit(self.scheme.publish(weights, worker_ids, timeout)))
+        return self._submit(pending.wait())
+
+    @property
+    def workers(self) -> WorkerTable:
+        """See :attr:`WeightSyncScheme.workers`."""
+        return self.scheme.workers
 
     def receive(self, timeout: float | None = None) -> int | None:
         """See :meth:`WeightSyncScheme.receive`."""

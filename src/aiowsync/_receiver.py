@@ -57,6 +57,9 @@ BYE_WINDOW_S = 0.5
 """How long closing spends on its goodbye (and a cancelled apply on its nack)."""
 BYE_SEND_S = 0.2
 """How long the goodbye may wait for room on the socket."""
+SETTLE_S = 0.2
+"""How long a wait that finds the connection down gives a queued goodbye to be read, so that
+it reports the sender closed rather than lost."""
 
 
 class ReceiverCore:
@@ -188,6 +191,13 @@ class ReceiverCore:
         try:
             with anyio.fail_after(timeout):
                 while self.version < version:
+                    if self.channel is not None and self.bye is None and self.gone() is not None:
+                        # The connection is down; a goodbye that came before it may still be
+                        # on its way through the background task: let it say so first.
+                        with anyio.move_on_after(SETTLE_S):
+                            await self._changed.wait()
+                        if self.version >= version:
+                            break
                     self.check_sender()
                     # A goodbye wakes this at once; a lost connection is seen at the next look.
                     with anyio.move_on_after(self.beats.interval):

@@ -202,7 +202,8 @@ class _Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type i
     def receive(self, timeout: float | None = None) -> int | None:
         """Wait up to ``timeout`` seconds (none by default) for a version newer than the one
         the model runs now; the version it runs then, or None. A background task applies
-        versions as they come, so this only reports them."""
+        versions as they come, so this only reports them. Once the sender is gone it raises
+        :class:`~aiowsync.SenderGoneError`."""
         if self._face is None:
             raise RuntimeError("receive() needs a connected receiver")
         current = self._face.version
