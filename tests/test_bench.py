@@ -43,8 +43,14 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
     ]
     names = [[r["name"] for r in c["contenders"]] for c in cells]
     assert names == [
-        ["aiowsync shm send()", "aiowsync shm send(weights)", "raw copy_", "raw zmq round trip"],
-        ["aiowsync dist send()", "raw gloo broadcast"],
+        [
+            "aiowsync shm send()",
+            "aiowsync shm publish()",
+            "aiowsync shm send(weights)",
+            "raw copy_",
+            "raw zmq round trip",
+        ],
+        ["aiowsync dist send()", "aiowsync dist publish()", "raw gloo broadcast"],
     ]
     for cell in cells:
         assert cell["model_bytes"] == MIB and not cell["errors"]
@@ -70,6 +76,11 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
 
     text = (out / "bench.md").read_text()
     assert "| 1MiB | 2 | **aiowsync shm send()** |" in text
+    assert "| 1MiB | 2 | **aiowsync dist publish()** |" in text
+    # Each publish() sample is the time the trainer was held; its whole sends are kept too.
+    for cell in cells:
+        row = next(r for r in cell["contenders"] if r["name"].endswith("publish()"))
+        assert row["info"]["whole_send_s"] and all(0 < s < 60 for s in row["info"]["whole_send_s"])
     assert "| 1MiB | 2 | raw gloo broadcast |" in text
     assert "| 1MiB | 2 | raw copy_ |" in text
     assert "| 1MiB | 2 | raw zmq round trip |" in text

@@ -47,10 +47,12 @@ class _RemotePlane(aiowsync.MemoryPlane):
 
 
 def test_an_explicit_swap_that_cannot_alias_the_planes_buffers_is_refused() -> None:
-    r = aiowsync.WeightSyncScheme("mem://1", plane=_RemotePlane(), apply_mode="swap")
+    r = aiowsync.WeightSyncScheme("tcp://127.0.0.1:5555", plane=_RemotePlane(), apply_mode="swap")
     with pytest.raises(ValueError, match=r"apply_mode='copy'"):
         r.init_on_receiver(model=model(1), worker_idx=0)
-    copy = aiowsync.WeightSyncScheme("mem://1", plane=_RemotePlane(), apply_mode="copy")
+    copy = aiowsync.WeightSyncScheme(
+        "tcp://127.0.0.1:5555", plane=_RemotePlane(), apply_mode="copy"
+    )
     copy.init_on_receiver(model=model(1), worker_idx=0)  # copy mode is always possible
 
 

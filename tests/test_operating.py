@@ -228,3 +228,37 @@ async def test_a_receiver_takes_weights_as_the_sender_does() -> None:
         async with receiver:
             await asyncio.gather(sender.connect(timeout=20), receiver.connect(timeout=20))
             assert all(torch.equal(target[k], v) for k, v in src.state_dict().items())
+
+
+async def test_misuse_of_a_sender_says_what_to_do() -> None:
+    channels = aiowsync.MemoryChannelFactory()
+    sender = memory_pair(channels)
+    sender.init_on_sender(model=model(0), num_workers=2)
+    with pytest.raises(RuntimeError) as outside:
+        await sender.send()
+    assert str(outside.value) == (
+        "send() runs inside `async with scheme:` (enter it, then `await scheme.connect()`, "
+        "then send)"
+    )
+    with pytest.raises(RuntimeError, match=r"^publish\(\) runs inside `async with scheme:`"):
+        await sender.publish()
+    async with sender:
+        r = memory_pair(channels, sender.address)
+        r.init_on_receiver(model=model(1), worker_idx=0)
+        async with r:
+            await r.connect(timeout=20)
+            with pytest.raises(aiowsync.WorkerLostError) as early:
+                await sender.send()
+            assert str(early.value) == (
+                "cannot send: workers [1] have not connected yet: call `await "
+                "scheme.connect()` first, which waits until every worker holds version 0 "
+                "(workers [1])"
+            )
+            assert (await sender.send(worker_ids=[0])).version == 1
+        assert await eventually(lambda: sender.workers[0].state == "gone", within=20)
+        with pytest.raises(aiowsync.WorkerLostError) as lost:
+            await sender.send(worker_ids=[0])
+        assert str(lost.value) == (
+            "cannot send: workers [0] are lost (worker 0: said goodbye (receiver closing)); "
+            "leave them out with worker_ids= until they rejoin (workers [0])"
+        )

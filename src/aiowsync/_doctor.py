@@ -50,9 +50,7 @@ class Finding:
     fix: str = ""
 
 
-def findings(
-    model_bytes: int, workers: int, slots: int = 2, shm: Path = SHM_DIR
-) -> list[Finding]:
+def findings(model_bytes: int, workers: int, slots: int = 2, shm: Path = SHM_DIR) -> list[Finding]:
     """Every check of this host, for a model of ``model_bytes`` sent to ``workers``."""
     return [
         _shared_memory(model_bytes, slots, shm),

@@ -57,9 +57,6 @@ BYE_WINDOW_S = 0.5
 """How long closing spends on its goodbye (and a cancelled apply on its nack)."""
 BYE_SEND_S = 0.2
 """How long the goodbye may wait for room on the socket."""
-SETTLE_S = 0.2
-"""How long a wait that finds the connection down gives a queued goodbye to be read, so that
-it reports the sender closed rather than lost."""
 
 
 class ReceiverCore:
@@ -99,8 +96,9 @@ class ReceiverCore:
         protocol); None while it does."""
         self.said_bye = False
         """The sender ended it with a goodbye (rather than breaking the protocol)."""
-        self._renewed: tuple[int, float] | None = None
-        """A renewed connection not yet confirmed: its count and when it was first seen."""
+        self._unsure_since: float | None = None
+        """Since when the connection is down or renewed without the sender's confirmation
+        (None while it is confirmed)."""
         self.session = ""
         self._changed = Signal()
         self.applier = Applier(
@@ -128,21 +126,22 @@ class ReceiverCore:
 
     @property
     def connected(self) -> bool:
-        """Connected to the sender that welcomed this worker.
+        """Connected to the sender that welcomed this worker (see :meth:`gone`).
 
-        A renewed connection counts only once that sender shows it knows this worker (a
-        beat naming its session): a sender restarted on the same address takes the socket's
-        reconnection, but has never heard of this worker and never will.
+        It turns False when the sender says goodbye, or once the connection has gone
+        unconfirmed for the heartbeat timeout; a shorter drop or a renewal that the sender
+        confirms with its next beat leaves it True.
         """
         return self.channel is not None and self.gone() is None
 
     def gone(self) -> SenderGoneError | None:
         """Why this worker's sender is gone (said goodbye, or lost), or None while it is not.
 
-        Lost means the transport saw the connection drop, or a renewed connection was not
-        confirmed by the sender within the heartbeat timeout. A renewal is given that long:
-        the sender confirms it with its next beat, or disowns the session if it is another
-        sender on the same address.
+        Lost means the connection was not confirmed for the heartbeat timeout: down all that
+        time, or renewed by the transport without the sender's beat naming this worker's
+        session (a sender restarted on the same address never sends one). Shorter gaps, as
+        a renewal whose confirming beat is on its way, do not count, as on the sender's side
+        a worker is lost only after that much silence.
         """
         keeps = max(self.version, 0)
         if self.bye is not None:
@@ -150,26 +149,23 @@ class ReceiverCore:
         channel = self.channel
         if channel is None:
             return None
-        if not channel.peer_alive:
-            return SenderGoneError(
-                self.worker_idx, keeps, f"the connection to {self.address} is down", closed=False
-            )
-        count = channel.connections
-        if count == self.confirmed:
-            self._renewed = None
+        alive = channel.peer_alive
+        if alive and channel.connections == self.confirmed:
+            self._unsure_since = None
             return None
         now = time.monotonic()
-        if self._renewed is None or self._renewed[0] != count:
-            self._renewed = (count, now)
-        if now - self._renewed[1] <= self.beats.timeout:
+        if self._unsure_since is None:
+            self._unsure_since = now
+        timeout = self.beats.timeout
+        if now - self._unsure_since <= timeout:
             return None
-        return SenderGoneError(
-            self.worker_idx,
-            keeps,
-            f"the connection to {self.address} was renewed and the sender has not recognised "
-            f"this worker for {self.beats.timeout:g} s",
-            closed=False,
+        why = (
+            f"the connection to {self.address} came back, but the sender has not recognised "
+            f"this worker for {timeout:g} s"
+            if alive
+            else f"no connection to {self.address} for {timeout:g} s"
         )
+        return SenderGoneError(self.worker_idx, keeps, why, closed=False)
 
     def check_sender(self) -> None:
         """Raise :class:`SenderGoneError` if the sender is gone, :class:`NotConnectedError`
@@ -191,13 +187,6 @@ class ReceiverCore:
         try:
             with anyio.fail_after(timeout):
                 while self.version < version:
-                    if self.channel is not None and self.bye is None and self.gone() is not None:
-                        # The connection is down; a goodbye that came before it may still be
-                        # on its way through the background task: let it say so first.
-                        with anyio.move_on_after(SETTLE_S):
-                            await self._changed.wait()
-                        if self.version >= version:
-                            break
                     self.check_sender()
                     # A goodbye wakes this at once; a lost connection is seen at the next look.
                     with anyio.move_on_after(self.beats.interval):

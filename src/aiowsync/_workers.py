@@ -107,7 +107,7 @@ def explain_missing(peers: PeerTable, workers: list[int]) -> str:
         if s.state == "never connected":
             what = s.note or "never said hello"
         elif s.state == "connecting":
-            what = f"said hello (pid {s.pid}) and is still taking version {s.in_flight}"
+            what = f"said hello (pid {s.pid}) and does not hold its first version yet"
         else:
             what = f"{s.state}: {s.note or 'no reason known'}"
         lines.append(f"worker {worker}: {what}".replace("\n", "\n  "))
