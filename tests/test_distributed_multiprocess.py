@@ -168,6 +168,6 @@ async def test_receivers_keep_their_weights_when_the_distributed_sender_dies() -
         with pytest.raises(aiowsync.SenderGoneError, match="keeps version 0") as pulled:
             await r.receive(timeout=60)
         assert not pulled.value.closed
-        with pytest.raises(aiowsync.SenderGoneError, match="^the sender was lost"):
+        with pytest.raises(aiowsync.SenderGoneError, match=r"^the sender was lost"):
             await r.wait_for_version(1, timeout=60)
         assert all(bool((t == 7).all()) for t in model.state_dict().values())
