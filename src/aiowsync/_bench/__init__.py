@@ -53,13 +53,22 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="64MiB and 1000t-64MiB to 4 workers on shm (TorchRL MultiProcess on 64MiB only), "
         "64MiB on dist; few samples (< 3 min)",
     )
-    p.add_argument("--models", help=f"comma-separated, among {','.join(ALL_MODELS)}")
-    p.add_argument("--workers", help="comma-separated worker counts (default 1,4,8)")
-    p.add_argument("--transports", help="comma-separated: shm, dist (default both)")
-    p.add_argument("--samples", type=int, help="samples per contender per round of a cell")
+    p.add_argument("--models", help=f"comma-separated, among {','.join(ALL_MODELS)} (default: all)")
+    p.add_argument("--workers", help="comma-separated worker counts (default: 1,4,8)")
+    p.add_argument("--transports", help="comma-separated: shm, dist (default: both)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        help="samples per contender per round of a cell (default: by model, 4 to 30; "
+        "--quick: 2 to 10)",
+    )
     p.add_argument("--no-torchrl", action="store_true", help="leave TorchRL out")
-    p.add_argument("--timeout", type=float, default=120.0, help="deadline of every wait, s")
-    p.add_argument("--out", default="aiowsync-bench", help="directory for the outputs")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="deadline of every wait, s (default: 120)"
+    )
+    p.add_argument(
+        "--out", default="aiowsync-bench", help="directory for the outputs (default: %(default)s)"
+    )
     p.add_argument(
         "--from-json", metavar="FILE", help="measure nothing: write the report of an earlier run"
     )
