@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -12,6 +13,7 @@ import torch
 
 from ._binding import bind_views
 from ._config import Timeouts
+from ._copy import fused_copy
 from ._double import DoubleBuffer
 from ._exceptions import WeightSyncTimeout
 from ._guard import ReadGuard
@@ -43,6 +45,7 @@ class Applier:
         layout: Layout,
         targets: Mapping[str, torch.Tensor],
         mode: ApplyMode,
+        model_layout: Layout | None = None,
         guard: ReadGuard,
         hooks: list[Hook],
         timeouts: Timeouts,
@@ -59,9 +62,11 @@ class Applier:
         self.version = -1
         self._live: Staged | None = None
         self._private: DoubleBuffer | None = None
+        self.model_layout = model_layout or layout
+        """The model's own dtypes; not ``layout`` when a wire dtype casts (copy mode then)."""
         if mode == "copy":
             device = next(iter(self._targets.values())).device if self._targets else "cpu"
-            self._private = DoubleBuffer(layout, device)
+            self._private = DoubleBuffer(self.model_layout, device)
         self.detached = False
         """The model reads no memory of the sender's any more (set by :meth:`detach`)."""
 
@@ -105,7 +110,15 @@ class Applier:
             index, target = self._private.spare()
             # The spare copy is read by nothing: the model points at the other one. The copy
             # ends before this returns, even if cancelled, so two never overlap in it.
-            await to_the_end(anyio.to_thread.run_sync(copy_buffers, target.buffers, staged.buffers))
+            if self.model_layout is self.layout:
+                copy = functools.partial(copy_buffers, target.buffers, staged.buffers)
+            else:  # from the wire dtype to the model's, tensor by tensor
+                source = staged.views or self.layout.views(staged.buffers)
+                keys = self.layout.keys
+                copy = functools.partial(
+                    fused_copy, [target.views[k] for k in keys], [source[k] for k in keys]
+                )
+            await to_the_end(anyio.to_thread.run_sync(copy))
             staged = target
         private = self._private
 
@@ -128,7 +141,8 @@ class Applier:
         if self.mode == "swap" and not private:
             staged = self.plane.show(staged)
         if staged is not self._live:
-            bind_views(self._targets, staged.views or self.layout.views(staged.buffers))
+            layout = self.model_layout if private else self.layout
+            bind_views(self._targets, staged.views or layout.views(staged.buffers))
             if staged.bind_once:
                 staged.views.clear()
         self._live = staged

@@ -16,7 +16,7 @@ import torch
 
 from ._copy import CopyPolicy, byte_view, copy_moves, fused_copy
 from ._layout import Layout
-from ._plane import Source
+from ._plane import Source, complete_tensors
 
 __all__ = ["Buckets", "Image", "Packer", "as_bytes", "plain_pointers"]
 
@@ -120,6 +120,18 @@ class Packer:
             raise ValueError("empty source")
         image.source, image.packed, image.source_pointers, image.source_refs = source, 0, None, None
         image.complete.clear()
+
+    def fill(self, image: Image, source: Source, latest: Sequence[torch.Tensor] | None) -> None:
+        """Pack all of ``source`` now, tensor by tensor (casting where dtypes differ), and
+        the models it carries from ``latest`` (the newest version's image, as buffers)."""
+        views = self.layout.views(self.layout.split(image.flat))
+        tensors = complete_tensors(self.layout, source, latest)
+        keys = self.layout.keys
+        fused_copy([views[k] for k in keys], [tensors[k] for k in keys], self._policy)
+        with image.lock:
+            image.source = image.source_refs = image.source_pointers = None
+            image.packed = len(self.buckets.ranges)
+            image.complete.set()
 
     def pack(self, image: Image, index: int) -> None:
         """Pack buckets up to ``index`` (a no-op for those already packed)."""

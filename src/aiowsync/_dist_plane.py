@@ -132,9 +132,26 @@ class DistSenderPlane(SenderPlane):
             )
 
     async def stage(self, slot: int, source: WeightSource) -> None:
+        image = self._slots[slot].value.image
+        snapshot = source.snapshot()
+        if snapshot.carry or snapshot.cast:
+            # Some models only, or a cast to the wire dtype: packed now, tensor by tensor (the
+            # copy runs to its end even if the caller is cancelled).
+            latest = self._latest_image()
+            await to_the_end(anyio.to_thread.run_sync(self._packer.fill, image, snapshot, latest))
+            return
         # Only checked here: packing happens during the transfer, bucket by bucket,
         # overlapping the wire.
-        self._packer.start(self._slots[slot].value.image, source.snapshot())
+        self._packer.start(image, snapshot)
+
+    def _latest_image(self) -> list[torch.Tensor] | None:
+        """The newest published version's bytes, as the layout's buffers (packed already:
+        every send seals its version before the next one stages)."""
+        published = [s for s in self._slots if s.version is not None and not s.busy]
+        if not published:
+            return None
+        newest = max(published, key=lambda s: s.version or 0)
+        return self.layout.split(newest.value.image.flat)
 
     def publish(self, slot: int, version: int) -> None:
         if self._closed:

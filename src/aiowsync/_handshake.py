@@ -37,7 +37,7 @@ def _refusal(hello: Hello, layout: Layout, model_id: str, num_workers: int) -> s
             # Not worth a layout of its own (and a hostile hello can name a million).
             return f"the receiver's model has {theirs_count} tensors, the sender's {ours}"
         try:
-            theirs = Layout.from_descs(hello.layout)
+            theirs = Layout.from_descs(hello.layout, sectioned=layout.sectioned)
         except (WeightSyncError, ValueError, TypeError, OverflowError) as exc:
             return f"the receiver's model layout is invalid: {excerpt(str(exc))}"
         # Every difference is counted: the count of keys was bounded above.

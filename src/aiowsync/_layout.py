@@ -21,7 +21,7 @@ from ._exceptions import LayoutMismatchError
 from ._protocol import TensorDesc
 from ._weights import WeightsLike, flatten_weights
 
-__all__ = ["DEFAULT_ALIGNMENT", "Layout", "TensorSpec", "refuse_meta"]
+__all__ = ["DEFAULT_ALIGNMENT", "Layout", "TensorSpec", "refuse_meta", "section_of", "wire_of"]
 
 DEFAULT_ALIGNMENT = 64
 
@@ -79,7 +79,7 @@ class Layout:
     :meth:`from_descs` (the form that travels in the handshake).
     """
 
-    __slots__ = ("__dict__", "alignment", "buffer_sizes", "specs")
+    __slots__ = ("__dict__", "alignment", "buffer_sizes", "sectioned", "specs")
 
     def __init__(
         self,
@@ -87,6 +87,7 @@ class Layout:
         *,
         alignment: int = DEFAULT_ALIGNMENT,
         bucket_bytes: int | None = None,
+        sectioned: bool = False,
     ) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
@@ -98,6 +99,7 @@ class Layout:
         specs: list[TensorSpec] = []
         sizes: list[int] = [0]
         seen: set[str] = set()
+        section: str | None = None
         for key, dtype, shape in rows:
             if key in seen:
                 raise ValueError(f"duplicate key {key!r}")
@@ -106,7 +108,17 @@ class Layout:
                 raise ValueError(f"negative dimension in {key!r}: {shape}")
             spec_bytes = TensorSpec(key, dtype, shape, 0, 0).nbytes
             offset = _round_up(sizes[-1], alignment)
-            if bucket_bytes is not None and sizes[-1] > 0 and offset + spec_bytes > bucket_bytes:
+            new_section = sectioned and section_of(key) != section
+            if new_section:
+                section = section_of(key)
+            if specs and (
+                new_section
+                or (
+                    bucket_bytes is not None
+                    and sizes[-1] > 0
+                    and offset + spec_bytes > bucket_bytes
+                )
+            ):
                 sizes.append(0)
                 offset = 0
             specs.append(TensorSpec(key, dtype, shape, len(sizes) - 1, offset))
@@ -114,6 +126,9 @@ class Layout:
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
         self.buffer_sizes: tuple[int, ...] = tuple(_round_up(s, alignment) for s in sizes)
         self.alignment = alignment
+        self.sectioned = sectioned
+        """Keys are ``model_id.key`` and each model owns whole buffers of its own (a scheme
+        of several models)."""
 
     # -- construction -------------------------------------------------------------------------
 
@@ -124,13 +139,17 @@ class Layout:
         *,
         alignment: int = DEFAULT_ALIGNMENT,
         bucket_bytes: int | None = None,
+        sectioned: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> Layout:
-        """The layout of a module, a ``TensorDict`` or a state_dict (dotted keys)."""
+        """The layout of a module, a ``TensorDict`` or a state_dict (dotted keys); with
+        ``wire_dtype``, floating tensors are laid out in that dtype."""
         flat = flatten_weights(weights)
         return cls(
-            ((k, t.dtype, tuple(t.shape)) for k, t in flat.items()),
+            ((k, wire_of(t.dtype, wire_dtype), tuple(t.shape)) for k, t in flat.items()),
             alignment=alignment,
             bucket_bytes=bucket_bytes,
+            sectioned=sectioned,
         )
 
     @classmethod
@@ -140,12 +159,14 @@ class Layout:
         *,
         alignment: int = DEFAULT_ALIGNMENT,
         bucket_bytes: int | None = None,
+        sectioned: bool = False,
     ) -> Layout:
         """The layout described by ``descs`` (as a receiver's hello carries them)."""
         return cls(
             ((d.key, _dtype_from_name(d.dtype), d.shape) for d in descs),
             alignment=alignment,
             bucket_bytes=bucket_bytes,
+            sectioned=sectioned,
         )
 
     def descs(self) -> tuple[TensorDesc, ...]:
@@ -157,7 +178,9 @@ class Layout:
     @cached_property
     def fingerprint(self) -> str:
         """SHA-256 over keys, dtypes and shapes (not offsets: those follow from them)."""
-        rows = [[s.key, _dtype_name(s.dtype), list(s.shape)] for s in self.specs]
+        rows: list[object] = [[s.key, _dtype_name(s.dtype), list(s.shape)] for s in self.specs]
+        if self.sectioned:
+            rows.append("sectioned")  # the same keys, other buffers: another layout
         return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
     @property
@@ -173,6 +196,19 @@ class Layout:
     @cached_property
     def keys(self) -> tuple[str, ...]:
         return tuple(s.key for s in self.specs)
+
+    @cached_property
+    def sections(self) -> dict[str, tuple[int, int]]:
+        """Model id to the range ``[first, last)`` of the buffers it owns (one entry, ``""``,
+        for a layout that is not sectioned)."""
+        if not self.sectioned:
+            return {"": (0, len(self.buffer_sizes))}
+        out: dict[str, tuple[int, int]] = {}
+        for spec in self.specs:
+            name = section_of(spec.key)
+            first, _ = out.get(name, (spec.buffer, spec.buffer))
+            out[name] = (first, spec.buffer + 1)
+        return out
 
     def __len__(self) -> int:
         return len(self.specs)
@@ -192,20 +228,50 @@ class Layout:
     # -- checks -------------------------------------------------------------------------------
 
     def differences(self, other: Layout) -> list[str]:
-        """One line per key whose presence, dtype or shape differs; empty when compatible."""
+        """One line per key whose presence, dtype or shape differs; empty when compatible.
+        In a layout of several models, each line names the model and its key."""
         mine = {s.key: s for s in self.specs}
         theirs = {s.key: s for s in other.specs}
         out: list[str] = []
+        name = self._name
         for key in sorted(mine.keys() | theirs.keys()):
             a, b = mine.get(key), theirs.get(key)
             if a is None:
                 assert b is not None
-                out.append(f"{key}: unexpected key ({b.describe()})")
+                out.append(f"{name(key)}: unexpected key ({b.describe()})")
             elif b is None:
-                out.append(f"{key}: missing (expected {a.describe()})")
+                out.append(f"{name(key)}: missing (expected {a.describe()})")
             elif a.shape != b.shape or a.dtype != b.dtype:
-                out.append(f"{key}: expected {a.describe()}, got {b.describe()}")
+                out.append(f"{name(key)}: expected {a.describe()}, got {b.describe()}")
+        if not out and self.sectioned != other.sectioned:
+            several = "several models" if self.sectioned else "one model"
+            out.append(f"the sender holds {several}, the receiver not")
         return out
+
+    def subset(self, sections: Iterable[str]) -> Layout:
+        """The layout of only the models ``sections`` of a sectioned layout (to check the
+        weights of a send that names some of them)."""
+        wanted = frozenset(sections)
+        cache = self.__dict__.setdefault("_subsets", {})
+        if wanted not in cache:
+            cache[wanted] = Layout(
+                ((s.key, s.dtype, s.shape) for s in self.specs if section_of(s.key) in wanted),
+                alignment=self.alignment,
+                sectioned=True,
+            )
+        result: Layout = cache[wanted]
+        return result
+
+    def section_keys(self, section: str) -> tuple[str, ...]:
+        """The keys of one model of a sectioned layout."""
+        return tuple(k for k in self.keys if section_of(k) == section)
+
+    def _name(self, key: str) -> str:
+        """``key`` as error messages name it: ``model 'value', key 0.weight`` when sectioned."""
+        if not self.sectioned:
+            return key
+        model, _, rest = key.partition(".")
+        return f"model {model!r}, key {rest}"
 
     def check_compatible(self, other: Layout, *, context: str = "model") -> None:
         """Raise :class:`LayoutMismatchError` naming every difference between the layouts."""
@@ -228,17 +294,18 @@ class Layout:
             except (KeyError, TypeError, AttributeError):
                 pass
         problems: list[str] = []
+        name = self._name
         for spec in self.specs:
             t = tensors.get(spec.key)
             if t is None:
-                problems.append(f"{spec.key}: missing (expected {spec.describe()})")
+                problems.append(f"{name(spec.key)}: missing (expected {spec.describe()})")
             elif t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
                 problems.append(
-                    f"{spec.key}: expected {spec.describe()}, got "
+                    f"{name(spec.key)}: expected {spec.describe()}, got "
                     f"{_dtype_name(t.dtype)}{list(t.shape)}"
                 )
         known = set(self.keys)
-        problems.extend(f"{k}: unexpected key" for k in sorted(tensors) if k not in known)
+        problems.extend(f"{name(k)}: unexpected key" for k in sorted(tensors) if k not in known)
         if problems:
             raise LayoutMismatchError(problems)
 
@@ -277,6 +344,19 @@ class Layout:
     ) -> None:
         """Copy named tensors into views ``dst`` (from :meth:`views`) with fused copies."""
         fused_copy([dst[k] for k in self.keys], [tensors[k] for k in self.keys], policy)
+
+
+def section_of(key: str) -> str:
+    """The model id of a key of a layout of several models (``policy.0.weight``)."""
+    return key.partition(".")[0]
+
+
+def wire_of(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels in: ``wire_dtype`` for floating tensors when
+    one is set, its own otherwise (integers and bools travel as they are)."""
+    if wire_dtype is not None and dtype.is_floating_point:
+        return wire_dtype
+    return dtype
 
 
 def refuse_meta(tensors: Mapping[str, torch.Tensor], why: str) -> None:

@@ -28,6 +28,7 @@ from ._plane import (
     SenderContext,
     Staged,
     WeightSource,
+    complete_tensors,
 )
 from ._protocol import ParamValue
 from ._slot_table import InPlaceSenderPlane, SlotTable, check_slot_counts
@@ -97,6 +98,8 @@ class MemorySenderPlane(InPlaceSenderPlane):
         parts = self._slots[slot].value
         layout = self.layout
 
+        latest = self._slots[self.latest].value if self.latest is not None else None
+
         def copy() -> None:
             snapshot = source.snapshot()
             if snapshot.buffers is not None:
@@ -104,9 +107,8 @@ class MemorySenderPlane(InPlaceSenderPlane):
             elif snapshot.tensors is not None:
                 views = layout.views(parts)
                 keys = layout.keys
-                fused_copy(
-                    [views[k] for k in keys], [snapshot.tensors[k] for k in keys], self._policy
-                )
+                tensors = complete_tensors(layout, snapshot, latest)
+                fused_copy([views[k] for k in keys], [tensors[k] for k in keys], self._policy)
             else:
                 raise ValueError("empty source")
 

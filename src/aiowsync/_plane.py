@@ -52,6 +52,7 @@ __all__ = [
     "Source",
     "Staged",
     "WeightSource",
+    "complete_tensors",
 ]
 
 Params = dict[str, ParamValue]
@@ -68,6 +69,29 @@ class Source:
     model: bool = False
     """The tensors are the sender's own model's: they come back on every send, so what is
     prepared to copy them is worth keeping from the first send on."""
+    carry: frozenset[str] = frozenset()
+    """Models (sections of the layout) this version takes unchanged from the latest one:
+    ``tensors`` holds none of their keys, and the plane keeps their bytes as they were."""
+    cast: bool = False
+    """Some tensors are of another dtype than the layout's (a wire dtype): they must be
+    copied tensor by tensor with a cast, never as raw bytes."""
+
+
+def complete_tensors(
+    layout: Layout, source: Source, latest: Sequence[torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """Every key's tensor for ``source`` (given as ``tensors``): its own, and for the models
+    it carries, views of ``latest`` (the buffers of the newest version)."""
+    assert source.tensors is not None
+    tensors = dict(source.tensors)
+    if source.carry:
+        if latest is None:
+            raise ValueError("a send of some models needs an earlier version to take the rest from")
+        views = layout.views(latest)
+        for section in source.carry:
+            for key in layout.section_keys(section):
+                tensors[key] = views[key]
+    return tensors
 
 
 class WeightSource(abc.ABC):
@@ -77,6 +101,9 @@ class WeightSource(abc.ABC):
     checks the weights against the layout and returns them, raising before a byte is written
     when they do not fit.
     """
+
+    partial: bool = False
+    """It gives some models of several and carries the others (its snapshot's ``carry``)."""
 
     @property
     @abc.abstractmethod

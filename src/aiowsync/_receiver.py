@@ -67,6 +67,7 @@ class ReceiverCore:
         plane: ReceiverPlane,
         layout: Layout,
         targets: Mapping[str, torch.Tensor],
+        model_layout: Layout | None = None,
         worker_idx: int,
         model_id: str,
         address: str,
@@ -104,6 +105,7 @@ class ReceiverCore:
         self.applier = Applier(
             plane=plane,
             layout=layout,
+            model_layout=model_layout,
             targets=targets,
             mode=apply_mode,
             guard=guard,

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from types import TracebackType
+from collections.abc import Mapping
+from types import MappingProxyType, TracebackType
 from typing import Any, Literal, TypedDict
 
 import anyio
 import anyio.abc
+import torch
 
 from ._channel import ChannelFactory, SenderChannel, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
@@ -44,10 +46,11 @@ class SchemeOptions(TypedDict, total=False):
     channels: ChannelFactory | None
     apply_mode: Literal["auto", "swap", "copy"]
     background: bool
+    wire_dtype: torch.dtype | None
 
 
 class WeightSyncScheme(SenderSide, ReceiverSide):
-    """Synchronises ONE model from a sender to ``num_workers`` receivers.
+    """Synchronises a model (or several, as one) from a sender to ``num_workers`` receivers.
 
     Configure it once, then call :meth:`init_on_sender` in the trainer or
     :meth:`init_on_receiver` in a worker. The object pickles to its configuration and address
@@ -74,6 +77,11 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
             ``"auto"`` picks swap for CPU models and copy otherwise.
         background: receivers only: apply updates from a background task (default) or leave
             it to :meth:`receive` (pull mode).
+        wire_dtype: a floating dtype (e.g. ``torch.bfloat16``) that floating tensors travel
+            in: the sender casts them when it stages a version, integer and bool tensors
+            travel as they are. The same on both sides (it pickles with the scheme). A
+            receiver whose model holds that dtype swaps as usual; one holding another copies
+            each version with a cast.
     """
 
     def __init__(
@@ -89,7 +97,15 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
         channels: ChannelFactory | None = None,
         apply_mode: Literal["auto", "swap", "copy"] = "auto",
         background: bool = True,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
+        if wire_dtype is not None and (
+            not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"wire_dtype must be a floating torch dtype (torch.bfloat16, torch.float16, "
+                f"...), got {wire_dtype!r}"
+            )
         if apply_mode not in ("auto", "swap", "copy"):
             raise ValueError(f"apply_mode must be 'auto', 'swap' or 'copy', got {apply_mode!r}")
         if not isinstance(plane, DataPlane):
@@ -108,11 +124,14 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
         self.channels = channels
         self.apply_mode: Literal["auto", "swap", "copy"] = apply_mode
         self.background = background
+        self.wire_dtype = wire_dtype
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
         self._role: Role | None = None
         self._model: Any = None
+        self._models: dict[str, WeightsLike] | None = None
+        """``models=`` of a scheme of several models (None for one)."""
         self._weights: WeightsLike | None = None
         self._context: Any = None
         self.num_workers = 0
@@ -147,6 +166,7 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
         "channels",
         "apply_mode",
         "background",
+        "wire_dtype",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -181,8 +201,20 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
 
     @property
     def model(self) -> Any:
-        """The model or weights given to ``init_on_*`` (``None`` before)."""
+        """The model or weights given to ``init_on_*`` (``None`` before; with ``models=``, a
+        module holding them all when all are modules)."""
         return self._model
+
+    @property
+    def models(self) -> Mapping[str, Any]:
+        """Model id to the model (or weights) given to ``init_on_*``: ``models=`` as given,
+        or ``{model_id: model}`` for one model (empty before ``init_on_*``)."""
+        if self._models is not None:
+            return MappingProxyType(self._models)
+        if self._role is None:
+            return MappingProxyType({})
+        single = self._model if self._model is not None else self._weights
+        return MappingProxyType({self.model_id: single})
 
     @property
     def context(self) -> Any:

@@ -68,7 +68,12 @@ class SchemeState:
     background: bool
     _role: Role | None
     _model: Any
+    _models: dict[str, WeightsLike] | None
     _weights: WeightsLike | None
+    wire_dtype: torch.dtype | None
+    _model_layout: Layout
+    """The layout of the model's own dtypes (what sources are checked against); ``_layout``
+    is the one on the wire, the same unless ``wire_dtype`` casts."""
     _context: Any
     _layout: Layout
     _targets: dict[str, torch.Tensor]

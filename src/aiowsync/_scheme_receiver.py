@@ -6,6 +6,7 @@ import contextlib
 import os
 import socket
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -19,6 +20,7 @@ from ._channel import ChannelFactory
 from ._exceptions import WeightSyncError
 from ._guard import ReadGuard
 from ._layout import Layout, refuse_meta
+from ._models import check_models, models_id, receiver_targets, sender_weights
 from ._plane import ReceiverContext
 from ._protocol import PROTOCOL_VERSION, Hello
 from ._receiver import ApplyMode, Hook, ReceiverCore
@@ -62,6 +64,7 @@ class ReceiverSide(SchemeState):
         *,
         worker_idx: int,
         weights: TensorDictBase | dict[str, torch.Tensor] | None = None,
+        models: Mapping[str, WeightsLike] | None = None,
         model_id: str | None = None,
         context: Any = None,
     ) -> None:
@@ -69,12 +72,22 @@ class ReceiverSide(SchemeState):
 
         ``model`` is a module, a ``TensorDict`` or a state_dict whose tensors will be made to
         hold each new version (swap mode re-points them, copy mode copies into them);
-        ``weights=`` takes a ``TensorDict`` or state_dict instead, as on the sender.
+        ``weights=`` takes a ``TensorDict`` or state_dict instead, as on the sender;
+        ``models=`` several models by model id, as the sender gave them.
         """
         if self._role == "sender" and self._sender_pid != os.getpid():
             self._refuse_forked(worker_idx)
         self._check_fresh()
-        if model_id is not None:
+        several = models is not None
+        if models is not None:
+            if model is not None or weights is not None:
+                raise ValueError("give models= alone, or model= (or weights=) for one model")
+            checked = check_models(models)
+            self._models = checked
+            self.model_id = models_id(checked)
+            holder, together = sender_weights(checked)
+            model = holder if holder is not None else together  # type: ignore[assignment]
+        elif model_id is not None:
             self.model_id = model_id
         if model is not None and weights is not None:
             raise ValueError("give model= or weights=, not both")
@@ -90,12 +103,30 @@ class ReceiverSide(SchemeState):
             raise ValueError(f"worker_idx must be a non-negative integer, got {worker_idx!r}")
         if self._address is None:
             raise ValueError("a receiver needs the sender's address: pass address= or unpickle it")
-        self._targets = (
-            module_targets(model)
-            if isinstance(model, nn.Module)
-            else flatten_weights(model, detach=False)  # the user's own tensor objects
-        )
+        if self._models is not None:
+            self._targets = receiver_targets(self._models)
+        else:
+            self._targets = (
+                module_targets(model)
+                if isinstance(model, nn.Module)
+                else flatten_weights(model, detach=False)  # the user's own tensor objects
+            )
         refuse_meta(self._targets, "they hold no memory to receive into")
+        self._model_layout = Layout.from_weights(self._targets, sectioned=several)
+        self._layout = Layout.from_weights(
+            self._targets, sectioned=several, wire_dtype=self.wire_dtype
+        )
+        if self.apply_mode == "swap" and self._layout != self._model_layout:
+            cast = next(
+                s
+                for s, w in zip(self._model_layout.specs, self._layout.specs, strict=True)
+                if s.dtype != w.dtype
+            )
+            raise ValueError(
+                f"apply_mode='swap' needs the model to hold the wire dtype {self.wire_dtype}, "
+                f"and {cast.key} is {cast.dtype}; use apply_mode='copy' (or 'auto', which "
+                "picks it) to copy each version with a cast"
+            )
         if self.apply_mode == "swap" and not self.plane.can_swap(self._targets):
             devices = sorted({str(t.device) for t in self._targets.values()})
             raise ValueError(
@@ -103,7 +134,6 @@ class ReceiverSide(SchemeState):
                 f"of another device ({type(self.plane).__name__}); use apply_mode='copy' "
                 "(or 'auto', which picks it)"
             )
-        self._layout = Layout.from_weights(self._targets)
         self._model, self._context = model, context
         self.worker_idx = worker_idx
         self._role = "receiver"
@@ -168,7 +198,11 @@ class ReceiverSide(SchemeState):
         mode: ApplyMode
         if self.apply_mode == "auto":
             devices = {t.device.type for t in self._targets.values()}
-            can_swap = devices <= {"cpu"} and self.plane.can_swap(self._targets)
+            can_swap = (
+                devices <= {"cpu"}
+                and self.plane.can_swap(self._targets)
+                and self._layout == self._model_layout  # a wire dtype of its own: copy
+            )
             mode = "swap" if can_swap else "copy"
         else:
             mode = self.apply_mode
@@ -179,6 +213,7 @@ class ReceiverSide(SchemeState):
             channels=self.channels,
             plane=self.plane.receiver(context),
             layout=self._layout,
+            model_layout=self._model_layout,
             targets=self._targets,
             worker_idx=self.worker_idx,
             model_id=self.model_id,

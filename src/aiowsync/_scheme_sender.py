@@ -6,7 +6,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -18,10 +18,11 @@ from torch import nn
 from ._channel import SenderChannel, resolve_local
 from ._exceptions import TransportError
 from ._layout import Layout, refuse_meta
+from ._models import check_models, models_id, sender_weights, split_send
 from ._plane import SenderContext, WeightSource
 from ._scheme_base import SchemeState, resolve_model
 from ._sender import PendingSend, SenderCore, SendResult
-from ._source import ModelSource, WeightsSource
+from ._source import ModelSource, PartialSource, WeightsSource
 from ._weights import WeightsLike, flatten_weights
 
 __all__ = ["SenderSide"]
@@ -91,6 +92,7 @@ class SenderSide(SchemeState):
         model: nn.Module | TensorDictBase | dict[str, torch.Tensor] | None = None,
         *,
         weights: WeightsLike | None = None,
+        models: Mapping[str, WeightsLike] | None = None,
         num_workers: int | None = None,
         model_id: str | None = None,
         context: Any = None,
@@ -101,6 +103,9 @@ class SenderSide(SchemeState):
         Args:
             model: the model whose weights ``send()`` takes by default.
             weights: a ``TensorDict`` or state_dict instead of a model.
+            models: several models synced as one, by model id (each an ``nn.Module``, a
+                ``TensorDict`` or a state_dict): each version covers them all, and
+                ``send(weights={model_id: ...})`` sends some of them.
             num_workers: how many receivers (indices ``0 .. num_workers-1``).
             model_id: overrides the constructor's ``model_id``.
             context: an object that can resolve ``model_id`` to a model (seed-style); its
@@ -110,7 +115,15 @@ class SenderSide(SchemeState):
                 working); falls back to per-tensor fused copies if the model cannot be re-homed.
         """
         self._check_fresh()
-        if model_id is not None:
+        if models is not None:
+            if model is not None or weights is not None:
+                raise ValueError("give models= alone, or model= (or weights=) for one model")
+            self._models = check_models(models)
+            self.model_id = models_id(self._models)
+            model, weights = sender_weights(self._models)
+            if model is not None:
+                weights = None
+        elif model_id is not None:
             self.model_id = model_id
         if model is None and weights is None and context is not None:
             model = resolve_model(context, self.model_id)
@@ -124,7 +137,9 @@ class SenderSide(SchemeState):
             raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
         flat = flatten_weights(model if model is not None else weights)  # type: ignore[arg-type]
         refuse_meta(flat, "they hold no values to send")
-        self._layout = Layout.from_weights(flat)
+        several = self._models is not None
+        self._model_layout = Layout.from_weights(flat, sectioned=several)
+        self._layout = Layout.from_weights(flat, sectioned=several, wire_dtype=self.wire_dtype)
         self._model, self._weights, self._context = model, weights, context
         self.num_workers = num_workers
         self._rehome = rehome
@@ -147,7 +162,9 @@ class SenderSide(SchemeState):
                 heartbeats=self.heartbeats,
             )
             if isinstance(self._model, nn.Module):
-                self._source = ModelSource(self._model, self._layout, rehome_it=self._rehome)
+                self._source = ModelSource(
+                    self._model, self._model_layout, rehome_it=self._rehome, cast=self._casts
+                )
             initial = self._source or self._source_of(None)
         except BaseException:
             channel.close()
@@ -157,14 +174,24 @@ class SenderSide(SchemeState):
         self._served = sender.address  # what later sessions try to serve on again
         await self._start_background(tg, sender.serve)
 
+    @property
+    def _casts(self) -> bool:
+        """The wire dtype changes some tensors' dtype on the way."""
+        return self._layout.fingerprint != self._model_layout.fingerprint
+
     def _source_of(self, weights: WeightsLike | str | None) -> WeightSource:
         if weights is None:
             if self._source is not None:
                 return self._source
             weights = self._model if self._model is not None else self._weights
+        elif self._models is not None:
+            named, every = split_send(weights, self._models)
+            if not every:
+                return PartialSource(named, self._model_layout, cast=self._casts)
+            weights = named
         elif self._context is not None and isinstance(weights, str):
             weights = resolve_model(self._context, weights)
-        return WeightsSource(weights, self._layout)  # type: ignore[arg-type]
+        return WeightsSource(weights, self._model_layout, cast=self._casts)  # type: ignore[arg-type]
 
     async def send(
         self,
@@ -175,7 +202,10 @@ class SenderSide(SchemeState):
         """Stage the weights as a new version and wait until every targeted worker runs it.
 
         Args:
-            weights: what to send; by default the model (or weights) given at init.
+            weights: what to send; by default the model (or weights) given at init. For a
+                scheme of several models, ``{model_id: weights, ...}`` (or a TensorDict keyed
+                by model id): the models not named keep the bytes of the latest version, and
+                the version still rises for all.
             worker_ids: one index or several; by default every worker.
             timeout: deadline for the whole call; by default ``timeouts.transfer`` for staging
                 and ``timeouts.ack`` for the acknowledgements.
@@ -187,6 +217,7 @@ class SenderSide(SchemeState):
             WeightSyncTimeout: a targeted worker did not acknowledge by the deadline.
             RemoteApplyError: a worker failed to apply the version (its error text included).
             LayoutMismatchError: ``weights`` do not match the layout (nothing was written).
+            ValueError: ``weights`` name a model this scheme does not hold.
             WeightSyncError: every shared-memory slot holds a version still in use, or the
                 sender shut down while the version was being staged.
             TransportError: a new slot could not be created (``/dev/shm`` full).

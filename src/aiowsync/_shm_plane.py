@@ -89,6 +89,9 @@ class _File:
     file: SlotFile
     parts: list[torch.Tensor] = field(default_factory=list)
     views: dict[str, torch.Tensor] = field(default_factory=dict)
+    content: dict[str, int] = field(default_factory=dict)
+    """By model (section), which staging wrote the bytes it holds: a send of some models
+    copies the others only into a slot whose bytes of them are not the latest already."""
 
 
 class SharedMemSenderPlane(InPlaceSenderPlane):
@@ -123,6 +126,8 @@ class SharedMemSenderPlane(InPlaceSenderPlane):
         buffers, or None for tensors through the gather copy."""
         self._last_tensors = False
         """The last staging copied tensors through the gather copy."""
+        self._serial = 0
+        """Counts stagings: the ``content`` marks of the slots."""
         remove_stale_slots()
         try:
             for _ in range(self.num_slots):
@@ -152,7 +157,11 @@ class SharedMemSenderPlane(InPlaceSenderPlane):
         record.file.back()  # a slot's first use allocates its pages: never on the loop
         parts = record.parts
         key = source.key
-        if key in self._last:
+        if source.partial:
+            # Some models only: nothing is worth copying before the check, and the bytes of
+            # the others in this slot may be the latest already.
+            last, tensors = None, False
+        elif key in self._last:
             last = self._last[key]
             tensors = last is None
         else:
@@ -167,9 +176,13 @@ class SharedMemSenderPlane(InPlaceSenderPlane):
                 if snapshot.buffers is not None and _same(snapshot.buffers, last):
                     flat.finish()
                     self._copied(key, snapshot.buffers)
+                    self._serial += 1
+                    record.content = dict.fromkeys(self.layout.sections, self._serial)
                     return
                 flat.abandon()
-            self._write(slot, snapshot, gather, key)
+            self._write(
+                slot, snapshot, gather, key, clobbered=flat is not None or gather is not None
+            )
         except BaseException:
             if flat is not None:
                 flat.abandon()
@@ -177,12 +190,28 @@ class SharedMemSenderPlane(InPlaceSenderPlane):
                 gather.job.abandon()
             raise
 
-    def _write(self, slot: int, source: Source, early: EarlyCopy | None, key: object) -> None:
+    def _write(
+        self,
+        slot: int,
+        source: Source,
+        early: EarlyCopy | None,
+        key: object,
+        *,
+        clobbered: bool = False,
+    ) -> None:
         """Copy ``source`` into ``slot``; ``early`` (of the gather copy) is finished or
-        abandoned."""
+        abandoned. ``clobbered``: a copy started before the check wrote into the slot."""
         s = self._slots[slot].value
         self._last.pop(key, None)
         self._last_tensors = False
+        self._serial += 1
+        # What it held counts again only once written.
+        before, s.content = ({} if clobbered else s.content), {}
+        if source.carry or source.cast:
+            if early is not None:
+                early.job.abandon()
+            s.content = self._write_some(s, source, before)
+            return
         if source.buffers is not None:
             if early is not None:
                 early.job.abandon()
@@ -199,6 +228,29 @@ class SharedMemSenderPlane(InPlaceSenderPlane):
             if early is not None:
                 early.job.abandon()
             raise ValueError("empty source")
+        s.content = dict.fromkeys(self.layout.sections, self._serial)
+
+    def _write_some(self, record: _File, source: Source, before: dict[str, int]) -> dict[str, int]:
+        """Copy a source tensor by tensor (casting where dtypes differ), and the models it
+        carries from the newest slot, unless this slot holds their newest bytes already."""
+        assert source.tensors is not None
+        layout, latest = self.layout, None
+        if source.carry:
+            if self.latest is None:
+                raise ValueError("a send of some models needs an earlier version")
+            latest = self._slots[self.latest].value
+        content = {}
+        for section in source.carry:
+            assert latest is not None
+            want = latest.content[section]
+            if before.get(section) != want:
+                first, last = layout.sections[section]
+                fused_copy(record.parts[first:last], latest.parts[first:last], self._policy)
+            content[section] = want
+        keys = [k for k in layout.keys if k in source.tensors]
+        fused_copy([record.views[k] for k in keys], [source.tensors[k] for k in keys], self._policy)
+        content.update({sec: self._serial for sec in layout.sections if sec not in source.carry})
+        return content
 
     def _copied(self, key: object, buffers: tuple[torch.Tensor, ...] | None) -> None:
         """Remember what a staging from ``key`` copied: whole ``buffers``, or (None) tensors

@@ -117,10 +117,14 @@ class InPlaceSenderPlane(SenderPlane):
             raise WeightSyncError(f"the {self.what} plane is closed")
         return self._slots.reserve_unpinned(pinned, self.what)
 
+    latest: int | None = None
+    """The slot of the newest version published (what a partial send carries models from)."""
+
     def publish(self, slot: int, version: int) -> None:
         if self._closed:
             raise WeightSyncError(f"the {self.what} plane is closed")
         self._slots.publish(slot, version)
+        self.latest = slot
 
     def release(self, slot: int) -> None:
         if not self._closed:

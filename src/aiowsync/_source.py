@@ -18,7 +18,7 @@ from ._plane import Source, WeightSource
 from ._watch import ModelWatch
 from ._weights import WeightsLike, flatten_weights
 
-__all__ = ["ModelSource", "WeightsSource"]
+__all__ = ["ModelSource", "PartialSource", "WeightsSource"]
 
 log = logging.getLogger("aiowsync")
 
@@ -27,10 +27,15 @@ class ModelSource(WeightSource):
     """The sender's own module, watched for replaced tensors; optionally re-homed into one
     private flat buffer so that a snapshot is one copy per buffer."""
 
-    def __init__(self, module: nn.Module, layout: Layout, *, rehome_it: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, layout: Layout, *, rehome_it: bool = False, cast: bool = False
+    ) -> None:
         self.layout = layout
+        """The model's own layout (its dtypes), which snapshots are checked against."""
+        self.cast = cast
+        """The plane's layout has other dtypes (a wire dtype): no raw buffers then."""
         self._flat: list[torch.Tensor] | None = None
-        if rehome_it:
+        if rehome_it and not cast:
             try:
                 self._flat = rehome(module, layout)
             except (ValueError, RuntimeError) as exc:
@@ -54,7 +59,7 @@ class ModelSource(WeightSource):
             self._flat = None
         if not watch.same_specs():
             self._recheck()
-        return Source(tensors=watch.tensors, model=True)
+        return Source(tensors=watch.tensors, model=True, cast=self.cast)
 
     def _recheck(self) -> None:
         watch = self._watch
@@ -74,9 +79,10 @@ class ModelSource(WeightSource):
 class WeightsSource(WeightSource):
     """A module, TensorDict or state_dict, flattened and checked at each snapshot."""
 
-    def __init__(self, weights: WeightsLike, layout: Layout) -> None:
+    def __init__(self, weights: WeightsLike, layout: Layout, *, cast: bool = False) -> None:
         self.weights = weights
         self.layout = layout
+        self.cast = cast
 
     @property
     def key(self) -> object:
@@ -89,4 +95,29 @@ class WeightsSource(WeightSource):
         flat = flatten_weights(self.weights, detach=False)
         self.layout.check(flat)
         refuse_meta(flat, "they hold no values to send")
-        return Source(tensors=flat)
+        return Source(tensors=flat, cast=self.cast)
+
+
+class PartialSource(WeightSource):
+    """Some of the models of a scheme of several (``{model_id: weights}``); the plane keeps
+    the others' bytes from the newest version."""
+
+    partial = True
+
+    def __init__(
+        self, named: dict[str, WeightsLike], layout: Layout, *, cast: bool = False
+    ) -> None:
+        self.named = named
+        self.layout = layout.subset(named)
+        self.carry = frozenset(layout.sections) - frozenset(named)
+        self.cast = cast
+
+    @property
+    def key(self) -> object:
+        return ("partial", tuple((k, id(v)) for k, v in self.named.items()))
+
+    def snapshot(self) -> Source:
+        flat = flatten_weights(self.named, detach=False)
+        self.layout.check(flat)
+        refuse_meta(flat, "they hold no values to send")
+        return Source(tensors=flat, carry=self.carry, cast=self.cast)

@@ -110,5 +110,12 @@ def _flatten_mapping(m: Mapping[Any, Any], prefix: str, out: dict[str, torch.Ten
             out[name] = value
         elif isinstance(value, Mapping):
             _flatten_mapping(value, name + ".", out)
+        elif isinstance(value, (nn.Module, TensorDictBase)):
+            # Several models in one mapping ({"policy": module, "value": td}).
+            for key_, tensor in _flatten(value).items():
+                full = f"{name}.{key_}"
+                if full in out:
+                    raise ValueError(f"weights key {full!r} appears twice after flattening")
+                out[full] = tensor
         else:
             raise TypeError(f"weights entry {name!r} is a {type(value).__name__}, not a tensor")

@@ -1,0 +1,253 @@
+"""Several models in one scheme, sends of some of them, and a wire dtype: on every plane (the
+in-process twins, real shared memory, real gloo), in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+import aiowsync
+from test_behaviour import CONNECT, Hosted, Kind
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(params=["memory", "shm", "dist"])
+def kind(request: pytest.FixtureRequest) -> Kind:
+    return Kind(request.param)
+
+
+def policy(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    m.register_buffer("steps", torch.arange(3, dtype=torch.int64))
+    return m
+
+
+def value(seed: int, width: int = 16) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+def state(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: t.clone() for k, t in m.state_dict().items()}
+
+
+def equal(m: nn.Module, expected: dict[str, torch.Tensor]) -> bool:
+    got = m.state_dict()
+    return got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def fill(m: nn.Module, v: float) -> None:
+    with torch.no_grad():
+        for t in m.parameters():
+            t.fill_(v)
+
+
+@contextlib.asynccontextmanager
+async def rig(
+    kind: Kind, n: int = 2, *, each: dict[int, dict[str, Any]] | None = None, **kw: Any
+) -> AsyncIterator[tuple[aiowsync.WeightSyncScheme, dict[str, nn.Module], list[Any]]]:
+    """A sender of a policy and a value net, and ``n`` connected receivers of their own
+    pair; yields (sender, its models, [(receiver, its models), ...])."""
+    models = {"policy": policy(0), "value": value(1)}
+    sender = kind.scheme(**kw)
+    sender.init_on_sender(models=models, num_workers=n)
+    hosts = [Hosted(sender)]
+    receivers = []
+    try:
+        await hosts[0].start()
+        for i in range(n):
+            mine = {"policy": policy(100 + i), "value": value(200 + i)}
+            options = dict(kw, **(each or {}).get(i, {}))
+            factory = options.pop("models_of", None)
+            if factory is not None:
+                mine = factory(i)
+            r = kind.scheme(sender.address, plane=sender.plane, **options)
+            r.init_on_receiver(models=mine, worker_idx=i)
+            hosts.append(Hosted(r))
+            await hosts[-1].start()
+            receivers.append((r, mine))
+        await asyncio.gather(
+            sender.connect(timeout=CONNECT), *(r.connect(timeout=CONNECT) for r, _ in receivers)
+        )
+        yield sender, models, receivers
+    finally:
+        for host in reversed(hosts):
+            await host.stop()
+
+
+async def test_one_version_covers_every_model_and_hooks_run_once_per_switch(kind: Kind) -> None:
+    async with rig(kind) as (sender, models, receivers):
+        assert (
+            set(sender.models) == {"policy", "value"} and sender.models["value"] is models["value"]
+        )
+        switches: list[int] = []
+        receivers[0][0].register_hook(switches.append)
+        for r, mine in receivers:
+            assert set(r.models) == {"policy", "value"} and r.models["policy"] is mine["policy"]
+            assert equal(mine["policy"], state(models["policy"]))
+            assert equal(mine["value"], state(models["value"]))
+        fill(models["policy"], 1.0)
+        fill(models["value"], 2.0)
+        result = await sender.send()
+        assert result.version == 1 and result.worker_ids == (0, 1)
+        for _, mine in receivers:
+            assert equal(mine["policy"], state(models["policy"]))
+            assert equal(mine["value"], state(models["value"]))
+        assert switches == [1]  # once per switch, not once per model
+        # Every model given, as weights: a full send of those weights.
+        given = {
+            k: {n: torch.full_like(t, 3.0) for n, t in m.state_dict().items()}
+            for k, m in models.items()
+        }
+        assert (await sender.send(weights=given)).version == 2
+        assert all(equal(mine[k], given[k]) for _, mine in receivers for k in given)
+
+
+async def test_a_send_of_some_models_moves_those_and_the_others_keep_their_bytes(
+    kind: Kind,
+) -> None:
+    async with rig(kind) as (sender, models, receivers):
+        fill(models["policy"], 1.0)
+        fill(models["value"], 1.0)
+        await sender.send()
+        sent_policy = state(models["policy"])
+        # The trainer changes both, but sends the value net alone (as a TensorDict).
+        fill(models["policy"], 5.0)
+        new_value = TensorDict.from_module(value(7)).apply(lambda t: t.detach().clone())
+        result = await sender.send(weights={"value": new_value})
+        assert result.version == 2
+        for r, mine in receivers:
+            assert r.version == 2
+            assert equal(mine["policy"], sent_policy)  # v1's bytes, not the trainer's 5.0
+            assert equal(mine["value"], state(value(7)))
+        # Again, a few times: slots are reused, and still only the value net changes.
+        for step in range(3, 7):
+            new_value = {
+                k: torch.full_like(t, float(step)) for k, t in value(0).state_dict().items()
+            }
+            assert (await sender.send(weights={"value": new_value})).version == step
+            for _, mine in receivers:
+                assert equal(mine["policy"], sent_policy) and equal(mine["value"], new_value)
+        # A full send brings the trainer's policy again.
+        await sender.send()
+        assert all(equal(mine["policy"], state(models["policy"])) for _, mine in receivers)
+
+
+async def test_sends_that_do_not_fit_are_refused_before_a_byte_moves(kind: Kind) -> None:
+    async with rig(kind) as (sender, models, receivers):
+        before = [(state(m["policy"]), state(m["value"])) for _, m in receivers]
+        with pytest.raises(ValueError) as unknown:
+            await sender.send(weights={"value": models["value"], "critic": models["value"]})
+        assert str(unknown.value) == (
+            "unknown model id(s) ['critic']: this scheme holds 'policy', 'value'"
+        )
+        with pytest.raises(aiowsync.LayoutMismatchError) as wrong:
+            await sender.send(weights={"value": value(3, width=17)})
+        assert str(wrong.value) == (
+            "weights do not match the layout:\n"
+            "  model 'value', key 0.bias: expected float32[16], got float32[17]\n"
+            "  model 'value', key 0.weight: expected float32[16, 8], got float32[17, 8]\n"
+            "  model 'value', key 2.weight: expected float32[1, 16], got float32[1, 17]"
+        )
+        with pytest.raises(TypeError, match="keyed by model id"):
+            await sender.send(weights=[1, 2])  # type: ignore[arg-type]
+        assert sender.version == 0
+        for (r, m), (p, v) in zip(receivers, before, strict=True):
+            assert r.version == 0 and equal(m["policy"], p) and equal(m["value"], v)
+
+
+async def test_a_receiver_whose_value_net_differs_is_refused_naming_the_model(
+    kind: Kind,
+) -> None:
+    models = {"policy": policy(0), "value": value(1)}
+    sender = kind.scheme()
+    sender.init_on_sender(models=models, num_workers=1)
+    host = Hosted(sender)
+    await host.start()
+    try:
+        r = kind.scheme(sender.address, plane=sender.plane)
+        r.init_on_receiver(models={"policy": policy(2), "value": value(3, width=17)}, worker_idx=0)
+        async with r:
+            with pytest.raises(aiowsync.RefusedError) as info:
+                await r.connect(timeout=CONNECT)
+        assert info.value.reason == (
+            "the receiver's model does not match the sender's:\n"
+            "  model 'value', key 0.bias: expected float32[16], got float32[17]\n"
+            "  model 'value', key 0.weight: expected float32[16, 8], got float32[17, 8]\n"
+            "  model 'value', key 2.weight: expected float32[1, 16], got float32[1, 17]"
+        )
+        one = kind.scheme(sender.address, plane=sender.plane)
+        one.init_on_receiver(model=policy(4), worker_idx=0)
+        async with one:
+            with pytest.raises(aiowsync.RefusedError) as single:
+                await one.connect(timeout=CONNECT)
+        assert single.value.reason == "this sender serves model 'policy+value', not 'policy'"
+    finally:
+        await host.stop()
+
+
+async def test_a_wire_dtype_halves_the_bytes_and_each_worker_holds_the_cast_values(
+    kind: Kind,
+) -> None:
+    def halves(i: int) -> dict[str, nn.Module]:
+        # Worker 0 runs bf16 (swap onto the bf16 slots); worker 1 fp32 (copies with a cast).
+        mine = {"policy": policy(100 + i), "value": value(200 + i)}
+        return {k: m.to(torch.bfloat16) for k, m in mine.items()} if i == 0 else mine
+
+    each = {0: {"models_of": halves}, 1: {"models_of": halves}}
+    async with rig(kind, each=each, wire_dtype=torch.bfloat16) as (sender, models, receivers):
+        with torch.no_grad():
+            for m in models.values():
+                for t in m.parameters():
+                    t.copy_(torch.randn_like(t))
+        result = await sender.send()
+        # What travels: floats in 2 bytes instead of 4, integers as they are.
+        wire = aiowsync.Layout.from_weights(models, sectioned=True, wire_dtype=torch.bfloat16)
+        own = aiowsync.Layout.from_weights(models, sectioned=True)
+        assert result.nbytes == wire.total_bytes
+        ints = sum(t.nbytes for m in models.values() for t in m.buffers())
+        assert wire.payload_bytes - ints == (own.payload_bytes - ints) // 2
+        for i, (r, mine) in enumerate(receivers):
+            assert r._receiver.apply_mode == ("swap" if i == 0 else "copy")
+            for name, m in models.items():
+                for key, t in m.state_dict().items():
+                    got = mine[name].state_dict()[key]
+                    if t.is_floating_point():
+                        want = t.to(torch.bfloat16).to(got.dtype)
+                        assert got.dtype == (torch.bfloat16 if i == 0 else torch.float32)
+                    else:
+                        want = t  # integers travel as they are
+                    assert torch.equal(got, want), (i, name, key)
+
+
+def test_bad_wire_dtypes_and_swaps_that_cannot_be_are_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError) as info:
+        aiowsync.SharedMemWeightSyncScheme(wire_dtype=torch.int8)
+    assert str(info.value) == (
+        "wire_dtype must be a floating torch dtype (torch.bfloat16, torch.float16, ...), "
+        "got torch.int8"
+    )
+    r = aiowsync.SharedMemWeightSyncScheme(
+        address="ipc://@x", wire_dtype=torch.bfloat16, apply_mode="swap"
+    )
+    with pytest.raises(ValueError) as swap:
+        r.init_on_receiver(models={"policy": policy(0)}, worker_idx=0)
+    assert str(swap.value) == (
+        "apply_mode='swap' needs the model to hold the wire dtype torch.bfloat16, and "
+        "policy.0.bias is torch.float32; use apply_mode='copy' (or 'auto', which picks it) "
+        "to copy each version with a cast"
+    )
+    s = aiowsync.SharedMemWeightSyncScheme()
+    with pytest.raises(ValueError, match=r"model id 'a\.b' must be"):
+        s.init_on_sender(models={"a.b": policy(0)}, num_workers=1)
+    with pytest.raises(ValueError, match="give models= alone"):
+        s.init_on_sender(model=policy(0), models={"a": policy(0)}, num_workers=1)
