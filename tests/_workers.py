@@ -44,7 +44,17 @@ class ManyModel(nn.Module):
         self.register_buffer("mask", torch.zeros(13, dtype=torch.bool))
 
 
+def make_pair() -> dict[str, nn.Module]:
+    """A policy (about 4 MiB in 80 tensors) and a value net (about 10 MiB in 20 tensors), for
+    schemes of several models."""
+    policy = nn.ParameterList(nn.Parameter(torch.randn(13_107)) for _ in range(80))
+    value = nn.ParameterList(nn.Parameter(torch.randn(131_072)) for _ in range(20))
+    return {"policy": policy, "value": value}
+
+
 def make_model(kind: str) -> nn.Module:
+    if kind == "pair":
+        return nn.ModuleDict(make_pair())
     if kind == "big":
         return BigModel()
     if kind == "many":
@@ -130,7 +140,10 @@ async def _worker(
         )
         scheme = kind_of_scheme(address=address, background=options.get("background", True))
     model = make_model(kind)
-    scheme.init_on_receiver(model=model, worker_idx=worker_idx)
+    if isinstance(model, nn.ModuleDict):  # several models, one scheme
+        scheme.init_on_receiver(models=dict(model.items()), worker_idx=worker_idx)
+    else:
+        scheme.init_on_receiver(model=model, worker_idx=worker_idx)
     report_digests = options.get("digests", True)
     tear = options.get("tear", False)
     tear_from = options.get("tear_from", 0)
@@ -283,15 +296,20 @@ EXACT_SENDS = 10
 
 
 async def exact_bytes_then_no_mixed_reads(
-    scheme: aiowsync.WeightSyncScheme, model: nn.Module, kind: str, workers_count: int = 4
+    scheme: aiowsync.WeightSyncScheme,
+    model: nn.Module,
+    kind: str,
+    workers_count: int = 4,
+    seconds: float = 6.0,
 ) -> int:
     """Two properties on one set of worker processes (spawning them is most of the cost).
 
     First, every worker holds the sender's exact bytes at connect and after each of
-    :data:`EXACT_SENDS` sends of random values. Then the sender sends back to back for >= 6 s
-    and >= 10 sends (version k filled with k) while every worker reads its model on its event
-    loop and in a thread holding the read guard: no read may see two versions. ``model`` is
-    the sender's, initialised on ``scheme``. Returns the number of back-to-back sends.
+    :data:`EXACT_SENDS` sends of random values. Then the sender sends back to back for >=
+    ``seconds`` and >= 10 sends (version k filled with k) while every worker reads its model
+    on its event loop and in a thread holding the read guard: no read may see two versions.
+    ``model`` is the sender's, initialised on ``scheme``. Returns the number of back-to-back
+    sends.
     """
     n = workers_count
     with workers() as w:
@@ -309,7 +327,7 @@ async def exact_bytes_then_no_mixed_reads(
                 seen = await asyncio.to_thread(w.collect, "version", n)
                 assert {(e[1], e[2]) for e in seen} == {(i, step) for i in range(n)}
                 assert all(e[3] == expected for e in seen), f"content differs at version {step}"
-            deadline = time.monotonic() + 6.0
+            deadline = time.monotonic() + seconds
             sends = 0
             while time.monotonic() < deadline or sends < 10:  # both, however slow the machine
                 version = EXACT_SENDS + sends + 1

@@ -28,7 +28,7 @@ from aiowsync._copy_job import (
 from aiowsync._gather import GatherCopy
 from aiowsync._plane import Source, WeightSource
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, TensorDesc, decode, encode
-from aiowsync._shm_plane import SharedMemSenderPlane
+from aiowsync._shm_sender import SharedMemSenderPlane
 from aiowsync._weights import flatten_weights
 
 
@@ -787,11 +787,11 @@ class _Given(WeightSource):
 
 def stage(plane: SharedMemSenderPlane, slot: int, key: str, make: Callable[[], Source]) -> None:
     """Stage into ``slot`` as the plane's staging thread does (checked by ``make``)."""
-    plane._stage(slot, _Given(key, make))
+    plane._stage([plane._tables[""][slot].value], _Given(key, make))
 
 
 def slot_parts(plane: SharedMemSenderPlane, slot: int) -> list[torch.Tensor]:
-    return plane._slots[slot].value.parts
+    return plane._tables[""][slot].value.parts
 
 
 def test_a_plane_guesses_by_hint_between_buffers_and_tensors(

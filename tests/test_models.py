@@ -251,3 +251,27 @@ def test_bad_wire_dtypes_and_swaps_that_cannot_be_are_refused_with_the_fix() -> 
         s.init_on_sender(models={"a.b": policy(0)}, num_workers=1)
     with pytest.raises(ValueError, match="give models= alone"):
         s.init_on_sender(model=policy(0), models={"a": policy(0)}, num_workers=1)
+
+
+async def test_on_shared_memory_a_model_not_sent_stays_where_it_is() -> None:
+    """A send of some models writes new slots for those only: in swap mode, the other
+    models' tensors keep pointing at the very bytes they pointed at (nothing was copied),
+    also when the models are sent in turn."""
+    async with rig(Kind("shm")) as (sender, models, receivers):
+        r, mine = receivers[0]
+        assert r._receiver.apply_mode == "swap"
+
+        def where(name: str) -> list[int]:
+            return [t.data_ptr() for t in mine[name].parameters()]
+
+        fill(models["policy"], 1.0)
+        await sender.send()
+        for step in range(2, 8):
+            name = "policy" if step % 2 else "value"
+            other = "value" if name == "policy" else "policy"
+            kept, moved = where(other), where(name)
+            fill(models[name], float(step))
+            await sender.send(weights={name: models[name]})
+            assert where(other) == kept, f"step {step}: {other} was rewritten"
+            assert where(name) != moved
+            assert equal(mine[name], state(models[name]))

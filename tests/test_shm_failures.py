@@ -209,7 +209,7 @@ async def test_a_worker_whose_hook_keeps_failing_does_not_use_up_the_slots() -> 
             assert same(healthy[1], src)
         # Its hooks run after the switch: the failing worker runs the latest version too.
         assert failing[0].version == 24 and same(failing[1], src)
-        assert len(core.plane._slots) <= 4  # type: ignore[attr-defined]
+        assert len(core.plane._tables[""]) <= 4  # type: ignore[attr-defined]
 
 
 async def test_hostile_frames_are_dropped_without_disturbing_workers() -> None:

@@ -104,6 +104,8 @@ class WeightSource(abc.ABC):
 
     partial: bool = False
     """It gives some models of several and carries the others (its snapshot's ``carry``)."""
+    carry: frozenset[str] = frozenset()
+    """For a partial source, the models it carries unchanged from the latest version."""
 
     @property
     @abc.abstractmethod
