@@ -327,7 +327,8 @@ async def exact_bytes_then_no_mixed_reads(
                 seen = await asyncio.to_thread(w.collect, "version", n)
                 assert {(e[1], e[2]) for e in seen} == {(i, step) for i in range(n)}
                 assert all(e[3] == expected for e in seen), f"content differs at version {step}"
-            deadline = time.monotonic() + seconds
+            started = time.monotonic()
+            deadline = started + seconds
             sends = 0
             while time.monotonic() < deadline or sends < 10:  # both, however slow the machine
                 version = EXACT_SENDS + sends + 1
@@ -335,8 +336,14 @@ async def exact_bytes_then_no_mixed_reads(
                 result = await scheme.send(timeout=30)
                 sends += 1
                 assert result.version == version
+            elapsed = time.monotonic() - started
             w.stop.set()
             done = await asyncio.to_thread(w.collect, "done", n)
+    reads = [(s["loop_reads"], s["thread_reads"], s["mixed"]) for _, _, s in done]
+    print(
+        f"{kind}: {sends} sends back to back in {elapsed:.1f} s; per worker (loop reads, guarded thread reads,"
+        f" mixed): {reads}"
+    )
     for _, idx, stats in done:
         assert stats["loop_reads"] > 0 and stats["thread_reads"] > 0, stats
         assert stats["mixed"] == 0, f"worker {idx} saw a mix of versions: {stats}"
