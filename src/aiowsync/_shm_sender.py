@@ -81,6 +81,8 @@ class SharedMemSenderPlane(SenderPlane):
     def setup(self, layout: Layout) -> None:
         self.layout = layout
         self._gather = GatherCopy(layout, self._policy)
+        self._gathers: dict[frozenset[str], GatherCopy] = {}
+        """The gather copies of sends of some models, by the models they write."""
         self._early = early_share(len(layout.specs), layout.total_bytes)
         """How a copy of whole buffers started before the check is cut (see start_copy)."""
         self._last: collections.OrderedDict[object, tuple[torch.Tensor, ...] | None] = (
@@ -197,13 +199,14 @@ class SharedMemSenderPlane(SenderPlane):
         carry = source.carry if source.partial else frozenset()
         sections = [name for name in self._tables if name not in carry]
         files = self._take_slots(slot, sections)
-        if self.layout.total_bytes <= self._stager.inline_bytes:
+        nbytes = sum(f.file.nbytes for f in files)  # the models written, not all of them
+        if nbytes <= self._stager.inline_bytes:
             # Small: checked and copied on the loop, with nothing started early.
             for f in files:
                 f.file.back()
             self._write(files, source.snapshot(), None, source.key)
         else:
-            await self._stager.run(self.layout.total_bytes, lambda: self._stage(files, source))
+            await self._stager.run(nbytes, lambda: self._stage(files, source))
 
     def _stage(self, files: list[_File], source: WeightSource) -> None:
         # A model's tensors (or its re-homed buffers) come back on every send, and checking a
@@ -213,8 +216,11 @@ class SharedMemSenderPlane(SenderPlane):
             f.file.back()  # a slot's first use allocates its pages: never on the loop
         parts = [p for f in files for p in f.parts]
         key = source.key
+        copier = self._copier(source)
         if source.partial:
-            last, tensors = None, False  # some models only: nothing is copied before the check
+            # Some models: no re-homed buffers; the same tensors as last time, if they were
+            # copied by the gather copy of those models.
+            last, tensors = None, key in self._last
         elif key in self._last:
             last = self._last[key]
             tensors = last is None
@@ -223,7 +229,7 @@ class SharedMemSenderPlane(SenderPlane):
             # tensors, if they came twice in a row).
             last, tensors = None, self._last_tensors
         flat = start_copy(parts, last, self._early, self._policy) if last is not None else None
-        gather = self._gather.start(parts, key) if tensors else None
+        gather = copier.start(parts, key) if tensors else None
         try:
             snapshot = source.snapshot()
             if flat is not None:
@@ -247,18 +253,21 @@ class SharedMemSenderPlane(SenderPlane):
         the gather copy) is finished or abandoned."""
         self._last.pop(key, None)
         self._last_tensors = False
+        parts = [p for f in files for p in f.parts]
         if source.carry or source.cast:
-            # Some models, or a cast: tensor by tensor into the models' own slots.
+            # Some models (into their own slots), or a cast (tensor by tensor).
+            assert source.tensors is not None
+            copier = self._copier(source)
+            written = copier.layout.keys
+            src = [source.tensors[k] for k in written]
+            if not source.cast and copier.copy(parts, src, keep=True, early=early, hint=key):
+                self._copied(key, None)  # these models' tensors, through their gather copy
+                return
             if early is not None:
                 early.job.abandon()
-            assert source.tensors is not None
             views = {k: v for f in files for k, v in f.views.items()}
-            written = [k for k in self.layout.keys if k in views]
-            fused_copy(
-                [views[k] for k in written], [source.tensors[k] for k in written], self._policy
-            )
+            fused_copy([views[k] for k in written], src, self._policy)
             return
-        parts = [p for f in files for p in f.parts]
         if source.buffers is not None:
             if early is not None:
                 early.job.abandon()
@@ -277,6 +286,17 @@ class SharedMemSenderPlane(SenderPlane):
                 early.job.abandon()
             raise ValueError("empty source")
 
+    def _copier(self, source: WeightSource | Source) -> GatherCopy:
+        """The gather copy of the models a source writes (all, or those of a partial one):
+        the layout of some models keeps their buffers as they are in the whole layout."""
+        if not source.carry:
+            return self._gather
+        written = frozenset(self.layout.sections) - source.carry
+        copier = self._gathers.get(written)
+        if copier is None:
+            copier = self._gathers[written] = GatherCopy(self.layout.subset(written), self._policy)
+        return copier
+
     def _copied(self, key: object, buffers: tuple[torch.Tensor, ...] | None) -> None:
         """Remember what a staging from ``key`` copied: whole ``buffers``, or (None) tensors
         through the gather copy."""
@@ -288,6 +308,8 @@ class SharedMemSenderPlane(SenderPlane):
         self._stager.close()
         if hasattr(self, "_gather"):
             self._gather.clear()
+            for copier in self._gathers.values():
+                copier.clear()
             self._last.clear()
         for table in self._tables.values():
             for s in table:
