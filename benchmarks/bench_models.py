@@ -12,7 +12,7 @@ baselines alternate sample by sample. Parts (``--parts``, all by default):
 * ``wire``: a 256 MiB fp32 model sent as fp32 (one scheme) and with ``wire_dtype=bfloat16``
   (another scheme, 2 workers holding bf16 models in swap mode, 2 holding fp32 models copying
   with a cast), against raw ``copy_`` of the same bytes (256 MiB for fp32, 128 MiB for the
-  bf16 bytes). Bytes staged (``SendResult.nbytes``) are compared, and every worker's values
+  bf16 bytes) and a raw cast (one fp32 tensor of 256 MiB ``copy_``-ed into a bf16 one). Bytes staged (``SendResult.nbytes``) are compared, and every worker's values
   must equal the sender's cast to bf16 exactly.
 * ``many``: a 500-layer MLP (1000 tensors; the 500 biases are 732 bytes each; 64 MiB in all)
   and the bench's 1000-tensor model (``1000t-64MiB``), each against raw ``copy_`` of its bytes;
@@ -286,7 +286,22 @@ async def part_wire(args: argparse.Namespace) -> dict[str, Any]:
     cast.init_on_sender(model=model, num_workers=n)
     nbytes = sum(t.nbytes for t in model.parameters())
     raw_full, raw_half = RawCopy(nbytes), RawCopy(nbytes // 2)
-    times: dict[str, list[float]] = {"fp32": [], "bf16": [], "raw 256": [], "raw 128": []}
+    times: dict[str, list[float]] = {
+        "fp32": [],
+        "bf16": [],
+        "bf16 staging": [],
+        "raw 256": [],
+        "raw 128": [],
+        "raw cast": [],
+    }
+    cast_src = torch.ones(nbytes // 4)
+    cast_dst = torch.zeros(nbytes // 4, dtype=torch.bfloat16)
+
+    def raw_cast() -> float:
+        t0 = time.perf_counter()
+        cast_dst.copy_(cast_src)
+        return time.perf_counter() - t0
+
     staged: dict[str, int] = {}
     dtypes = ["bfloat16"] * (n // 2) + ["float32"] * (n - n // 2)
     async with plain, cast:
@@ -307,8 +322,10 @@ async def part_wire(args: argparse.Namespace) -> dict[str, Any]:
                 times["raw 256"].append(raw_full())
                 r = await cast.send(timeout=60)
                 times["bf16"].append(r.seconds)
+                times["bf16 staging"].append(r.stage_seconds)
                 staged["bf16"] = r.nbytes
                 times["raw 128"].append(raw_half())
+                times["raw cast"].append(raw_cast())
             seen = await pools[1].digests()
         finally:
             for pool in pools:
