@@ -341,8 +341,8 @@ async def exact_bytes_then_no_mixed_reads(
             done = await asyncio.to_thread(w.collect, "done", n)
     reads = [(s["loop_reads"], s["thread_reads"], s["mixed"]) for _, _, s in done]
     print(
-        f"{kind}: {sends} sends back to back in {elapsed:.1f} s; per worker (loop reads, guarded thread reads,"
-        f" mixed): {reads}"
+        f"{kind}: {sends} sends back to back in {elapsed:.1f} s; per worker (loop reads, "
+        f"guarded thread reads, mixed): {reads}"
     )
     for _, idx, stats in done:
         assert stats["loop_reads"] > 0 and stats["thread_reads"] > 0, stats

@@ -34,9 +34,13 @@ def _model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 8))
 
 
-def _digest(model: nn.Module) -> str:
+def _digest(model: nn.Module, wire: torch.dtype | None = None) -> str:
+    """A hash of the model's bytes; with ``wire``, of its floats as they arrive through that
+    wire dtype (cast there and back)."""
     h = hashlib.blake2b(digest_size=8)
     for t in model.state_dict().values():
+        if wire is not None and t.is_floating_point():
+            t = t.to(wire).to(t.dtype)
         h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -106,15 +110,17 @@ async def _trainer(args: argparse.Namespace) -> int:
     out = ctx.Queue()
     model = _model(args.width, args.depth)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    scheme = SharedMemWeightSyncScheme()
+    wire = getattr(torch, args.wire_dtype) if args.wire_dtype else None
+    scheme = SharedMemWeightSyncScheme(wire_dtype=wire)
     scheme.init_on_sender(model=model, num_workers=args.workers, rehome=True)
-    expected: dict[int, str] = {0: _digest(model)}
+    expected: dict[int, str] = {0: _digest(model, wire)}
     procs = []
     meter = _StallMeter()
     latencies: list[float] = []
     print(
         f"aiowsync demo: {nbytes / 2**20:.1f} MiB model, {args.workers} workers, "
-        f"{args.sends} sends over shared memory",
+        f"{args.sends} sends over shared memory"
+        + (f", floats travelling as {args.wire_dtype}" if wire is not None else ""),
         flush=True,
     )
     async with scheme:
@@ -143,7 +149,7 @@ async def _trainer(args: argparse.Namespace) -> int:
                             p.add_(torch.randn_like(p), alpha=1e-3)
 
                 await asyncio.to_thread(train_step)
-                expected[step] = await asyncio.to_thread(_digest, model)
+                expected[step] = await asyncio.to_thread(_digest, model, wire)
                 result = await scheme.send(timeout=30)
                 latencies.append(result.seconds)
                 if step % max(1, args.sends // 10) == 0 or step == args.sends:
@@ -238,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
     parser.add_argument("--depth", type=int, default=4, help="hidden layers of the MLP")
     parser.add_argument("--interval", type=float, default=0.05, help="seconds between sends")
+    parser.add_argument(
+        "--wire-dtype",
+        choices=["bfloat16", "float16"],
+        default=None,
+        help="send floats in this dtype (halving the bytes); the fp32 workers copy each "
+        "version with a cast (default: as they are)",
+    )
     args = parser.parse_args(argv)
     return asyncio.run(_trainer(args))
 

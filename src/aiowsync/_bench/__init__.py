@@ -64,6 +64,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--no-torchrl", action="store_true", help="leave TorchRL out")
     p.add_argument(
+        "--wire-dtype",
+        choices=["bfloat16", "float16"],
+        help="aiowsync's schemes send floats in this dtype; workers copy with a cast "
+        "(default: as they are)",
+    )
+    p.add_argument(
         "--timeout", type=float, default=120.0, help="deadline of every wait, s (default: 120)"
     )
     p.add_argument(
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         torchrl=use_torchrl,
         leave_out=QUICK_LEAVE_OUT if args.quick else (),
+        wire_dtype=args.wire_dtype,
     )
     print(f"aiowsync bench: {torchrl_line}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {

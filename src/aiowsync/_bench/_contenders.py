@@ -140,8 +140,17 @@ class AiowsyncSession:
     ``send(weights)`` sends a ``TensorDict`` clone of it, filled separately.
     """
 
-    def __init__(self, transport: str, pool: WorkerPool, spec: Spec, n: int, timeout: float):
+    def __init__(
+        self,
+        transport: str,
+        pool: WorkerPool,
+        spec: Spec,
+        n: int,
+        timeout: float,
+        wire_dtype: str | None = None,
+    ):
         self.transport = transport
+        self.wire = getattr(torch, wire_dtype) if wire_dtype else None
         self.pool = pool
         self.spec = spec
         self.ids = list(range(n))
@@ -154,9 +163,11 @@ class AiowsyncSession:
         beats = Heartbeats(interval=0.5, missed=10)  # busy 2-core machine: slow beats are normal
         self.scheme: SharedMemWeightSyncScheme | DistributedWeightSyncScheme
         if transport == "shm":
-            self.scheme = SharedMemWeightSyncScheme(heartbeats=beats)
+            self.scheme = SharedMemWeightSyncScheme(heartbeats=beats, wire_dtype=self.wire)
         else:
-            self.scheme = DistributedWeightSyncScheme(backend="gloo", heartbeats=beats)
+            self.scheme = DistributedWeightSyncScheme(
+                backend="gloo", heartbeats=beats, wire_dtype=self.wire
+            )
         self.scheme.init_on_sender(model=self.sources.module, num_workers=n)
         self._joined = False
         self._entered = False
@@ -201,6 +212,14 @@ class AiowsyncSession:
         self.fill_next("send()")
         await self.send("send()")
         expected = fingerprint(self.sources.module)
+        if self.wire is not None:  # floats arrive through the wire dtype
+            floats = {
+                k for k, t in self.sources.module.state_dict().items() if t.is_floating_point()
+            }
+            expected = [
+                (k, _through(a, self.wire), _through(b, self.wire)) if k in floats else (k, a, b)
+                for k, a, b in expected
+            ]
         version = self.scheme.version
         checks = await self.pool.ask(self.ids, ("check", version), "check", self.timeout)
         bad = [i for i, c in zip(self.ids, checks, strict=True) if c[2] != expected]
@@ -216,6 +235,11 @@ class AiowsyncSession:
                 await self.scheme.__aexit__(None, None, None)
             del self.sources
             gc.collect()
+
+
+def _through(value: float, dtype: torch.dtype) -> float:
+    """``value`` after a trip through ``dtype``."""
+    return float(torch.tensor(value).to(dtype).float())
 
 
 class AiowsyncSend(Contender):

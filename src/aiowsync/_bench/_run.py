@@ -83,6 +83,9 @@ class Settings:
     pair_up_to: int = PAIR_UP_TO
     leave_out: tuple[tuple[str, str], ...] = ()
     """(model, TorchRL tree) pairs not run, e.g. ``("1000t-64MiB", "mp")``."""
+    wire_dtype: str | None = None
+    """aiowsync's schemes send floats in this dtype (the workers' models stay float32 and
+    copy each version with a cast)."""
 
 
 QUICK_LEAVE_OUT: tuple[tuple[str, str], ...] = (("1000t-64MiB", "mp"),)
@@ -226,7 +229,7 @@ async def _cell(
     out["skipped"] += skipped
     out["batches"] = batches
     progress.say(f"{label}: opening aiowsync {transport} session ({nbytes / MIB:.0f} MiB)")
-    session = AiowsyncSession(transport, pool, spec, n, settings.timeout)
+    session = AiowsyncSession(transport, pool, spec, n, settings.timeout, settings.wire_dtype)
     ours: list[Contender] = [AiowsyncSend(session, "send()"), AiowsyncSend(session, "publish()")]
     limit: RawCopy | RawGloo
     floors: list[RawZmq] = []
