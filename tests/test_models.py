@@ -275,3 +275,28 @@ async def test_on_shared_memory_a_model_not_sent_stays_where_it_is() -> None:
             assert where(other) == kept, f"step {step}: {other} was rewritten"
             assert where(name) != moved
             assert equal(mine[name], state(models[name]))
+
+
+async def test_a_receiver_without_the_senders_wire_dtype_is_told_so() -> None:
+    kind = Kind("memory")
+    sender = kind.scheme(wire_dtype=torch.bfloat16)
+    sender.init_on_sender(model=policy(0), num_workers=1)
+    host = Hosted(sender)
+    await host.start()
+    try:
+        r = kind.scheme(sender.address, plane=sender.plane)  # built from the address alone
+        r.init_on_receiver(model=policy(1), worker_idx=0)
+        async with r:
+            with pytest.raises(aiowsync.RefusedError) as info:
+                await r.connect(timeout=CONNECT)
+        assert info.value.reason == (
+            "the receiver's model does not match the sender's (floating tensors travel as "
+            "bfloat16, the sender's wire_dtype; a receiver built from an address must be given "
+            "the same):\n"
+            "  0.bias: expected bfloat16[16], got float32[16]\n"
+            "  0.weight: expected bfloat16[16, 8], got float32[16, 8]\n"
+            "  2.bias: expected bfloat16[4], got float32[4]\n"
+            "  2.weight: expected bfloat16[4, 16], got float32[4, 16]"
+        )
+    finally:
+        await host.stop()

@@ -44,7 +44,14 @@ def _refusal(hello: Hello, layout: Layout, model_id: str, num_workers: int) -> s
         lines = layout.differences(theirs) or ["layouts differ (alignment or order)"]
         shown = "\n  ".join(lines[:_SHOWN])
         more = f"\n  ... and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else ""
-        return f"the receiver's model does not match the sender's:\n  {shown}{more}"
+        wire = ""
+        if layout.wire_dtype is not None:
+            name = str(layout.wire_dtype).removeprefix("torch.")
+            wire = (
+                f" (floating tensors travel as {name}, the sender's wire_dtype; a receiver "
+                "built from an address must be given the same)"
+            )
+        return f"the receiver's model does not match the sender's{wire}:\n  {shown}{more}"
     return None
 
 

@@ -79,7 +79,7 @@ class Layout:
     :meth:`from_descs` (the form that travels in the handshake).
     """
 
-    __slots__ = ("__dict__", "alignment", "buffer_sizes", "sectioned", "specs")
+    __slots__ = ("__dict__", "alignment", "buffer_sizes", "sectioned", "specs", "wire_dtype")
 
     def __init__(
         self,
@@ -129,6 +129,8 @@ class Layout:
         self.sectioned = sectioned
         """Keys are ``model_id.key`` and each model owns whole buffers of its own (a scheme
         of several models)."""
+        self.wire_dtype: torch.dtype | None = None
+        """The dtype floating tensors were laid out in, when not their own (errors say so)."""
 
     # -- construction -------------------------------------------------------------------------
 
@@ -145,12 +147,14 @@ class Layout:
         """The layout of a module, a ``TensorDict`` or a state_dict (dotted keys); with
         ``wire_dtype``, floating tensors are laid out in that dtype."""
         flat = flatten_weights(weights)
-        return cls(
+        layout = cls(
             ((k, wire_of(t.dtype, wire_dtype), tuple(t.shape)) for k, t in flat.items()),
             alignment=alignment,
             bucket_bytes=bucket_bytes,
             sectioned=sectioned,
         )
+        layout.wire_dtype = wire_dtype
+        return layout
 
     @classmethod
     def from_descs(
