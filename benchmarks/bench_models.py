@@ -360,7 +360,7 @@ async def part_many(args: argparse.Namespace, name: str) -> dict[str, Any]:
     for _ in range(args.runs):
         scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
         scheme.init_on_sender(model=model, num_workers=args.workers)
-        sends, raws = [], []
+        sends, raws, stages = [], [], []
         async with scheme:
             pool = Pool(scheme, args.workers, name, ["float32"] * args.workers)
             try:
@@ -373,7 +373,9 @@ async def part_many(args: argparse.Namespace, name: str) -> dict[str, Any]:
                     with torch.no_grad():
                         for t in model.parameters():
                             t.add_(1.0)
-                    sends.append((await scheme.send(timeout=60)).seconds)
+                    r = await scheme.send(timeout=60)
+                    sends.append(r.seconds)
+                    stages.append(r.stage_seconds)
                     raws.append(raw())
                 seen = await pool.digests()
             finally:
@@ -382,6 +384,7 @@ async def part_many(args: argparse.Namespace, name: str) -> dict[str, Any]:
         runs.append(
             {
                 "send_ms": med_ms(sends),
+                "staging_ms": med_ms(stages),
                 "raw_copy_ms": med_ms(raws),
                 "ratio": med_ms(sends) / med_ms(raws),
                 "exact": exact,
