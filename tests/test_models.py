@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -300,3 +302,64 @@ async def test_a_receiver_without_the_senders_wire_dtype_is_told_so() -> None:
         )
     finally:
         await host.stop()
+
+
+@pytest.mark.parametrize("mode", ["swap", "copy"])
+async def test_no_reader_sees_one_model_at_one_version_and_another_at_the_next(
+    kind: Kind, mode: str
+) -> None:
+    """Readers on the loop (across an await, under the guard) and in threads (under the
+    guard) read both models; every value they see must be the version's number, in both."""
+    sends = 20
+    async with rig(kind, apply_mode=mode) as (sender, models, receivers):
+        assert all(r._receiver.apply_mode == mode for r, _ in receivers)
+        stop = threading.Event()
+        mixed: list[str] = []
+        seen: list[set[float]] = [set(), set()]
+
+        def check(r: aiowsync.WeightSyncScheme, parts: list[torch.Tensor], who: str) -> float:
+            found = set(torch.cat([t.reshape(-1).float() for t in parts]).unique().tolist())
+            if found != {float(r.version)}:
+                mixed.append(f"{who}: values {sorted(found)} at version {r.version}")
+            return min(found)
+
+        def params(mine: dict[str, nn.Module]) -> list[torch.Tensor]:
+            return [t for name in ("policy", "value") for t in mine[name].parameters()]
+
+        async def loop_reader(i: int) -> None:
+            r, mine = receivers[i]
+            while not stop.is_set():
+                async with r.read_guard():
+                    first = [t.clone() for t in mine["policy"].parameters()]
+                    await asyncio.sleep(0)  # the value net is read after a pause
+                    rest = [t.clone() for t in mine["value"].parameters()]
+                    seen[i].add(check(r, first + rest, "loop"))
+                await asyncio.sleep(0.001)
+
+        def thread_reader(i: int) -> None:
+            r, mine = receivers[i]
+            while not stop.is_set():
+                with r.read_guard():
+                    seen[i].add(check(r, params(mine), "thread"))
+                time.sleep(0.001)
+
+        for m in models.values():
+            fill(m, 1.0)
+        await sender.send()
+        readers = [asyncio.create_task(loop_reader(i)) for i in range(2)]
+        threads = [threading.Thread(target=thread_reader, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            for version in range(2, sends + 2):
+                for m in models.values():
+                    fill(m, float(version))
+                result = await sender.send()
+                assert result.version == version and result.worker_ids == (0, 1)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=10)
+            await asyncio.gather(*readers)
+        assert not mixed, mixed[:5]
+        assert all(len(s) > 1 for s in seen), "the readers saw only one version"

@@ -238,7 +238,7 @@ async def test_frozen_worker_is_not_waited_for_and_its_slot_is_never_rewritten()
                 result = await scheme.send(worker_ids=[0, 1], timeout=10)
                 assert result.version == step - 1  # the refused send used no version
             assert scheme._sender is not None
-            assert len(scheme._sender.plane._slots) >= 3  # type: ignore[attr-defined]
+            assert len(scheme._sender.plane._tables[""]) >= 3  # type: ignore[attr-defined]
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
         # Back in time: its beats revive it and it takes the latest version.
