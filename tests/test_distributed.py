@@ -22,7 +22,8 @@ from torch import nn
 
 import aiowsync
 import helpers
-from aiowsync._dist_plane import Buckets, DistReceiverPlane
+from aiowsync._dist_buckets import Buckets
+from aiowsync._dist_receiver import DistReceiverPlane
 from aiowsync._plane import Source
 from helpers import bump, same
 
@@ -330,7 +331,8 @@ async def test_copy_mode_receiver_keeps_private_tensors() -> None:
             await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
             plane = r._receiver._plane
             assert isinstance(plane, DistReceiverPlane)
-            slots = [(f.data_ptr(), f.data_ptr() + f.nbytes) for f in plane._halves.flats]
+            flats = [f for halves in plane._halves for f in halves.flats]
+            slots = [(f.data_ptr(), f.data_ptr() + f.nbytes) for f in flats]
             for _ in range(3):
                 bump(src)
                 await sender.send(timeout=20)
@@ -480,7 +482,7 @@ def test_closing_a_receiver_plane_does_not_wait_for_its_store_connection() -> No
     import threading
     import time
 
-    from aiowsync._dist_plane import DistReceiverPlane
+    from aiowsync._dist_receiver import DistReceiverPlane
     from aiowsync._layout import Layout
 
     with socket.socket() as probe:  # a port nothing listens on

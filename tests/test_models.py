@@ -255,11 +255,12 @@ def test_bad_wire_dtypes_and_swaps_that_cannot_be_are_refused_with_the_fix() -> 
         s.init_on_sender(model=policy(0), models={"a": policy(0)}, num_workers=1)
 
 
-async def test_on_shared_memory_a_model_not_sent_stays_where_it_is() -> None:
-    """A send of some models writes new slots for those only: in swap mode, the other
-    models' tensors keep pointing at the very bytes they pointed at (nothing was copied),
-    also when the models are sent in turn."""
-    async with rig(Kind("shm")) as (sender, models, receivers):
+@pytest.mark.parametrize("name", ["shm", "dist"])
+async def test_a_model_not_sent_stays_where_it_is(name: str) -> None:
+    """A send of some models writes (shared memory) or receives (torch.distributed) those
+    only: in swap mode, the other models' tensors keep pointing at the very bytes they
+    pointed at (nothing was copied), also when the models are sent in turn."""
+    async with rig(Kind(name)) as (sender, models, receivers):
         r, mine = receivers[0]
         assert r._receiver.apply_mode == "swap"
 
@@ -363,3 +364,23 @@ async def test_no_reader_sees_one_model_at_one_version_and_another_at_the_next(
             await asyncio.gather(*readers)
         assert not mixed, mixed[:5]
         assert all(len(s) > 1 for s in seen), "the readers saw only one version"
+
+
+async def test_a_worker_left_out_of_a_send_gets_what_it_lacks_with_the_next_partial_one(
+    kind: Kind,
+) -> None:
+    async with rig(kind) as (sender, models, receivers):
+        for m in models.values():
+            fill(m, 1.0)
+        await sender.send()
+        for m in models.values():
+            fill(m, 2.0)
+        await sender.send(worker_ids=[0])  # worker 1 stays on version 1
+        policy_v2 = state(models["policy"])
+        fill(models["value"], 3.0)
+        result = await sender.send(weights={"value": models["value"]})
+        assert result.version == 3 and result.worker_ids == (0, 1)
+        for _, mine in receivers:
+            # Worker 1 never got version 2: its policy comes with version 3 all the same.
+            assert equal(mine["policy"], policy_v2)
+            assert equal(mine["value"], state(models["value"]))

@@ -18,7 +18,7 @@ from ._copy import CopyPolicy, byte_view, copy_moves, fused_copy
 from ._layout import Layout
 from ._plane import Source, complete_tensors
 
-__all__ = ["Buckets", "Image", "Packer", "as_bytes", "plain_pointers"]
+__all__ = ["Buckets", "Image", "Packer", "as_bytes", "plain_pointers", "section_spans"]
 
 
 class Buckets:
@@ -29,14 +29,25 @@ class Buckets:
     segments, so that packing bucket i copies exactly bytes ``ranges[i]`` of the image.
     """
 
-    def __init__(self, total: int, bucket_bytes: int) -> None:
+    def __init__(
+        self, total: int, bucket_bytes: int, spans: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """Buckets of at most about ``bucket_bytes`` over ``[0, total)``; with ``spans`` (the
+        byte ranges of the models of a layout of several), no bucket crosses from one span
+        into the next, so that each model's bytes travel in buckets of their own."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self.ranges = [(lo, min(lo + bucket_bytes, total)) for lo in range(0, total, bucket_bytes)]
-        if len(self.ranges) > 1 and self.ranges[-1][1] - self.ranges[-1][0] < bucket_bytes // 8:
-            # A sliver (often just alignment padding) rides with the bucket before it: one
-            # collective fewer, for a bucket at most 1/8 larger.
-            self.ranges[-2:] = [(self.ranges[-2][0], total)]
+        self.ranges: list[tuple[int, int]] = []
+        self.span_of: list[int] = []
+        """The span (model) each bucket belongs to."""
+        for number, (start, stop) in enumerate(spans or [(0, total)]):
+            ranges = [(lo, min(lo + bucket_bytes, stop)) for lo in range(start, stop, bucket_bytes)]
+            if len(ranges) > 1 and ranges[-1][1] - ranges[-1][0] < bucket_bytes // 8:
+                # A sliver (often just alignment padding) rides with the bucket before it:
+                # one collective fewer, for a bucket at most 1/8 larger.
+                ranges[-2:] = [(ranges[-2][0], stop)]
+            self.ranges += ranges
+            self.span_of += [number] * len(ranges)
 
     def plan(self, segments: Sequence[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
         starts = [offset for offset, _ in segments]
@@ -52,6 +63,15 @@ class Buckets:
                 index += 1
             plans.append(pieces)
         return plans
+
+
+def section_spans(layout: Layout) -> list[tuple[int, int]]:
+    """The byte range of each model of a layout of several, in the layout's flat image, in
+    the layout's section order (one range, all of it, for one model)."""
+    starts = [0]
+    for size in layout.buffer_sizes:
+        starts.append(starts[-1] + size)
+    return [(starts[first], starts[last]) for first, last in layout.sections.values()]
 
 
 def plain_pointers(tensors: Sequence[torch.Tensor], device: torch.device) -> list[int]:
@@ -98,7 +118,7 @@ class Packer:
         self.layout = layout
         self.device = device
         self._policy = policy
-        self.buckets = Buckets(layout.total_bytes, bucket_bytes)
+        self.buckets = Buckets(layout.total_bytes, bucket_bytes, section_spans(layout))
         starts = [0]
         for size in layout.buffer_sizes[:-1]:
             starts.append(starts[-1] + size)
@@ -128,6 +148,18 @@ class Packer:
         tensors = complete_tensors(self.layout, source, latest)
         keys = self.layout.keys
         fused_copy([views[k] for k in keys], [tensors[k] for k in keys], self._policy)
+        with image.lock:
+            image.source = image.source_refs = image.source_pointers = None
+            image.packed = len(self.buckets.ranges)
+            image.complete.set()
+
+    def fill_some(self, image: Image, source: Source) -> None:
+        """Pack the models ``source`` gives (a send of some models) now, tensor by tensor;
+        the image's other models are never sent from it."""
+        assert source.tensors is not None
+        views = self.layout.views(self.layout.split(image.flat))
+        keys = [k for k in self.layout.keys if k in source.tensors]
+        fused_copy([views[k] for k in keys], [source.tensors[k] for k in keys], self._policy)
         with image.lock:
             image.source = image.source_refs = image.source_pointers = None
             image.packed = len(self.buckets.ranges)

@@ -78,6 +78,8 @@ class DistDelivery(Delivery):
     _route: Any
     _deadline: float
     params: Params
+    _moved: list[int] | None = None
+    """The models (by number) this delivery moves; None: all."""
 
     async def run(self, retries: Retries | None) -> None:
         route, self._route = self._route, None
@@ -87,7 +89,11 @@ class DistDelivery(Delivery):
         if retries is None:
             # Bringing one worker up to date: one attempt, not chained after the sends.
             try:
-                await in_thread(plane.transfer, version, route, self._deadline)
+                await in_thread(
+                    functools.partial(
+                        plane.transfer, version, route, self._deadline, moved=self._moved
+                    )
+                )
             except _NotStarted as exc:
                 plane.give_back(version, route)
                 raise TransportError(f"could not start a transfer thread: {exc}") from None
@@ -107,7 +113,9 @@ class DistDelivery(Delivery):
             if route is not None:
                 try:
                     await plane.chain.run(
-                        functools.partial(plane.transfer, version, route, move_by),
+                        functools.partial(
+                            plane.transfer, version, route, move_by, moved=self._moved
+                        ),
                         functools.partial(plane.give_back, version, route),
                     )
                 except WeightSyncError as exc:
@@ -138,7 +146,10 @@ class DistDelivery(Delivery):
             attempt += 1
             route = plane.route(retry, version)
             try:
-                announced = await retries.announce(retry, attempt, plane.route_params(route, left))
+                params = plane.route_params(route, left)
+                if self._moved is not None:
+                    params["sections"] = ",".join(map(str, self._moved))
+                announced = await retries.announce(retry, attempt, params)
             except BaseException:
                 plane.give_back(version, route)  # it will never carry this version
                 raise

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,37 +22,43 @@ import anyio
 import torch
 
 from ._copy import CopyPolicy
-from ._dist_buckets import Buckets, Image, Packer
+from ._dist_buckets import Image, Packer
 from ._dist_delivery import DistDelivery, TransferChain
 from ._dist_groups import (
     FORM_TIMEOUT,
     Backend,
     Group,
     Member,
-    ReceiverGroups,
     SenderGroups,
     finish,
     host_of,
     local_ip_towards,
     seconds_left,
 )
-from ._double import DoubleBuffer
-from ._exceptions import ProtocolError, TransportError, WeightSyncError
+from ._exceptions import TransportError, WeightSyncError
 from ._layout import Layout
-from ._plane import Delivery, Params, ReceiverPlane, SenderPlane, Staged, WeightSource
-from ._protocol import ParamValue
+from ._plane import Delivery, Params, SenderPlane, WeightSource
 from ._shield import to_the_end
 from ._slot_table import Slot, SlotTable
 from ._text import first_line
 
 __all__ = [
     "Backend",
-    "DistReceiverPlane",
     "DistSenderPlane",
     "Member",
     "host_of",
     "local_ip_towards",
 ]
+
+
+HELD_VERSIONS = 64
+"""Published versions whose models' slots the plane remembers (to move only what members
+lack); a member holding an older one gets every model."""
+
+
+def sections_param(moved: Sequence[int]) -> str:
+    """The models a delivery moves, as its update says them: their numbers, comma-separated."""
+    return ",".join(map(str, moved))
 
 
 @dataclass(slots=True)
@@ -95,6 +101,12 @@ class DistSenderPlane(SenderPlane):
         """How packing copies (its threads are released at close)."""
         self._groups = SenderGroups(backend=backend, host=host, form_timeout=form_timeout)
         self._closed = False
+        self._held: dict[int, dict[str, int]] = {}
+        """By published version (the latest few), the version whose slot holds each model's
+        bytes: itself for the models it wrote, an earlier one for those it carried."""
+        self._latest: int | None = None
+        self._writes: dict[int, frozenset[str]] = {}
+        """By slot being staged, the models it writes."""
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -117,14 +129,15 @@ class DistSenderPlane(SenderPlane):
     # -- slots --------------------------------------------------------------------------------
 
     def reserve(self, pinned: set[int]) -> int:
-        # Receivers copy each version into memory of their own: only the latest version (the
-        # one joining workers are brought up to) and slots still being sent must stay.
+        # Receivers copy each version into memory of their own: only the slots holding the
+        # latest version's models (what joining workers are brought up to) and slots still
+        # being sent must stay.
         if self._closed:
             raise WeightSyncError("the distributed plane is closed")
-        latest = max(pinned) if pinned else None
+        keep = self._holders(self._latest) if self._latest is not None else set()
         with self._lock:
             return self._slots.reserve(
-                lambda s: s.value.readers == 0 and s.version != latest,
+                lambda s: s.value.readers == 0 and s.version not in keep,
                 lambda: (
                     f"all {len(self._slots)} sender slots are being transferred; "
                     "a stalled transfer holds them"
@@ -134,42 +147,76 @@ class DistSenderPlane(SenderPlane):
     async def stage(self, slot: int, source: WeightSource) -> None:
         image = self._slots[slot].value.image
         snapshot = source.snapshot()
-        if snapshot.carry or snapshot.cast:
-            # Some models only, or a cast to the wire dtype: packed now, tensor by tensor (the
-            # copy runs to its end even if the caller is cancelled).
-            latest = self._latest_image()
-            await to_the_end(anyio.to_thread.run_sync(self._packer.fill, image, snapshot, latest))
-            return
-        # Only checked here: packing happens during the transfer, bucket by bucket,
-        # overlapping the wire.
-        self._packer.start(image, snapshot)
+        everything = frozenset(self.layout.sections)
+        self._writes[slot] = everything - snapshot.carry
+        if snapshot.carry:
+            # Some models: packed now, into this slot; the others stay in the slots that hold
+            # them, and travel from there (the copy runs to its end even if cancelled).
+            await to_the_end(anyio.to_thread.run_sync(self._packer.fill_some, image, snapshot))
+        elif snapshot.cast:
+            # A cast to the wire dtype: packed now, tensor by tensor.
+            await to_the_end(anyio.to_thread.run_sync(self._packer.fill, image, snapshot, None))
+        else:
+            # Only checked here: packing happens during the transfer, bucket by bucket,
+            # overlapping the wire.
+            self._packer.start(image, snapshot)
 
-    def _latest_image(self) -> list[torch.Tensor] | None:
-        """The newest published version's bytes, as the layout's buffers (packed already:
-        every send seals its version before the next one stages)."""
-        published = [s for s in self._slots if s.version is not None and not s.busy]
-        if not published:
-            return None
-        newest = max(published, key=lambda s: s.version or 0)
-        return self.layout.split(newest.value.image.flat)
+    def _holders(self, version: int) -> set[int]:
+        """The versions whose slots hold ``version``'s models."""
+        return set(self._held[version].values())
+
+    def moved(self, version: int, since: int | None) -> list[int]:
+        """The models (by their number in the layout) a delivery of ``version`` moves to
+        members that hold ``since``: those whose bytes differ (all, when ``since`` is None
+        or forgotten)."""
+        held = self._held[version]
+        before = self._held.get(since) if since is not None else None
+        return [
+            number
+            for number, name in enumerate(self.layout.sections)
+            if before is None or before.get(name) != held[name]
+        ]
 
     def publish(self, slot: int, version: int) -> None:
         if self._closed:
             raise WeightSyncError("the distributed plane is closed")
-        self._slots.publish(slot, version)
+        written = self._writes.pop(slot, frozenset(self.layout.sections))
+        before = self._held.get(self._latest) if self._latest is not None else None
+        held = {}
+        for name in self.layout.sections:
+            if name in written:
+                held[name] = version
+            else:
+                assert before is not None, "a version of some models needs one before it"
+                held[name] = before[name]
+        with self._lock:
+            self._slots.publish(slot, version)
+            self._held[version] = held
+            self._latest = version
+            for old in sorted(self._held)[:-HELD_VERSIONS]:
+                del self._held[old]
 
     def release(self, slot: int) -> None:
+        self._writes.pop(slot, None)
         self._slots.release(slot).value.image.source = None
 
     def deliver(
-        self, version: int, members: Sequence[Member], deadline: float, *, purpose: str = ""
+        self,
+        version: int,
+        members: Sequence[Member],
+        deadline: float,
+        *,
+        purpose: str = "",
+        since: int | None = None,
     ) -> Delivery:
         self._slot_of(version)
+        moved = self.moved(version, None if purpose == "join" else since)
         if not members:
-            return DistDelivery(self, version, None, deadline, {})
+            return DistDelivery(self, version, None, deadline, {}, moved)
         route = self.route(members, version, purpose)
         left = max(0.001, deadline - time.monotonic())
-        return DistDelivery(self, version, route, deadline, self.route_params(route, left))
+        params = {**self.route_params(route, left), "sections": sections_param(moved)}
+        return DistDelivery(self, version, route, deadline, params, moved)
 
     async def seal(self, version: int) -> None:
         await to_the_end(anyio.to_thread.run_sync(self.seal_now, version))
@@ -197,7 +244,10 @@ class DistSenderPlane(SenderPlane):
         Until the matching :meth:`transfer` ends, the group is not evicted and the slot of
         ``version`` is not reused."""
         with self._lock:
-            self._slot_of(version).value.readers += 1
+            holders = self._holders(version)
+            for slot in self._slots:
+                if slot.version in holders:
+                    slot.value.readers += 1
         return self._groups.route(members, purpose)
 
     def route_params(self, route: Group, timeout: float) -> Params:
@@ -215,6 +265,7 @@ class DistSenderPlane(SenderPlane):
         route: Group,
         deadline: float,
         after: threading.Event | None = None,
+        moved: Sequence[int] | None = None,
     ) -> None:
         """Send ``version`` to ``route``'s members, packing it on the way if not yet packed.
 
@@ -224,18 +275,25 @@ class DistSenderPlane(SenderPlane):
         raises :class:`TransportError`, so a retry forms a fresh group.
         """
         failure = None
+        holders = self._holders(version)
         try:
             if after is not None and not after.wait(max(0.0, deadline - time.monotonic())):
                 raise TransportError("an earlier transfer did not finish in time")
-            image = self._slot_of(version).value.image
-            self._groups.run(route, deadline, lambda pg: self._send_all(pg, image, route, deadline))
+            images = [
+                self._slot_of(self._held[version][name]).value.image
+                for name in self.layout.sections
+            ]
+            numbers = range(len(images)) if moved is None else moved
+            self._groups.run(
+                route, deadline, lambda pg: self._send_all(pg, images, numbers, route, deadline)
+            )
         except Exception as exc:  # every failure, whatever raised it, ends in a dropped group
             failure = first_line(exc)
         finally:
             self._groups.done(route, failed=failure is not None)
             with self._lock:
                 for s in self._slots:
-                    if s.version == version:
+                    if s.version in holders:
                         s.value.readers -= 1
         if failure is not None:
             # Raised outside the handler: the failed collective's traceback must not keep the
@@ -250,8 +308,16 @@ class DistSenderPlane(SenderPlane):
         with contextlib.suppress(WeightSyncError):
             self.transfer(version, route, 0.0)
 
-    def _send_all(self, pg: Any, image: Image, group: Group, deadline: float) -> None:
-        """Send every bucket to every member, point to point from rank 0.
+    def _send_all(
+        self,
+        pg: Any,
+        images: Sequence[Image],
+        moved: Sequence[int],
+        group: Group,
+        deadline: float,
+    ) -> None:
+        """Send the buckets of the models ``moved`` (each from ``images[model]``, the slot
+        holding it) to every member, point to point from rank 0.
 
         Not a broadcast: gloo relays a broadcast through a tree of receivers, so one dead
         receiver would hold up the others behind it until the deadline. Here each member
@@ -268,6 +334,7 @@ class DistSenderPlane(SenderPlane):
 
         def post(index: int) -> list[tuple[int, Any]]:
             lo, hi = self.buckets.ranges[index]
+            image = images[self.buckets.span_of[index]]
             works = []
             for rank in list(alive):
                 try:
@@ -284,12 +351,14 @@ class DistSenderPlane(SenderPlane):
                     fail(rank, exc)
 
         # Bucket i+1 is packed and posted while bucket i is still on the wire.
-        self._packer.pack(image, 0)
-        in_flight = post(0)
-        for index in range(1, len(self.buckets.ranges)):
-            self._packer.pack(image, index)
+        wanted = set(moved)
+        indices = [i for i, span in enumerate(self.buckets.span_of) if span in wanted]
+        in_flight: list[tuple[int, Any]] = []
+        for number, index in enumerate(indices):
+            self._packer.pack(images[self.buckets.span_of[index]], index)
             posted = post(index) if alive else []
-            wait(in_flight)
+            if number:
+                wait(in_flight)
             in_flight = posted
         wait(in_flight)
         if failed:
@@ -300,112 +369,3 @@ class DistSenderPlane(SenderPlane):
         self._closed = True
         self._groups.close()
         self._policy.close(wait=False)
-
-
-class DistReceiverPlane(ReceiverPlane):
-    """Two private slots on the model's device; each version is received into the idle one."""
-
-    def __init__(
-        self, *, address: str, worker_idx: int, backend: Backend, device: torch.device
-    ) -> None:
-        self.sender_host = host_of(address)
-        self._worker_idx = worker_idx
-        self.backend: Backend = backend
-        self.device = device
-        self._groups = ReceiverGroups(backend)
-
-    def setup(
-        self, layout: Layout, welcome: Mapping[str, ParamValue], *, swap: bool = True
-    ) -> None:
-        self.layout = layout
-        port, backend, bucket_bytes = (
-            welcome.get("store_port"),
-            welcome.get("backend"),
-            welcome.get("bucket_bytes"),
-        )
-        if not isinstance(port, int) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ProtocolError(f"the welcome lacks the store port or bucket size: {welcome}")
-        if backend != self.backend:
-            raise ProtocolError(
-                f"the sender uses backend {backend!r}, this receiver {self.backend!r}"
-            )
-        self.buckets = Buckets(layout.total_bytes, bucket_bytes)
-        # The store and the groups listen on the sender's data host, which need not be the
-        # host of the control address (another interface, or a control socket on 0.0.0.0).
-        store_host = welcome.get("store_host")
-        if isinstance(store_host, str) and store_host:
-            self.sender_host = store_host
-        self._hostname = local_ip_towards(self.sender_host)
-        self._halves = DoubleBuffer(layout, self.device)
-        self._port = port
-
-    async def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
-        # On shutdown the wait is abandoned; the receive ends by its own deadline.
-        return await anyio.to_thread.run_sync(self.fetch_blocking, params, abandon_on_cancel=True)
-
-    def fetch_blocking(self, params: Mapping[str, ParamValue]) -> Staged:
-        """Receive the announced version into the idle half (blocking)."""
-        name, members, timeout_ms, form_ms = (
-            params.get("group"),
-            params.get("members"),
-            params.get("timeout_ms"),
-            params.get("form_ms", params.get("timeout_ms")),
-        )
-        if not isinstance(name, str) or not isinstance(members, str):
-            raise ProtocolError(f"update parameters lack a group: {dict(params)}")
-        if not isinstance(timeout_ms, int) or timeout_ms <= 0:
-            raise ProtocolError(f"update parameters lack a positive timeout: {dict(params)}")
-        if not isinstance(form_ms, int) or form_ms <= 0:
-            raise ProtocolError(f"update parameters have a bad group timeout: {dict(params)}")
-        try:
-            workers = [int(w) for w in members.split(",")]
-        except ValueError:
-            raise ProtocolError(f"bad member list {members!r}") from None
-        if self._groups.is_dead(name):
-            raise TransportError(f"group {name} was torn down after an earlier failure")
-        deadline = time.monotonic() + timeout_ms / 1000
-        # The half the model does not run; its bytes are garbage until every bucket arrived.
-        index, staged = self._halves.spare()
-        flat = self._halves.flats[index]
-        if self._worker_idx not in workers:
-            raise ProtocolError(f"worker {self._worker_idx} is not a member of {members!r}")
-        cached = self._groups.cached(name)
-        failure = None
-        try:
-            self._receive(name, cached, workers, flat, deadline, form_ms / 1000)
-        except (RuntimeError, ValueError, TransportError) as exc:
-            failure = first_line(exc)
-        if failure is not None:
-            # Outside the handler, so that no traceback keeps the failed group alive.
-            self._groups.discard(name)
-            raise TransportError(f"receiving the version failed: {failure}")
-        return staged
-
-    def _receive(
-        self,
-        name: str,
-        cached: Any,
-        workers: list[int],
-        flat: torch.Tensor,
-        deadline: float,
-        form: float,
-    ) -> None:
-        if cached is None:
-            rank = workers.index(self._worker_idx) + 1
-            store_at = (self.sender_host, self._port)
-            pg = self._groups.join(
-                store_at, name, rank, len(workers) + 1, self._hostname, deadline, form
-            )
-        else:
-            pg = cached
-        works = [pg.recv([flat[lo:hi]], 0, i) for i, (lo, hi) in enumerate(self.buckets.ranges)]
-        for work in works:
-            finish(work, self.backend, seconds_left(deadline), self.device)
-        self._groups.keep(name, pg)
-
-    def show(self, staged: Staged) -> Staged:
-        self._halves.made_live(self._halves.live_index(staged))
-        return staged
-
-    def close(self) -> None:
-        self._groups.close()

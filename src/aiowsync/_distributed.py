@@ -11,7 +11,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from ._dist_plane import Backend, DistReceiverPlane, DistSenderPlane, host_of
+from ._dist_plane import Backend, DistSenderPlane, host_of
+from ._dist_receiver import DistReceiverPlane
 from ._exceptions import ExperimentalWarning
 from ._plane import DataPlane, ReceiverContext, ReceiverPlane, SenderContext, SenderPlane
 from ._scheme import SchemeOptions, WeightSyncScheme

@@ -24,6 +24,11 @@ class DoubleBuffer:
             self.halves.append(Staged(parts, layout.views(parts), str(index)))
         self._live = -1
 
+    @property
+    def live(self) -> int:
+        """The index of the half the model runs (-1 before the first switch)."""
+        return self._live
+
     def spare(self) -> tuple[int, Staged]:
         """The half the model does not run, and its index."""
         index = 1 if self._live == 0 else 0

@@ -222,11 +222,19 @@ class SenderPlane(abc.ABC):
 
     @abc.abstractmethod
     def deliver(
-        self, version: int, members: Sequence[Member], deadline: float, *, purpose: str = ""
+        self,
+        version: int,
+        members: Sequence[Member],
+        deadline: float,
+        *,
+        purpose: str = "",
+        since: int | None = None,
     ) -> Delivery:
         """The delivery of the published ``version`` to ``members`` by ``deadline``
         (monotonic). ``purpose`` keeps apart deliveries that must not share resources (e.g.
-        bringing a joining worker up to date, beside sends)."""
+        bringing a joining worker up to date, beside sends). ``since``: the oldest version
+        the members hold (a plane that moves bytes may leave out the models unchanged since;
+        None: move everything)."""
 
     async def seal(self, version: int) -> None:
         """Stop reading the source of ``version`` (at start, for version 0)."""

@@ -334,7 +334,13 @@ class SenderCore:
         try:
             peers = self.peers.by_index
             members = [peers[w] for w in targets if not peers[w].lost]
-            delivery = plane.deliver(version, [(p.worker_idx, p.session) for p in members], move_by)
+            since = min((p.conn.acked_version for p in members), default=-1)
+            delivery = plane.deliver(
+                version,
+                [(p.worker_idx, p.session) for p in members],
+                move_by,
+                since=since if since >= 0 else None,
+            )
             update = Update(version=version, params=delivery.params)
             blocked: list[Peer] = []
             for worker in targets:

@@ -170,7 +170,13 @@ class SharedMemSenderPlane(SenderPlane):
                 self._tables[name].release(index)
 
     def deliver(
-        self, version: int, members: Sequence[Member], deadline: float, *, purpose: str = ""
+        self,
+        version: int,
+        members: Sequence[Member],
+        deadline: float,
+        *,
+        purpose: str = "",
+        since: int | None = None,
     ) -> Delivery:
         held = self._held[version]
         if not self.layout.sectioned:

@@ -131,7 +131,13 @@ class InPlaceSenderPlane(SenderPlane):
             self._slots.release(slot)
 
     def deliver(
-        self, version: int, members: Sequence[Member], deadline: float, *, purpose: str = ""
+        self,
+        version: int,
+        members: Sequence[Member],
+        deadline: float,
+        *,
+        purpose: str = "",
+        since: int | None = None,
     ) -> Delivery:
         index = self._slots.index_of(version)
         return InPlace(self.where(index))
