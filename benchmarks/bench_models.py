@@ -22,8 +22,9 @@ baselines alternate sample by sample. Parts (``--parts``, all by default):
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_models.py                  # every part, ~3 min here
+    .venv/bin/python benchmarks/bench_models.py                  # every part, ~1.5 min here
     .venv/bin/python benchmarks/bench_models.py --parts partial --samples 12
+    .venv/bin/python benchmarks/bench_models.py --parts partial --transport dist
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ def build(name: str, dtype: str = "float32") -> dict[str, nn.Module]:
     else:
         raise ValueError(name)
     return {k: m.to(getattr(torch, dtype)) for k, m in models.items()}
+
+
+def make_scheme(transport: str, **options: Any) -> aiowsync.WeightSyncScheme:
+    if transport == "dist":
+        return aiowsync.DistributedWeightSyncScheme(backend="gloo", heartbeats=BEATS, **options)
+    return aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS, **options)
 
 
 def fill(m: nn.Module, value: float) -> None:
@@ -212,10 +219,10 @@ async def part_partial(args: argparse.Namespace) -> dict[str, Any]:
         with torch.no_grad():
             for t in m.parameters():
                 random_init(t)
-    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
+    scheme = make_scheme(args.transport)
     scheme.init_on_sender(models=models, num_workers=args.workers)
     # The floor: the small model alone, in a scheme of its own, to as many workers.
-    alone = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
+    alone = make_scheme(args.transport)
     alone.init_on_sender(model=models["small"], num_workers=args.workers)
     full, some, some_stage, floor, floor_stage = [], [], [], [], []
     async with scheme, alone:
@@ -394,7 +401,11 @@ async def part_many(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"workers": args.workers, "samples": args.samples}
+    out: dict[str, Any] = {
+        "workers": args.workers,
+        "samples": args.samples,
+        "transport": args.transport,
+    }
     parts = args.parts.split(",")
     if "partial" in parts:
         out["partial"] = await part_partial(args)
@@ -416,6 +427,12 @@ if __name__ == "__main__":
     )
     parser.add_argument("--parts", default="partial,wire,many", help="which parts to run")
     parser.add_argument("--workers", type=int, default=4, help="worker processes")
+    parser.add_argument(
+        "--transport",
+        choices=["shm", "dist"],
+        default="shm",
+        help="the partial part's transport (the others use shared memory)",
+    )
     parser.add_argument("--samples", type=int, default=8, help="samples per contender")
     parser.add_argument("--runs", type=int, default=2, help="sessions of the 'many' part")
     parser.add_argument("--out", default=None, help="write the results to this JSON file")
