@@ -9,7 +9,12 @@ from typing import Any
 
 import anyio
 
-from ._exceptions import WeightSyncError
+from ._exceptions import (
+    LostDuringSendError,
+    RemoteApplyError,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
 from ._signal import Flag, Signal
 
 __all__ = ["Answers", "PendingSend", "SendResult", "with_outcome"]
@@ -107,6 +112,28 @@ class Answers:
         if not self.waiting:
             self.done.set()
         self.changed.notify()
+
+    def result(self, nbytes: int, seconds: float, stage_seconds: float) -> SendResult:
+        """What the send gives once it stopped waiting: its result, or the error that says
+        who did not answer, was lost or failed (in that order of precedence)."""
+        version = self.version
+        if missing := sorted(self.waiting):
+            raise with_outcome(
+                WeightSyncTimeout(f"version {version} was not acknowledged in time", missing),
+                version,
+                self,
+            )
+        if self.lost:
+            raise with_outcome(
+                LostDuringSendError(
+                    f"workers were lost during the send of version {version}", self.lost
+                ),
+                version,
+                self,
+            )
+        if self.nacks:
+            raise with_outcome(RemoteApplyError(version, self.nacks), version, self)
+        return SendResult(version, tuple(sorted(self.acked)), nbytes, seconds, stage_seconds)
 
     def reopen(self, workers: list[int]) -> None:
         """``workers`` get another attempt: their failed answers no longer count."""

@@ -16,18 +16,16 @@ from dataclasses import dataclass
 
 import anyio
 
+from ._announce import Announcer
 from ._channel import SenderChannel
 from ._config import Heartbeats, Timeouts
 from ._exceptions import (
-    LostDuringSendError,
-    RemoteApplyError,
-    TransportError,
     WeightSyncError,
     WeightSyncTimeout,
     WorkerLostError,
 )
 from ._layout import Layout
-from ._outcome import Answers, PendingSend, SendResult, with_outcome
+from ._outcome import Answers, PendingSend, SendResult
 from ._peers import Peer, PeerTable
 from ._plane import Delivery, Member, Params, SenderPlane, WeightSource
 from ._protocol import (
@@ -79,6 +77,7 @@ class SenderCore:
         self.beats = heartbeats
         self._channel: SenderChannel | None = None
         self.peers = PeerTable(plane, heartbeats, self._on_lost)
+        self.announcer = Announcer(self.peers, timeouts)
         self.pending: dict[int, Answers] = {}
         # FIFO; taken without a checkpoint when free (one loop pass less per send).
         # Not a Lock: a published send's delivery, in a task of its own, gives it back.
@@ -281,25 +280,8 @@ class SenderCore:
             await pending.done.wait(wait)
         finally:
             self.pending.pop(version, None)
-        elapsed = time.perf_counter() - started
-        if missing := sorted(pending.waiting):
-            raise with_outcome(
-                WeightSyncTimeout(f"version {version} was not acknowledged in time", missing),
-                version,
-                pending,
-            )
-        if pending.lost:
-            raise with_outcome(
-                LostDuringSendError(
-                    f"workers were lost during the send of version {version}", pending.lost
-                ),
-                version,
-                pending,
-            )
-        if pending.nacks:
-            raise with_outcome(RemoteApplyError(version, pending.nacks), version, pending)
-        return SendResult(
-            version, tuple(sorted(pending.acked)), self.layout.total_bytes, elapsed, staged.seconds
+        return pending.result(
+            self.layout.total_bytes, time.perf_counter() - started, staged.seconds
         )
 
     async def _stage_and_announce(
@@ -348,10 +330,10 @@ class SenderCore:
                 if peer.lost:
                     pending.lost.add(worker)
                     pending.settle(worker)
-                elif not self._announce_nowait(channel, peer, update):
+                elif not self.announcer.nowait(channel, peer, update):
                     blocked.append(peer)
             if blocked:
-                await to_the_end(self._announce_all(channel, blocked, update, queued=True))
+                await to_the_end(self.announcer.all(channel, blocked, update, queued=True))
             if not targets:
                 pending.done.set()
         except BaseException:
@@ -366,37 +348,6 @@ class SenderCore:
                 await delivery.finish()
             raise
         return _Staged(version, pending, stage_s, delivery, members)
-
-    async def _announce_all(
-        self, channel: SenderChannel, peers: Sequence[Peer], update: Update, *, queued: bool = False
-    ) -> None:
-        """Announce ``update`` to ``peers``; ``queued``: already recorded by
-        :meth:`_announce_nowait`, which found no room."""
-        for peer in peers:
-            if queued or not self._announce_nowait(channel, peer, update):
-                await self._announce_rest(channel, peer, update)
-
-    def _announce_nowait(self, channel: SenderChannel, peer: Peer, update: Update) -> bool:
-        """Record ``update`` as sent to ``peer`` and queue it; False if the socket has no room
-        right now (then :meth:`_announce_rest` must finish the job)."""
-        try:
-            peer.conn.send(update)
-            peer.inflight.add(update.version)
-            return channel.send_nowait(peer.routing, update)
-        except WeightSyncError as exc:
-            self._announce_failed(peer, exc)
-            return True
-
-    async def _announce_rest(self, channel: SenderChannel, peer: Peer, update: Update) -> None:
-        try:
-            await channel.send(peer.routing, update, timeout=self.timeouts.control)
-        except WeightSyncError as exc:
-            self._announce_failed(peer, exc)
-
-    def _announce_failed(self, peer: Peer, exc: WeightSyncError) -> None:
-        if isinstance(exc, TransportError):
-            self.peers.connection_closed(peer)
-        self.peers.mark_lost(peer, f"update could not be sent: {exc}")
 
 
 class _Retries:
@@ -433,5 +384,5 @@ class _Retries:
         update = Update(version=self.pending.version, attempt=attempt, params=params)
         peers = [p for w, _ in members if (p := core.peers.get(w)) is not None]
         self.pending.reopen([p.worker_idx for p in peers])
-        await to_the_end(core._announce_all(channel, peers, update))
+        await to_the_end(core.announcer.all(channel, peers, update))
         return True
