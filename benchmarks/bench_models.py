@@ -2,8 +2,10 @@
 tensors: shared memory, 4 worker processes, each measured against a baseline of the same run.
 
 Every worker is a spawned process whose event loop stays busy while versions arrive: a task
-wakes every 2 ms, and another reads one element of every tensor every 5 ms. Sends and their
-baselines alternate sample by sample. Parts (``--parts``, all by default):
+wakes every 2 ms, and another reads, under the read guard, one element of eight tensors
+spread over the model (``--reader light``, the default) or of every tensor (``--reader all``)
+every 5 ms. Sends and their baselines alternate sample by sample. Parts (``--parts``, all
+by default):
 
 * ``partial``: a 4 MiB model (``small``) beside a 256 MiB one (``big``) in one scheme. Full
   sends (``send()``), sends of the small model alone (``send(weights={"small": ...})``) and,
@@ -110,18 +112,20 @@ def digest(m: nn.Module, cast: list[torch.dtype] | None = None) -> str:
 # -- a worker -----------------------------------------------------------------------------------
 
 
-def worker_main(scheme: Any, idx: int, name: str, dtype: str, conn: Any) -> None:
+def worker_main(scheme: Any, idx: int, name: str, dtype: str, conn: Any, reader: str) -> None:
     torch.set_num_threads(1)
-    asyncio.run(_worker(scheme, idx, name, dtype, conn))
+    asyncio.run(_worker(scheme, idx, name, dtype, conn, reader))
 
 
-async def _worker(scheme: Any, idx: int, name: str, dtype: str, conn: Any) -> None:
+async def _worker(scheme: Any, idx: int, name: str, dtype: str, conn: Any, reader: str) -> None:
     models = build(name, dtype)
     if len(models) > 1:
         scheme.init_on_receiver(models=models, worker_idx=idx)
     else:
         scheme.init_on_receiver(model=models["model"], worker_idx=idx)
     tensors = [t for m in models.values() for t in m.state_dict().values()]
+    if reader == "light":  # eight tensors spread over the model(s)
+        tensors = tensors[:: max(1, len(tensors) // 8)][:8]
 
     async def tick() -> None:
         while True:
@@ -149,12 +153,17 @@ async def _worker(scheme: Any, idx: int, name: str, dtype: str, conn: Any) -> No
 class Pool:
     """``n`` worker processes of one scheme, each building part ``name``'s models."""
 
+    reader = "light"
+    """What the workers' readers read (``--reader``)."""
+
     def __init__(self, scheme: Any, n: int, name: str, dtypes: list[str]) -> None:
         self.conns, self.procs = [], []
         for i in range(n):
             ours, theirs = SPAWN.Pipe()
             proc = SPAWN.Process(
-                target=worker_main, args=(scheme, i, name, dtypes[i], theirs), daemon=True
+                target=worker_main,
+                args=(scheme, i, name, dtypes[i], theirs, self.reader),
+                daemon=True,
             )
             proc.start()
             self.conns.append(ours)
@@ -405,6 +414,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers,
         "samples": args.samples,
         "transport": args.transport,
+        "reader": args.reader,
     }
     parts = args.parts.split(",")
     if "partial" in parts:
@@ -435,8 +445,16 @@ if __name__ == "__main__":
     )
     parser.add_argument("--samples", type=int, default=8, help="samples per contender")
     parser.add_argument("--runs", type=int, default=2, help="sessions of the 'many' part")
+    parser.add_argument(
+        "--reader",
+        choices=["light", "all"],
+        default="light",
+        help="what each worker's reader reads under the guard every 5 ms: one element of "
+        "eight tensors, or of every tensor",
+    )
     parser.add_argument("--out", default=None, help="write the results to this JSON file")
     args = parser.parse_args()
+    Pool.reader = args.reader
     result = asyncio.run(main(args))
     if args.out:
         with open(args.out, "w") as f:
