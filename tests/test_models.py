@@ -384,3 +384,24 @@ async def test_a_worker_left_out_of_a_send_gets_what_it_lacks_with_the_next_part
             # Worker 1 never got version 2: its policy comes with version 3 all the same.
             assert equal(mine["policy"], policy_v2)
             assert equal(mine["value"], state(models["value"]))
+
+
+async def test_model_ids_that_are_module_attributes_work_too() -> None:
+    kind = Kind("memory")
+    models = {"training": policy(0), "eval": value(1)}
+    sender = kind.scheme()
+    sender.init_on_sender(models=models, num_workers=1)
+    host = Hosted(sender)
+    await host.start()
+    try:
+        mine = {"training": policy(2), "eval": value(3)}
+        r = kind.scheme(sender.address, plane=sender.plane)
+        r.init_on_receiver(models=mine, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=CONNECT), r.connect(timeout=CONNECT))
+            fill(models["eval"], 4.0)
+            await sender.send(weights={"eval": models["eval"]})
+            assert equal(mine["eval"], state(models["eval"]))
+            assert equal(mine["training"], state(models["training"]))
+    finally:
+        await host.stop()

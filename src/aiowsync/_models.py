@@ -55,7 +55,10 @@ def sender_weights(models: Mapping[str, WeightsLike]) -> tuple[nn.Module | None,
     """What the sender sends by default: one module holding every model when all are modules
     (its tensors are watched and can be re-homed, as for one model), else the mapping."""
     if all(isinstance(m, nn.Module) for m in models.values()):
-        holder = nn.ModuleDict(models)  # type: ignore[arg-type]
+        try:
+            holder = nn.ModuleDict(models)  # type: ignore[arg-type]
+        except KeyError:  # an id that is an attribute of nn.Module ("training", ...)
+            return None, dict(models)
         return holder, holder
     return None, dict(models)
 
