@@ -366,10 +366,11 @@ async def test_no_reader_sees_one_model_at_one_version_and_another_at_the_next(
         assert all(len(s) > 1 for s in seen), "the readers saw only one version"
 
 
+@pytest.mark.parametrize("mode", ["swap", "copy"])
 async def test_a_worker_left_out_of_a_send_gets_what_it_lacks_with_the_next_partial_one(
-    kind: Kind,
+    kind: Kind, mode: str
 ) -> None:
-    async with rig(kind) as (sender, models, receivers):
+    async with rig(kind, apply_mode=mode) as (sender, models, receivers):
         for m in models.values():
             fill(m, 1.0)
         await sender.send()
@@ -384,6 +385,13 @@ async def test_a_worker_left_out_of_a_send_gets_what_it_lacks_with_the_next_part
             # Worker 1 never got version 2: its policy comes with version 3 all the same.
             assert equal(mine["policy"], policy_v2)
             assert equal(mine["value"], state(models["value"]))
+        # More sends of one model or the other, in turn, to everyone.
+        for step in range(4, 8):
+            name = "policy" if step % 2 else "value"
+            fill(models[name], float(step))
+            assert (await sender.send(weights={name: models[name]})).version == step
+            for _, mine in receivers:
+                assert equal(mine[name], state(models[name]))
 
 
 async def test_model_ids_that_are_module_attributes_work_too() -> None:

@@ -77,6 +77,9 @@ class DistReceiverPlane(ReceiverPlane):
             DoubleBuffer(layout.subset([n]) if layout.sectioned else layout, self.device)
             for n in names
         ]
+        self._newest = [-1] * len(names)
+        """Per model, the half holding the newest bytes received (the model may run the
+        other one still, or, in copy mode, none)."""
         self._combined: dict[tuple[int, ...], Staged] = {}
         """A version as the model runs it: one half of each model, by the halves' indices."""
         self._port = port
@@ -114,10 +117,10 @@ class DistReceiverPlane(ReceiverPlane):
         for number, halves in enumerate(self._halves):
             if number in moved:
                 choice.append(halves.spare()[0])
-            elif halves.live < 0:
+            elif self._newest[number] < 0:
                 raise ProtocolError(f"model {self._names[number]!r} was never received")
             else:
-                choice.append(halves.live)
+                choice.append(self._newest[number])
         if self._worker_idx not in workers:
             raise ProtocolError(f"worker {self._worker_idx} is not a member of {members!r}")
         targets = [
@@ -135,6 +138,8 @@ class DistReceiverPlane(ReceiverPlane):
             # Outside the handler, so that no traceback keeps the failed group alive.
             self._groups.discard(name)
             raise TransportError(f"receiving the version failed: {failure}")
+        for number in moved:
+            self._newest[number] = choice[number]
         return self._staged(tuple(choice))
 
     def _moved(self, value: ParamValue | None) -> set[int]:

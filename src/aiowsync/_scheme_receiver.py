@@ -78,6 +78,7 @@ class ReceiverSide(SchemeState):
         if self._role == "sender" and self._sender_pid != os.getpid():
             self._refuse_forked(worker_idx)
         self._check_fresh()
+        self._models = None  # nothing of an earlier call that failed stays
         several = models is not None
         if models is not None:
             if model is not None or weights is not None:

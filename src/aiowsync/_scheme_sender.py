@@ -115,6 +115,7 @@ class SenderSide(SchemeState):
                 working); falls back to per-tensor fused copies if the model cannot be re-homed.
         """
         self._check_fresh()
+        self._models = None  # nothing of an earlier call that failed stays
         if models is not None:
             if model is not None or weights is not None:
                 raise ValueError("give models= alone, or model= (or weights=) for one model")
