@@ -86,6 +86,17 @@ async def rig(
             await host.stop()
 
 
+@contextlib.asynccontextmanager
+async def serving(sender: aiowsync.WeightSyncScheme) -> AsyncIterator[aiowsync.WeightSyncScheme]:
+    """``sender`` inside its ``async with``, held open by a task of its own (see Hosted)."""
+    host = Hosted(sender)
+    await host.start()
+    try:
+        yield sender
+    finally:
+        await host.stop()
+
+
 async def test_one_version_covers_every_model_and_hooks_run_once_per_switch(kind: Kind) -> None:
     async with rig(kind) as (sender, models, receivers):
         assert (
@@ -173,9 +184,7 @@ async def test_a_receiver_whose_value_net_differs_is_refused_naming_the_model(
     models = {"policy": policy(0), "value": value(1)}
     sender = kind.scheme()
     sender.init_on_sender(models=models, num_workers=1)
-    host = Hosted(sender)
-    await host.start()
-    try:
+    async with serving(sender):
         r = kind.scheme(sender.address, plane=sender.plane)
         r.init_on_receiver(models={"policy": policy(2), "value": value(3, width=17)}, worker_idx=0)
         async with r:
@@ -193,8 +202,6 @@ async def test_a_receiver_whose_value_net_differs_is_refused_naming_the_model(
             with pytest.raises(aiowsync.RefusedError) as single:
                 await one.connect(timeout=CONNECT)
         assert single.value.reason == "this sender serves model 'policy+value', not 'policy'"
-    finally:
-        await host.stop()
 
 
 async def test_a_wire_dtype_halves_the_bytes_and_each_worker_holds_the_cast_values(
@@ -284,9 +291,7 @@ async def test_a_receiver_without_the_senders_wire_dtype_is_told_so() -> None:
     kind = Kind("memory")
     sender = kind.scheme(wire_dtype=torch.bfloat16)
     sender.init_on_sender(model=policy(0), num_workers=1)
-    host = Hosted(sender)
-    await host.start()
-    try:
+    async with serving(sender):
         r = kind.scheme(sender.address, plane=sender.plane)  # built from the address alone
         r.init_on_receiver(model=policy(1), worker_idx=0)
         async with r:
@@ -301,8 +306,6 @@ async def test_a_receiver_without_the_senders_wire_dtype_is_told_so() -> None:
             "  2.bias: expected bfloat16[4], got float32[4]\n"
             "  2.weight: expected bfloat16[4, 16], got float32[4, 16]"
         )
-    finally:
-        await host.stop()
 
 
 @pytest.mark.parametrize("mode", ["swap", "copy"])
@@ -399,9 +402,7 @@ async def test_model_ids_that_are_module_attributes_work_too() -> None:
     models = {"training": policy(0), "eval": value(1)}
     sender = kind.scheme()
     sender.init_on_sender(models=models, num_workers=1)
-    host = Hosted(sender)
-    await host.start()
-    try:
+    async with serving(sender):
         mine = {"training": policy(2), "eval": value(3)}
         r = kind.scheme(sender.address, plane=sender.plane)
         r.init_on_receiver(models=mine, worker_idx=0)
@@ -411,5 +412,3 @@ async def test_model_ids_that_are_module_attributes_work_too() -> None:
             await sender.send(weights={"eval": models["eval"]})
             assert equal(mine["eval"], state(models["eval"]))
             assert equal(mine["training"], state(models["training"]))
-    finally:
-        await host.stop()

@@ -16,7 +16,7 @@ import torch
 
 from ._copy import CopyPolicy, byte_view, copy_moves, fused_copy
 from ._layout import Layout
-from ._plane import Source, complete_tensors
+from ._plane import Source
 
 __all__ = ["Buckets", "Image", "Packer", "as_bytes", "plain_pointers", "section_spans"]
 
@@ -141,21 +141,10 @@ class Packer:
         image.source, image.packed, image.source_pointers, image.source_refs = source, 0, None, None
         image.complete.clear()
 
-    def fill(self, image: Image, source: Source, latest: Sequence[torch.Tensor] | None) -> None:
-        """Pack all of ``source`` now, tensor by tensor (casting where dtypes differ), and
-        the models it carries from ``latest`` (the newest version's image, as buffers)."""
-        views = self.layout.views(self.layout.split(image.flat))
-        tensors = complete_tensors(self.layout, source, latest)
-        keys = self.layout.keys
-        fused_copy([views[k] for k in keys], [tensors[k] for k in keys], self._policy)
-        with image.lock:
-            image.source = image.source_refs = image.source_pointers = None
-            image.packed = len(self.buckets.ranges)
-            image.complete.set()
-
-    def fill_some(self, image: Image, source: Source) -> None:
-        """Pack the models ``source`` gives (a send of some models) now, tensor by tensor;
-        the image's other models are never sent from it."""
+    def fill(self, image: Image, source: Source) -> None:
+        """Pack the tensors ``source`` gives now, one by one (casting where dtypes differ).
+        A send of some models gives only theirs: the image's other models are never sent
+        from it."""
         assert source.tensors is not None
         views = self.layout.views(self.layout.split(image.flat))
         keys = [k for k in self.layout.keys if k in source.tensors]

@@ -149,13 +149,11 @@ class DistSenderPlane(SenderPlane):
         snapshot = source.snapshot()
         everything = frozenset(self.layout.sections)
         self._writes[slot] = everything - snapshot.carry
-        if snapshot.carry:
-            # Some models: packed now, into this slot; the others stay in the slots that hold
-            # them, and travel from there (the copy runs to its end even if cancelled).
-            await to_the_end(anyio.to_thread.run_sync(self._packer.fill_some, image, snapshot))
-        elif snapshot.cast:
-            # A cast to the wire dtype: packed now, tensor by tensor.
-            await to_the_end(anyio.to_thread.run_sync(self._packer.fill, image, snapshot, None))
+        if snapshot.carry or snapshot.cast:
+            # Some models (the others stay in the slots that hold them, and travel from
+            # there), or a cast to the wire dtype: packed now, tensor by tensor (the copy runs
+            # to its end even if cancelled).
+            await to_the_end(anyio.to_thread.run_sync(self._packer.fill, image, snapshot))
         else:
             # Only checked here: packing happens during the transfer, bucket by bucket,
             # overlapping the wire.

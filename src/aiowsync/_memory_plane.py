@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +26,9 @@ from ._plane import (
     ReceiverContext,
     ReceiverPlane,
     SenderContext,
+    Source,
     Staged,
     WeightSource,
-    complete_tensors,
 )
 from ._protocol import ParamValue
 from ._slot_table import InPlaceSenderPlane, SlotTable, check_slot_counts
@@ -70,6 +70,23 @@ class MemoryPlane(DataPlane):
         return MemoryReceiverPlane()
 
 
+def _complete_tensors(
+    layout: Layout, source: Source, latest: Sequence[torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """Every key's tensor for ``source`` (given as ``tensors``): its own, and for the models
+    it carries, views of ``latest`` (the buffers of the newest version)."""
+    assert source.tensors is not None
+    tensors = dict(source.tensors)
+    if source.carry:
+        if latest is None:
+            raise ValueError("a send of some models needs an earlier version to take the rest from")
+        views = layout.views(latest)
+        for section in source.carry:
+            for key in layout.section_keys(section):
+                tensors[key] = views[key]
+    return tensors
+
+
 class MemorySenderPlane(InPlaceSenderPlane):
     what = "in-process"
 
@@ -107,7 +124,7 @@ class MemorySenderPlane(InPlaceSenderPlane):
             elif snapshot.tensors is not None:
                 views = layout.views(parts)
                 keys = layout.keys
-                tensors = complete_tensors(layout, snapshot, latest)
+                tensors = _complete_tensors(layout, snapshot, latest)
                 fused_copy([views[k] for k in keys], [tensors[k] for k in keys], self._policy)
             else:
                 raise ValueError("empty source")

@@ -52,7 +52,6 @@ __all__ = [
     "Source",
     "Staged",
     "WeightSource",
-    "complete_tensors",
 ]
 
 Params = dict[str, ParamValue]
@@ -77,23 +76,6 @@ class Source:
     copied tensor by tensor with a cast, never as raw bytes."""
 
 
-def complete_tensors(
-    layout: Layout, source: Source, latest: Sequence[torch.Tensor] | None
-) -> dict[str, torch.Tensor]:
-    """Every key's tensor for ``source`` (given as ``tensors``): its own, and for the models
-    it carries, views of ``latest`` (the buffers of the newest version)."""
-    assert source.tensors is not None
-    tensors = dict(source.tensors)
-    if source.carry:
-        if latest is None:
-            raise ValueError("a send of some models needs an earlier version to take the rest from")
-        views = layout.views(latest)
-        for section in source.carry:
-            for key in layout.section_keys(section):
-                tensors[key] = views[key]
-    return tensors
-
-
 class WeightSource(abc.ABC):
     """Where a send's weights come from; built once by the scheme and handed to the plane.
 
@@ -102,10 +84,9 @@ class WeightSource(abc.ABC):
     when they do not fit.
     """
 
-    partial: bool = False
-    """It gives some models of several and carries the others (its snapshot's ``carry``)."""
     carry: frozenset[str] = frozenset()
-    """For a partial source, the models it carries unchanged from the latest version."""
+    """Models it leaves out (a send of some models of several): their bytes stay those of
+    the latest version (its snapshot's ``carry``)."""
 
     @property
     @abc.abstractmethod

@@ -123,9 +123,6 @@ class SharedMemSenderPlane(SenderPlane):
                 views[s.key] = raw.view(s.dtype).view(s.shape)
         return _File(file, parts, views)
 
-    def welcome_params(self) -> Params:
-        return {}
-
     # -- slots --------------------------------------------------------------------------------
 
     def reserve(self, pinned: set[int]) -> int:
@@ -190,20 +187,13 @@ class SharedMemSenderPlane(SenderPlane):
             params[f"nbytes.{name}"] = file.nbytes
         return InPlace(params)
 
-    async def seal(self, version: int) -> None:
-        del version
-
-    def forget(self, worker: int) -> None:
-        del worker
-
     def process_gone(self, pid: int) -> bool | None:
         return not pid_alive(pid)
 
     # -- staging ------------------------------------------------------------------------------
 
     async def stage(self, slot: int, source: WeightSource) -> None:
-        carry = source.carry if source.partial else frozenset()
-        sections = [name for name in self._tables if name not in carry]
+        sections = [name for name in self._tables if name not in source.carry]
         files = self._take_slots(slot, sections)
         nbytes = sum(f.file.nbytes for f in files)  # the models written, not all of them
         if nbytes <= self._stager.inline_bytes:
@@ -223,7 +213,7 @@ class SharedMemSenderPlane(SenderPlane):
         parts = [p for f in files for p in f.parts]
         key = source.key
         copier = self._copier(source)
-        if source.partial:
+        if source.carry:
             # Some models: no re-homed buffers; the same tensors as last time, if they were
             # copied by the gather copy of those models.
             last, tensors = None, key in self._last

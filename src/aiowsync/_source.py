@@ -102,8 +102,6 @@ class PartialSource(WeightSource):
     """Some of the models of a scheme of several (``{model_id: weights}``); the plane keeps
     the others' bytes from the newest version."""
 
-    partial = True
-
     def __init__(
         self, named: dict[str, WeightsLike], layout: Layout, *, cast: bool = False
     ) -> None:
