@@ -23,6 +23,7 @@ from ._exceptions import (
 )
 from ._guard import ReadGuard
 from ._layout import Layout, TensorSpec
+from ._lease import Lease
 from ._memory_plane import MemoryPlane
 from ._outcome import PendingSend, SendResult
 from ._plane import DataPlane
@@ -45,6 +46,7 @@ __all__ = [
     "WeightSyncScheme",
     "SchemeOptions",
     "ReadGuard",
+    "Lease",
     # synchronous code
     "blocking",
     "BlockingScheme",

@@ -61,6 +61,9 @@ class Applier:
         self._on_switch = on_switch
         self.version = -1
         self._live: Staged | None = None
+        self._fetched: Staged | None = None
+        """Swap mode: the version the model runs as the plane fetched it (``_live`` may be a
+        window showing it)."""
         self._private: DoubleBuffer | None = None
         self.model_layout = model_layout or layout
         """The model's own dtypes; not ``layout`` when a wire dtype casts (copy mode then)."""
@@ -138,6 +141,7 @@ class Applier:
             ) from None
 
     def _commit(self, version: int, staged: Staged, *, private: bool = False) -> None:
+        fetched = staged
         if self.mode == "swap" and not private:
             staged = self.plane.show(staged)
         if staged is not self._live:
@@ -146,8 +150,31 @@ class Applier:
             if staged.bind_once:
                 staged.views.clear()
         self._live = staged
+        self._fetched = fetched if self.mode == "swap" and not private else None
         self.version = version
         self._on_switch()
+
+    # -- leases -------------------------------------------------------------------------------
+
+    def lease_views(self) -> dict[str, torch.Tensor] | None:
+        """Fresh views of the version the model runs, in the sender's memory, which the
+        sender keeps while a lease reports it; None where the version lies in memory of this
+        receiver's own that later versions rewrite (a lease copies it then). Call where no
+        switch can be under way."""
+        fetched = self._fetched
+        if fetched is None or not fetched.shared:
+            return None
+        buffers = self.plane.lease_buffers(fetched)
+        return None if buffers is None else self.layout.views(buffers)
+
+    def copy_live(self) -> dict[str, torch.Tensor]:
+        """A private copy of the version the model runs, on the model's device and in its
+        dtypes, by key. Call holding the guard."""
+        live = self._live
+        if live is None or not live.buffers:
+            return {k: t.detach().clone() for k, t in self._targets.items()}
+        # Swap mode needs the model's dtypes on the wire, so its layout is the model's too.
+        return self.model_layout.views([b.clone() for b in live.buffers])
 
     async def run_hooks(self, version: int) -> None:
         with anyio.fail_after(self._timeouts.ack):

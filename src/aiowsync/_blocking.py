@@ -19,6 +19,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ._guard import ReadGuard
+from ._lease import Lease
 from ._outcome import SendResult
 from ._scheme import WeightSyncScheme
 from ._weights import WeightsLike
@@ -242,6 +243,10 @@ class BlockingScheme:
     def read_guard(self) -> ReadGuard:
         """The scheme's read guard; hold it with ``with`` around each forward."""
         return self.scheme.read_guard()
+
+    def lease(self) -> Lease:
+        """A lease (see :meth:`WeightSyncScheme.lease`); hold it with ``with``."""
+        return self.scheme.lease()
 
     @property
     def version(self) -> int:

@@ -39,6 +39,8 @@ class Peer:
     inflight: set[int] = field(default_factory=set)
     """Versions announced to it and not yet answered."""
     host: str = ""
+    leased: frozenset[int] = frozenset()
+    """Versions its leases read in the sender's memory, as it last reported them."""
 
 
 class PeerTable:
@@ -147,13 +149,27 @@ class PeerTable:
         self._retired = [p for p in self._retired if not self.gone(p)]
         for peer in [*self.by_index.values(), *self._retired]:
             acked = peer.conn.acked_version
-            if acked in pinned and peer.inflight <= pinned:
+            if acked in pinned and peer.inflight <= pinned and peer.leased <= pinned:
                 continue  # pins nothing more: no need to ask whether its process lives
             if self.gone(peer):
                 continue
             pinned.add(acked)
             pinned |= peer.inflight
+            pinned |= peer.leased
         return pinned
+
+    def leases_text(self) -> str:
+        """Who holds leases in the sender's memory, oldest lease first ('' if nobody)."""
+        held = [
+            (min(p.leased), p.worker_idx, sorted(p.leased))
+            for p in [*self.by_index.values(), *self._retired]
+            if p.leased and not self.gone(p)
+        ]
+        return "; ".join(
+            f"worker {worker} holds a lease on version {oldest}"
+            + (f" (its oldest; it leases versions {versions})" if len(versions) > 1 else "")
+            for oldest, worker, versions in sorted(held)
+        )
 
     @staticmethod
     def answered(peer: Peer, version: int, *, ok: bool, running: int = -1) -> bool:

@@ -261,6 +261,12 @@ class ReceiverPlane(abc.ABC):
         """
         return staged
 
+    def lease_buffers(self, staged: Staged) -> list[torch.Tensor] | None:
+        """The flat buffers of ``staged`` (fetched, not shown) as memory that keeps its bytes
+        while the sender keeps the version: a lease reads them. None where this plane's
+        buffers are its own and later versions are written into them."""
+        return staged.buffers if staged.shared and staged.buffers else None
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -25,6 +27,7 @@ from ._exceptions import (
 )
 from ._guard import ReadGuard
 from ._layout import Layout
+from ._lease import LeaseTable
 from ._libc import libc
 from ._plane import ReceiverPlane
 from ._protocol import (
@@ -113,6 +116,8 @@ class ReceiverCore:
             timeouts=timeouts,
             on_switch=self.notify,
         )
+        self.leases = LeaseTable(self.applier, guard, self._report_leases_soon)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._updates = UpdateLoop(self)
         self.connections_seen = 0
         self.confirmed = -1
@@ -203,6 +208,7 @@ class ReceiverCore:
     # -- handshake ----------------------------------------------------------------------------
 
     async def connect(self, timeout: float) -> None:
+        self._loop = asyncio.get_running_loop()
         channel = self._channels.connect(self.address, heartbeat_timeout=self.beats.timeout)
         self.channel = channel
         try:
@@ -239,6 +245,30 @@ class ReceiverCore:
         return Heartbeat(
             worker_idx=self.worker_idx, session=self.session, version=max(self.version, 0)
         )
+
+    def _report_leases_soon(self) -> None:
+        """A leased version in the sender's memory is free again: tell the sender (from any
+        thread), so that its slot can take a new version before the next answer says so."""
+        loop = self._loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to tell
+            loop.call_soon_threadsafe(self._report_leases)
+
+    def _report_leases(self) -> None:
+        channel = self.channel
+        if channel is None or self.bye is not None or not self.session:
+            return
+        beat = Heartbeat(
+            worker_idx=self.worker_idx,
+            session=self.session,
+            version=max(self.version, 0),
+            leased=self.leases.pinned(),
+        )
+        # On the connection the answers take, so in order with them; a report that finds no
+        # room is dropped: the next answer carries the same news.
+        with contextlib.suppress(WeightSyncError):
+            channel.send_nowait(beat)
 
     async def _handshake(self, channel: ReceiverChannel) -> Welcome:
         hello = Hello(
@@ -318,6 +348,7 @@ class ReceiverCore:
         """:meth:`_detach`, run to its end even if cancelled; a failure is logged, and the
         model then keeps reading the shared memory it was on."""
         try:
+            self.leases.detach()
             await to_the_end(self.applier.detach())
         except Exception as exc:
             log.warning(

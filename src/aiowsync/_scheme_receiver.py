@@ -20,6 +20,7 @@ from ._channel import ChannelFactory
 from ._exceptions import WeightSyncError
 from ._guard import ReadGuard
 from ._layout import Layout, refuse_meta
+from ._lease import Lease
 from ._models import check_models, models_id, receiver_targets, sender_weights
 from ._plane import ReceiverContext
 from ._protocol import PROTOCOL_VERSION, Hello
@@ -185,6 +186,15 @@ class ReceiverSide(SchemeState):
         if self._role == "sender":
             raise RuntimeError("the read guard belongs to receivers")
         return self._guard
+
+    def lease(self) -> Lease:
+        """A lease on the version the model runs when it is entered (``async with`` on the
+        receiver's loop, ``with`` in threads): ``held.version``, and ``held.weights`` with
+        that version's exact bytes until the block ends, while the model goes on switching
+        to newer versions. See the serving guide for what it costs on each transport."""
+        if self._role == "sender":
+            raise RuntimeError("leases are taken on receivers")
+        return Lease(self._need_receiver().leases)
 
     def apply_weights(self, weights: WeightsLike, inplace: bool = True) -> None:
         """Apply weights to the receiver's model directly with the strategy (no versioning)."""

@@ -35,6 +35,7 @@ from ._protocol import (
 from ._serve import ControlLoop
 from ._shield import to_the_end
 from ._signal import Signal
+from ._slot_table import SlotsFull
 from ._workers import explain_missing, unavailable_text
 
 __all__ = ["PendingSend", "SendResult", "SenderCore"]
@@ -284,11 +285,23 @@ class SenderCore:
             self.layout.total_bytes, time.perf_counter() - started, staged.seconds
         )
 
+    def _slots_full(self, exc: SlotsFull) -> WeightSyncError:
+        """No slot is left: the error, naming the workers whose leases keep slots."""
+        leases = self.peers.leases_text()
+        if not leases:
+            return exc
+        return WeightSyncError(
+            f"{exc}; {leases}: a leased version keeps its slot until its last lease ends"
+        )
+
     async def _stage_and_announce(
         self, source: WeightSource, targets: list[int], move_by: float
     ) -> _Staged:
         plane = self.plane
-        slot = plane.reserve(self.peers.pinned_versions(self.version))
+        try:
+            slot = plane.reserve(self.peers.pinned_versions(self.version))
+        except SlotsFull as exc:
+            raise self._slots_full(exc) from None
         t0 = time.perf_counter()
         try:
             # The source checks the weights against the layout before any byte is written.
@@ -297,8 +310,10 @@ class SenderCore:
                 # A copy cannot be interrupted, so its deadline is checked here: a version
                 # staged too late is never announced.
                 raise TimeoutError
-        except BaseException:
+        except BaseException as exc:
             plane.release(slot)
+            if isinstance(exc, SlotsFull):  # a plane that takes its slots when staging
+                raise self._slots_full(exc) from None
             raise
         stage_s = time.perf_counter() - t0
         channel = self._channel

@@ -161,6 +161,9 @@ class ControlLoop:
             self._core.peers.mark_lost(peer, f"protocol error: {exc}")
             return
         peer.last_seen = time.monotonic()
+        if isinstance(message, (wire.Ack, wire.Nack)):
+            # Before the answer is counted: the answer may unpin what a lease still reads.
+            peer.leased = frozenset(message.leased)
         if isinstance(message, wire.Ack):
             self._on_answer(peer, message.version, None)
         elif isinstance(message, wire.Nack):
@@ -182,6 +185,8 @@ class ControlLoop:
                 self._disown(routing)
             return
         peer.last_seen = time.monotonic()
+        if message.leased is not None and routing == peer.routing:
+            peer.leased = frozenset(message.leased)
         # Beats from the receiver's beat thread keep it fresh and show that its process runs;
         # updates reach it again only if its main connection is there too: a beat on that
         # connection shows it, and so does a probe on it that the socket routes.

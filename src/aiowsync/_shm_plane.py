@@ -131,6 +131,10 @@ class SharedMemReceiverPlane(ReceiverPlane):
             # file is opened (and its path checked) now, so the switch itself cannot fail on it.
             self._window.open(path)
             return Staged([], {}, path, shared=True)
+        return self._map(path, nbytes)
+
+    def _map(self, path: str, nbytes: int) -> Staged:
+        """Slot file ``path`` mapped on its own (once, then cached)."""
         views = self._mapped.get(path)
         if views is None:
             # Paths come from the wire: checked before anything is opened, once per path.
@@ -142,6 +146,12 @@ class SharedMemReceiverPlane(ReceiverPlane):
             parts = self.layout.split(file.tensor)
             views = self._mapped[path] = Staged(parts, self.layout.views(parts), path, shared=True)
         return views
+
+    def lease_buffers(self, staged: Staged) -> list[torch.Tensor] | None:
+        if staged.buffers or self._window is None:
+            return super().lease_buffers(staged)
+        # The window shows whichever slot is live: a lease maps its slot file itself.
+        return self._map(staged.source, self._expected).buffers
 
     def _fetch_models(self, params: Mapping[str, ParamValue]) -> Staged:
         """A version of several models: one slot file per model, each mapped once."""

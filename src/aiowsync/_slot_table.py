@@ -15,7 +15,7 @@ from ._exceptions import WeightSyncError
 from ._plane import Delivery, InPlace, Member, Params, SenderPlane
 from ._shm_slots import pid_alive
 
-__all__ = ["InPlaceSenderPlane", "Slot", "SlotTable", "check_slot_counts"]
+__all__ = ["InPlaceSenderPlane", "Slot", "SlotTable", "SlotsFull", "check_slot_counts"]
 
 T = TypeVar("T")
 
@@ -27,6 +27,10 @@ class Slot(Generic[T]):
     version: int | None = None
     busy: bool = False
     """Reserved and being written; holds no version yet."""
+
+
+class SlotsFull(WeightSyncError):
+    """Every slot holds a version still in use and ``max_slots`` exist already."""
 
 
 def check_slot_counts(num_slots: int, max_slots: int) -> None:
@@ -68,7 +72,7 @@ class SlotTable(Generic[T]):
                 slot.busy, slot.version = True, None
                 return index
         if len(self.slots) >= self.max_slots:
-            raise WeightSyncError(full())
+            raise SlotsFull(full())
         self.add().busy = True
         return len(self.slots) - 1
 

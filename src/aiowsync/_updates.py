@@ -95,7 +95,11 @@ class UpdateLoop:
         if isinstance(switched, Exception):
             answer = self._failure(version, switched)
         else:
-            answer = Ack(worker_idx=self._core.worker_idx, version=version)
+            answer = Ack(
+                worker_idx=self._core.worker_idx,
+                version=version,
+                leased=self._core.leases.pinned(),
+            )
         channel = self._core.channel
         if channel is None:
             return True
@@ -222,7 +226,11 @@ class UpdateLoop:
             await self._core.applier.apply(version, params)
             if self._core.hooks:
                 await self._core.applier.run_hooks(version)
-            answer = Ack(worker_idx=self._core.worker_idx, version=version)
+            answer = Ack(
+                worker_idx=self._core.worker_idx,
+                version=version,
+                leased=self._core.leases.pinned(),
+            )
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True), anyio.move_on_after(NACK_ON_CANCEL_S):
                 await self._answer(self._nack(version, "receiver shut down"))
@@ -249,6 +257,7 @@ class UpdateLoop:
             error=error,
             retryable=retryable,
             running=self._core.version,
+            leased=self._core.leases.pinned(),
         )
 
     async def _answer(self, answer: Ack | Nack, *, must_send: bool = False) -> None:

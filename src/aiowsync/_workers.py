@@ -43,6 +43,8 @@ class WorkerStatus:
     """Its host name, as its hello said."""
     note: str | None
     """The last thing known that explains its state: why it was refused, lost or gone."""
+    leased: tuple[int, ...] = ()
+    """The versions its leases read in the sender's memory (the sender keeps their slots)."""
 
 
 class WorkerTable(Mapping[int, WorkerStatus]):
@@ -88,6 +90,7 @@ def status_of(peers: PeerTable, worker: int) -> WorkerStatus:
         pid=peer.pid or None,
         host=peer.host or None,
         note=note,
+        leased=tuple(sorted(peer.leased)),
     )
 
 

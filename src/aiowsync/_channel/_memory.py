@@ -115,12 +115,16 @@ class MemoryReceiverChannel(ReceiverChannel):
         sender.peers[peer] = self
 
     async def send(self, message: Message, *, timeout: float | None) -> None:
+        self.send_nowait(message)
+        await asyncio.sleep(0)
+
+    def send_nowait(self, message: Message) -> bool:
         if self.closed:
             raise TransportError("channel is closed")
         if self._sender.closed:
             raise NotConnectedError("sender is gone")
         self._sender.deliver(self._peer, encode(message))
-        await asyncio.sleep(0)
+        return True
 
     async def recv(self, *, timeout: float | None) -> Message:
         deadline = asyncio.get_running_loop().time() + (math.inf if timeout is None else timeout)

@@ -5,6 +5,7 @@ This package imports neither zmq, torch nor anyio.
 
 from ._codec import MAX_FRAME, decode, encode
 from ._messages import (
+    MAX_LEASED,
     PROTOCOL_VERSION,
     SENDER_INDEX,
     Ack,
@@ -23,6 +24,7 @@ from ._state import TRANSITIONS, Connection, Role, State
 
 __all__ = [
     "MAX_FRAME",
+    "MAX_LEASED",
     "PROTOCOL_VERSION",
     "SENDER_INDEX",
     "TRANSITIONS",

@@ -28,9 +28,10 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 """Raised whenever a message changes incompatibly (2: Hello lost transport and credential,
-Welcome lost missed_beats; 3: Hello gained host and problem)."""
+Welcome lost missed_beats; 3: Hello gained host and problem; 4: Ack, Nack and Heartbeat
+gained leased)."""
 SENDER_INDEX: Final = -1
 """The ``worker_idx`` the sender uses in messages it originates (heartbeats)."""
 
@@ -39,6 +40,8 @@ MAX_NAME: Final = 256
 MAX_TENSORS: Final = 1_000_000
 MAX_DIMS: Final = 32
 MAX_PARAMS: Final = 64
+MAX_LEASED: Final = 64
+"""The most versions one receiver's leases may hold in the sender's memory at once."""
 MIN_BEAT_INTERVAL: Final = 0.01
 """Seconds; a faster beat would only burn a core."""
 
@@ -50,6 +53,7 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 ParamValue: TypeAlias = str | int
+Leased = Annotated[tuple[Version, ...], msgspec.Meta(max_length=MAX_LEASED)]
 Params = Annotated[dict[Name, ParamValue], msgspec.Meta(max_length=MAX_PARAMS)]
 
 
@@ -120,6 +124,9 @@ class Ack(_Base, frozen=True, tag="ack"):
 
     worker_idx: WorkerIndex
     version: Version
+    leased: Leased = ()
+    """The versions the receiver's leases read in the sender's memory, as of this answer
+    (the sender keeps them; see :class:`Heartbeat`)."""
 
 
 class Nack(_Base, frozen=True, tag="nack"):
@@ -134,6 +141,8 @@ class Nack(_Base, frozen=True, tag="nack"):
     """The version the receiver's model runs now (``version`` if the switch happened before
     the failure): of the versions this answer settles, the sender keeps only that one for
     this receiver. -1: not said, and the nacked version stays kept too."""
+    leased: Leased = ()
+    """As in :class:`Ack`."""
 
 
 class Heartbeat(_Base, frozen=True, tag="beat"):
@@ -142,6 +151,10 @@ class Heartbeat(_Base, frozen=True, tag="beat"):
     worker_idx: Annotated[int, msgspec.Meta(ge=SENDER_INDEX, le=2**31)]
     session: Annotated[str, msgspec.Meta(max_length=32)] = ""
     version: Annotated[int, msgspec.Meta(ge=-1, le=2**62)] = -1
+    leased: Leased | None = None
+    """From a receiver, on the connection its answers take (so in order with them): the
+    versions its leases read in the sender's memory, all of them; the newest report wins.
+    None: not said (the beats of the receiver's beat thread, which travel apart)."""
 
 
 class Bye(_Base, frozen=True, tag="bye"):
