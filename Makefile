@@ -14,13 +14,14 @@ $(BIN)/python:
 # torch is pinned in every pip call: an unpinned torch would pull a multi-GB CUDA build.
 setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q torch==2.13.0 -e ".[test,dev]"
+	$(BIN)/pip install -q torch==2.13.0 -e ".[test,dev,server,ray]"
 
-# The suite, then the tests that need torchrl 0.14.1 (the TorchRL adapter with real collectors
+# The suite (AIOWSYNC_REQUIRE_EXTRAS: the inference-server and Ray tests must run, not skip),
+# then the tests that need torchrl 0.14.1 (the TorchRL adapter with real collectors
 # on CartPole, and the comparison that `aiowsync bench` rests on) in the bench venv, where
 # they must run, not skip.
 test: setup test-setup-torchrl
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_TORCHRL=1 $(BENCH_BIN)/python -m pytest -q -rs \
 		-p no:cacheprovider tests/test_torchrl_adapter.py tests/test_bench.py -k torchrl
 
