@@ -35,7 +35,12 @@ def test_every_response_matches_greedy_decoding_on_the_version_it_reports(
         [
             sys.executable,
             str(ROOT / "examples" / "inference_server.py"),
-            "--requests", "40", "--versions", "25", "--json", str(out),
+            "--requests",
+            "40",
+            "--versions",
+            "25",
+            "--json",
+            str(out),
         ],  # fmt: skip
         cwd=tmp_path,
         env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
