@@ -31,17 +31,10 @@ def test_every_response_matches_greedy_decoding_on_the_version_it_reports(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "figures.json"
+    script = str(ROOT / "examples" / "inference_server.py")
+    args = ["--requests", "40", "--versions", "25", "--json", str(out)]
     run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "inference_server.py"),
-            "--requests",
-            "40",
-            "--versions",
-            "25",
-            "--json",
-            str(out),
-        ],  # fmt: skip
+        [sys.executable, script, *args],
         cwd=tmp_path,
         env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
         capture_output=True,
