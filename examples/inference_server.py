@@ -41,7 +41,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -188,9 +188,10 @@ def serve(address: str, worker_idx: int, port: int) -> None:
 # -- the trainer ----------------------------------------------------------------------------
 
 
-async def train(address: str, workers: int) -> None:
-    """Send versions when told: ``send COUNT INTERVAL`` on stdin sends COUNT versions, one
-    every INTERVAL seconds, then says ``sent LAST``; ``quit`` ends it."""
+async def train(address: str, workers: int, interval: float) -> None:
+    """Connect, say ``connected``; on ``go`` (a line on stdin) send a version every
+    ``interval`` seconds, saying ``sent V`` after each, until ``stop``; then say
+    ``stopped V`` and end."""
     torch.set_num_threads(1)
     model = make_model()
     scheme = aiowsync.SharedMemWeightSyncScheme(bind=address)
@@ -200,21 +201,28 @@ async def train(address: str, workers: int) -> None:
     async with scheme:
         await scheme.connect(timeout=CONNECT_S)
         print("connected", flush=True)
-        while True:
-            line = await anyio.to_thread.run_sync(sys.stdin.readline)
-            if not line or line.strip() == "quit":
-                return
-            _, count, interval = line.split()
-            for _ in range(int(count)):
+        if (await anyio.to_thread.run_sync(sys.stdin.readline)).strip() != "go":
+            return
+        stop = anyio.Event()
+
+        async def until_stop() -> None:
+            await anyio.to_thread.run_sync(sys.stdin.readline)  # "stop", or the end of stdin
+            stop.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(until_stop)
+            while not stop.is_set():
                 version = scheme.version + 1
-                new = weights_for(base, version)
+                new = weights_for(base, version)  # the training step of this example
                 with torch.no_grad():
                     for key, p in params.items():
                         p.copy_(new[key])
                 result = await scheme.send()
                 assert result.version == version, (result.version, version)
-                await anyio.sleep(float(interval))
-            print(f"sent {scheme.version}", flush=True)
+                print(f"sent {version}", flush=True)
+                with anyio.move_on_after(interval):
+                    await stop.wait()
+        print(f"stopped {scheme.version}", flush=True)
 
 
 # -- the driver -----------------------------------------------------------------------------
@@ -268,9 +276,9 @@ async def load(
     concurrency: int,
     tokens: int,
     seed: int,
-    until: asyncio.Future[Any] | None = None,
+    until: Callable[[], bool] | None = None,
 ) -> list[dict[str, Any]]:
-    """``requests`` requests (more while ``until`` is not done), ``concurrency`` at a time,
+    """``requests`` requests (more until ``until()`` is true), ``concurrency`` at a time,
     round-robin over ``urls``; each result with its prompt, latency and outcome."""
     rng = random.Random(seed)
     results: list[dict[str, Any]] = []
@@ -294,7 +302,7 @@ async def load(
     async def client_task() -> None:
         while True:
             i = next(counter)
-            if i >= requests and (until is None or until.done()):
+            if i >= requests and (until is None or until()):
                 return
             await one(i)
 
@@ -332,7 +340,7 @@ async def drive(opts: argparse.Namespace) -> dict[str, Any]:
             report["generate_before_ready"] = early.status_code
             trainer = stack.enter_context(
                 started(
-                    ["trainer", "--address", address],
+                    ["trainer", "--address", address, "--interval", str(opts.interval)],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                 )
@@ -341,25 +349,39 @@ async def drive(opts: argparse.Namespace) -> dict[str, Any]:
             for u in urls:
                 await wait_ready(client, u, want=200, timeout=120)
             print("both servers ready (version 0); requests without updates ...", flush=True)
+            for u in urls:  # the first forward of a process is slow: not part of the figures
+                await client.post(f"{u}/generate", json={"prompt": [1], "max_tokens": 2})
             steady = await load(
                 client, urls, requests=opts.requests, concurrency=opts.concurrency,
                 tokens=opts.tokens, seed=1,
             )  # fmt: skip
-            print(f"requests while the trainer sends {opts.versions} versions ...", flush=True)
-            trainer.stdin.write(f"send {opts.versions} {opts.interval}\n")
-            trainer.stdin.flush()
+            print("requests while the trainer sends versions ...", flush=True)
             loop = asyncio.get_running_loop()
-            sent = loop.run_in_executor(None, trainer.stdout.readline)  # "connected"
-            await sent
-            sent = loop.run_in_executor(None, trainer.stdout.readline)  # "sent N"
+            assert await loop.run_in_executor(None, trainer.stdout.readline) == "connected\n"
+            sent = [0]
+
+            def follow() -> str:
+                """The trainer's lines until it stops: the count of versions sent so far."""
+                for line in trainer.stdout:  # type: ignore[union-attr]
+                    word, version = line.split()
+                    sent[0] = int(version)
+                    if word == "stopped":
+                        return line
+                return ""
+
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            following = loop.run_in_executor(None, follow)
+            # Every request of this phase runs while versions are being sent: at least
+            # --requests of them, and until at least --versions versions were sent.
             updating = await load(
                 client, urls, requests=opts.requests, concurrency=opts.concurrency,
-                tokens=opts.tokens, seed=2, until=sent,
+                tokens=opts.tokens, seed=2, until=lambda: sent[0] >= opts.versions,
             )  # fmt: skip
-            last = (await sent).split()
-            report["versions_sent"] = int(last[1]) if len(last) == 2 else 0
-            trainer.stdin.write("quit\n")
+            trainer.stdin.write("stop\n")
             trainer.stdin.flush()
+            await following
+            report["versions_sent"] = sent[0]
             trainer.wait(60)
             report["trainer_exit"] = trainer.returncode
     report.update(check(steady, updating, opts.tokens))
@@ -412,11 +434,12 @@ def main() -> None:
     t = sub.add_parser("trainer", help="the trainer process (started by the driver)")
     t.add_argument("--address", required=True)
     t.add_argument("--workers", type=int, default=2)
+    t.add_argument("--interval", type=float, default=0.05)
     parser.add_argument(
         "--requests",
         type=int,
         default=100,
-        help="requests in each phase (more while versions are sent; default 100)",
+        help="requests in each phase, at least (default 100)",
     )
     parser.add_argument(
         "--concurrency", type=int, default=4, help="requests in flight at once (default 4)"
@@ -425,11 +448,11 @@ def main() -> None:
     parser.add_argument(
         "--versions",
         type=int,
-        default=25,
-        help="versions the trainer sends during the second phase (default 25)",
+        default=20,
+        help="the second phase lasts until the trainer sent at least this many (default 20)",
     )
     parser.add_argument(
-        "--interval", type=float, default=0.02, help="seconds between two sends (default 0.02)"
+        "--interval", type=float, default=0.05, help="seconds between two sends (default 0.05)"
     )
     parser.add_argument("--json", help="write the figures to this file")
     opts = parser.parse_args()
@@ -437,7 +460,7 @@ def main() -> None:
         serve(opts.address, opts.worker_idx, opts.port)
         return
     if opts.command == "trainer":
-        anyio.run(train, opts.address, opts.workers)
+        anyio.run(train, opts.address, opts.workers, opts.interval)
         return
     report = asyncio.run(drive(opts))
     for key, value in report.items():

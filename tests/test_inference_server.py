@@ -32,7 +32,7 @@ def test_every_response_matches_greedy_decoding_on_the_version_it_reports(
 ) -> None:
     out = tmp_path / "figures.json"
     script = str(ROOT / "examples" / "inference_server.py")
-    args = ["--requests", "40", "--versions", "25", "--json", str(out)]
+    args = ["--requests", "40", "--versions", "20", "--json", str(out)]
     run = subprocess.run(
         [sys.executable, script, *args],
         cwd=tmp_path,
@@ -46,7 +46,7 @@ def test_every_response_matches_greedy_decoding_on_the_version_it_reports(
     # Readiness is held until version 0: both servers answered 503 first, requests too.
     assert all(n >= 1 for n in figures["not_ready_answers"])
     assert figures["generate_before_ready"] == 503
-    assert figures["versions_sent"] == 25 and figures["trainer_exit"] == 0
+    assert figures["versions_sent"] >= 20 and figures["trainer_exit"] == 0
     assert figures["failed"] == 0 and figures["requests"] >= 80
     assert figures["mismatches"] == 0
     # The check can tell versions apart, and requests did run while the model moved on.
