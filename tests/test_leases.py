@@ -245,3 +245,28 @@ def test_a_blocking_receiver_takes_leases_with_a_plain_with() -> None:
             s.send(timeout=30)
             assert held.version == 1 and w.version == 2
             assert {t.unique().item() for t in held.params().values()} == {5.0}
+
+
+async def test_a_worker_cannot_lease_more_versions_than_a_report_carries() -> None:
+    from aiowsync._protocol import MAX_LEASED
+
+    kind = Kind("memory")
+    plane = aiowsync.MemoryPlane(num_slots=2, max_slots=MAX_LEASED + 4)
+    async with system(kind, 1, plane=plane) as rig_:
+        r, _ = rig_[0]
+        leases = []
+        try:
+            for _ in range(MAX_LEASED):
+                lease = r.lease()
+                await lease.__aenter__()
+                leases.append(lease)
+                await rig_.sender.send()
+            assert rig_.sender.workers[0].leased == tuple(range(MAX_LEASED))
+            with pytest.raises(aiowsync.WeightSyncError, match=f"already hold {MAX_LEASED}"):
+                async with r.lease():
+                    pass
+        finally:
+            for lease in leases:
+                await lease.__aexit__(None, None, None)
+        async with r.lease() as held:
+            assert held.version == MAX_LEASED
