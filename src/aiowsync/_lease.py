@@ -67,11 +67,6 @@ class LeaseTable:
         with self._lock:
             return tuple(sorted(v for v, h in self._held.items() if h.shared))
 
-    def versions(self) -> tuple[int, ...]:
-        """Every leased version, oldest first."""
-        with self._lock:
-            return tuple(sorted(self._held))
-
     # -- taking and ending --------------------------------------------------------------------
 
     def _take(self) -> _Held | None:
@@ -79,6 +74,8 @@ class LeaseTable:
         Call where no switch can be under way (on the loop, or holding the guard)."""
         version = self._check_open()
         with self._lock:
+            if self.closed:  # closed meanwhile: detach() may have copied the others already
+                raise NotConnectedError("the receiver is closed: no lease can be taken")
             held = self._held.get(version)
             if held is None:
                 tensors = self._applier.lease_views()
@@ -149,8 +146,8 @@ class LeaseTable:
         """Before the receiver says goodbye: leases reading the sender's memory get a private
         copy of the same bytes (the sender may reuse its slots after the goodbye). Call
         holding the guard, or on the loop."""
-        self.closed = True
         with self._lock:
+            self.closed = True
             shared = [h for h in self._held.values() if h.shared]
         for held in shared:
             own = {k: t.clone() for k, t in held.tensors.items()}
