@@ -23,7 +23,7 @@ from aiowsync import ProtocolError
 from aiowsync._layout import Layout, _dtype_from_name
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, Refuse, TensorDesc, decode, encode
 from aiowsync._shm_plane import SharedMemReceiverPlane, SwitchMode
-from aiowsync._shm_slots import SHM_DIR, open_slot, pid_alive, remove_stale_slots
+from aiowsync._shm_slots import SHM_DIR, SlotFile, open_slot, pid_alive, remove_stale_slots
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -246,14 +246,27 @@ def test_a_slot_path_from_the_wire_is_checked_before_it_is_opened(
 ) -> None:
     layout = Layout.from_weights({f"w{i}": torch.zeros(4) for i in range(80)})
     plane = SharedMemReceiverPlane(switch=switch)
-    plane.setup(layout, {}, swap=True)
+    with pytest.raises(aiowsync.ProtocolError, match="no sender pid"):
+        plane.setup(layout, {}, swap=True)
+    sender_pid = os.getpid() + 1
+    plane.setup(layout, {"owner": sender_pid}, swap=True)
     elsewhere = tmp_path / "not-a-slot.bin"
     elsewhere.write_bytes(b"\x00" * layout.total_bytes)
+    # A slot file of this user, but of another sender: mapped by no receiver of this one.
+    other = SlotFile.create(0, layout.total_bytes)
     try:
-        for path in (str(elsewhere), "/etc/passwd", str(SHM_DIR / "aiowsync-1-ab-0/../x")):
+        for path in (
+            str(elsewhere),
+            "/etc/passwd",
+            str(SHM_DIR / "aiowsync-1-ab-0/../x"),
+            f"/dev/shm/aiowsync-{sender_pid}-ab-0\n",  # the name pattern is matched whole
+        ):
             with pytest.raises(aiowsync.TransportError, match="not an aiowsync"):
                 plane.fetch_nowait({"path": path, "nbytes": layout.total_bytes})
+        with pytest.raises(aiowsync.TransportError, match="not a slot of this worker's sender"):
+            plane.fetch_nowait({"path": other.path, "nbytes": layout.total_bytes})
     finally:
+        other.unlink()
         plane.close()
 
 
@@ -308,3 +321,16 @@ def test_a_slot_file_naming_an_impossible_pid_does_not_stop_senders(tmp_path: Pa
     live.write_bytes(b"")
     assert remove_stale_slots(tmp_path) == [mine.name]
     assert live.exists() and not mine.exists()
+
+
+def test_no_slot_name_can_be_foretold_from_the_others() -> None:
+    # Slot files once shared one run token and differed by index, so the names of the slots
+    # a sender would make next were known from its first two: another user created them
+    # first, and every send that needed a new slot failed with "File exists".
+    files = [SlotFile.create(i, 64) for i in range(4)]
+    try:
+        tokens = [os.path.basename(f.path).split("-")[2] for f in files]
+        assert len(set(tokens)) == len(tokens) and all(len(t) == 16 for t in tokens)
+    finally:
+        for f in files:
+            f.unlink()

@@ -94,6 +94,11 @@ class SharedMemReceiverPlane(ReceiverPlane):
     ) -> None:
         self.layout = layout
         self._expected = layout.total_bytes
+        owner = welcome.get("owner")
+        # Only files named after the sender's pid are mapped (paths come from the wire).
+        self._owner = owner if isinstance(owner, int) and owner > 0 else None
+        if self._owner is None:
+            raise ProtocolError(f"the welcome names no sender pid: {dict(welcome)}")
         # A window maps one file; a version of several models spans several (re-binding).
         wanted = not layout.sectioned and (
             self._switch == "remap" or (self._switch == "auto" and window_pays(layout))
@@ -129,6 +134,7 @@ class SharedMemReceiverPlane(ReceiverPlane):
         if self._window is not None:
             # The window maps the slot itself; views of each slot would only cost memory. The
             # file is opened (and its path checked) now, so the switch itself cannot fail on it.
+            check_slot_path(path, self._owner)
             self._window.open(path)
             return Staged([], {}, path, shared=True)
         return self._map(path, nbytes)
@@ -138,7 +144,7 @@ class SharedMemReceiverPlane(ReceiverPlane):
         views = self._mapped.get(path)
         if views is None:
             # Paths come from the wire: checked before anything is opened, once per path.
-            check_slot_path(path)
+            check_slot_path(path, self._owner)
             if len(self._mapped) >= _KEPT_MAPPINGS:
                 # A sender has a few slots; a cache of every path ever named would grow.
                 self._mapped.pop(next(iter(self._mapped)))
@@ -168,7 +174,7 @@ class SharedMemReceiverPlane(ReceiverPlane):
                 )
             mapped = self._files.get(path)
             if mapped is None:
-                check_slot_path(path)  # paths come from the wire: checked before opening
+                check_slot_path(path, self._owner)  # paths come from the wire: checked first
                 if len(self._files) >= _KEPT_MAPPINGS:
                     self._files.pop(next(iter(self._files)))
                 file = SlotFile.open(path, nbytes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import secrets
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -63,7 +63,6 @@ class SharedMemSenderPlane(SenderPlane):
     ) -> None:
         self.num_slots = num_slots
         self.max_slots = max_slots
-        self._token = secrets.token_hex(6)
         self._stager = Stager()
         self._policy = policy or CopyPolicy()
         """How this plane copies (its own; its threads are released at close)."""
@@ -77,6 +76,10 @@ class SharedMemSenderPlane(SenderPlane):
         self._latest: int | None = None
 
     # -- set-up -------------------------------------------------------------------------------
+
+    def welcome_params(self) -> Params:
+        """The sender's pid: receivers map only slot files named after it."""
+        return {"owner": os.getpid()}
 
     def setup(self, layout: Layout) -> None:
         self.layout = layout
@@ -110,7 +113,7 @@ class SharedMemSenderPlane(SenderPlane):
         first, last = self.layout.sections[section]
         sizes = self.layout.buffer_sizes[first:last]
         # Slot files of one model are numbered apart from the others' (index * 1000 + model).
-        file = SlotFile.create(index * 1000 + number, sum(sizes), self._token)
+        file = SlotFile.create(index * 1000 + number, sum(sizes))
         parts, start = [], 0
         for size in sizes:
             parts.append(file.tensor[start : start + size])

@@ -1,7 +1,8 @@
 """Slots in named POSIX shared memory: files in /dev/shm that any local process can map.
 
-A slot file is named ``aiowsync-<sender pid>-<run token>-<slot index>``; it is created with
-mode 0600 and removed when the sender shuts down. A sender that crashed cannot remove its
+A slot file is named ``aiowsync-<sender pid>-<random token>-<slot index>``, the token drawn
+afresh for each file so that no name can be foretold; it is created exclusively with mode 0600
+and removed when the sender shuts down. A sender that crashed cannot remove its
 files, so every new sender first removes the files of senders whose process no longer exists.
 """
 
@@ -33,7 +34,8 @@ __all__ = [
 log = logging.getLogger("aiowsync.shm")
 
 SHM_DIR = Path("/dev/shm")
-_NAME = re.compile(r"^aiowsync-(\d+)-([0-9a-f]+)-(\d+)$")
+_NAME = re.compile(r"aiowsync-(\d+)-([0-9a-f]+)-(\d+)")
+"""A slot file's name (matched whole: no trailing newline or anything else)."""
 
 
 PID_MAX = 2**31 - 1
@@ -64,7 +66,7 @@ def remove_stale_slots(directory: Path = SHM_DIR) -> list[str]:
         return removed
     me = os.getuid()
     for path in entries:
-        m = _NAME.match(path.name)
+        m = _NAME.fullmatch(path.name)
         if m is None:
             continue
         # Another user's file is never ours to judge, whatever its name says: the owner is
@@ -78,10 +80,14 @@ def remove_stale_slots(directory: Path = SHM_DIR) -> list[str]:
     return removed
 
 
-def check_slot_path(path: str) -> None:
-    """``TransportError`` unless ``path`` names an aiowsync slot file in the shm directory."""
-    if not _NAME.match(os.path.basename(path)) or os.path.dirname(path) != str(SHM_DIR):
+def check_slot_path(path: str, owner: int | None = None) -> None:
+    """``TransportError`` unless ``path`` names an aiowsync slot file in the shm directory
+    (of the sender with pid ``owner``, when given)."""
+    m = _NAME.fullmatch(os.path.basename(path))
+    if m is None or os.path.dirname(path) != str(SHM_DIR):
         raise TransportError(f"{path!r} is not an aiowsync shared-memory slot")
+    if owner is not None and int(m.group(1)) != owner:
+        raise TransportError(f"{path!r} is not a slot of this worker's sender (pid {owner})")
 
 
 def open_slot(path: str, nbytes: int) -> int:
@@ -178,9 +184,10 @@ class SlotFile:
         self._backed = True
 
     @classmethod
-    def create(cls, index: int, nbytes: int, token: str | None = None) -> SlotFile:
-        token = token or secrets.token_hex(6)
-        path = str(SHM_DIR / f"aiowsync-{os.getpid()}-{token}-{index}")
+    def create(cls, index: int, nbytes: int) -> SlotFile:
+        """A new slot file under a name of its own: a token drawn for it alone, so that no
+        other process can take the name first (it is created exclusively)."""
+        path = str(SHM_DIR / f"aiowsync-{os.getpid()}-{secrets.token_hex(8)}-{index}")
         tensor = _map(path, nbytes, os.O_CREAT | os.O_EXCL | os.O_RDWR)
         return cls(path, nbytes, tensor, owner=True)
 
