@@ -217,7 +217,7 @@ async def test_channel_level_round_trip_and_refusal() -> None:
         await good.send(hello(0), timeout=WAIT)
         peer, got = await sender.recv(timeout=WAIT)
         assert got == hello(0)
-        reply = Welcome(model_id="m", worker_idx=0, session="c3" * 16, version=0)
+        reply = Welcome(proof="0f" * 16, model_id="m", worker_idx=0, session="c3" * 16, version=0)
         await sender.send(peer, reply, timeout=WAIT)
         assert await good.recv(timeout=WAIT) == reply
         assert good.peer_alive

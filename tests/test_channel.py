@@ -66,7 +66,9 @@ def hello(worker_idx: int) -> Hello:
 
 
 def welcome(worker_idx: int, version: int = 0) -> Welcome:
-    return Welcome(model_id="m", worker_idx=worker_idx, session=SESSION, version=version)
+    return Welcome(
+        proof="0f" * 16, model_id="m", worker_idx=worker_idx, session=SESSION, version=version
+    )
 
 
 @pytest.fixture(params=["zmq", "memory"])

@@ -227,6 +227,7 @@ def test_a_welcome_cannot_make_a_worker_beat_without_pause() -> None:
 
     def welcome(interval: float) -> Welcome:
         return Welcome(
+            proof="0f" * 16,
             model_id="policy",
             worker_idx=0,
             session="a" * 32,

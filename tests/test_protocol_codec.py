@@ -50,8 +50,9 @@ SAMPLES = [
         ),
         pid=4242,
     ),
-    Welcome(model_id="policy", worker_idx=3, session=SESSION, version=0),
+    Welcome(proof="0f" * 16, model_id="policy", worker_idx=3, session=SESSION, version=0),
     Welcome(
+        proof="0f" * 16,
         model_id="policy",
         worker_idx=2**31,
         session=SESSION,

@@ -279,3 +279,54 @@ async def test_workers_closing_together_are_seen_leaving_not_lost(
     said = [r.getMessage() for r in caplog.records if r.name == "aiowsync.sender"]
     assert [m for m in said if "lost" in m and "said goodbye" not in m] == []
     assert sum("said goodbye" in m for m in said) == 3
+
+
+async def test_a_process_that_takes_a_dead_senders_address_cannot_update_its_workers() -> None:
+    # Before: a process that bound the dead sender's freed address learned the session from
+    # the workers' own beats and sent an update naming one of the dead sender's slots; the
+    # worker switched to it, reported version 1000 and connected=True, and acked.
+    import zmq
+
+    from aiowsync._protocol import Heartbeat, Update, decode, encode
+
+    async with a_killed_sender("shm") as (scheme, model, pid):
+        stale = next(n for n in os.listdir("/dev/shm") if n.startswith(f"aiowsync-{pid}-"))
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        impostor = ctx.socket(zmq.ROUTER)
+        impostor.setsockopt(zmq.LINGER, 0)
+        try:
+            impostor.bind(scheme.address)
+            # The worker's sockets reconnect by themselves; their beats tell the session.
+            seen: dict[bytes, str] = {}
+            deadline = time.monotonic() + 30
+            while len(seen) < 2 and time.monotonic() < deadline:
+                if await asyncio.to_thread(impostor.poll, 200):
+                    routing, frame = impostor.recv_multipart()
+                    message = decode(frame)
+                    if isinstance(message, Heartbeat):
+                        seen[routing] = message.session
+            assert seen, "the worker never reconnected to the impostor"
+            session = next(iter(seen.values()))
+            nbytes = os.stat(f"/dev/shm/{stale}").st_size
+            for routing in seen:  # its main socket and its beat socket: one of them reads
+                for forged in (
+                    Heartbeat(worker_idx=-1, session=session, version=1000),
+                    Update(version=1000, params={"path": f"/dev/shm/{stale}", "nbytes": nbytes}),
+                ):
+                    impostor.send_multipart([routing, encode(forged)])
+            assert await eventually(lambda: scheme.dropped_messages >= 1, within=20)
+            # Refused and counted: the worker keeps its version and its bytes, says it is not
+            # connected, and answers nothing.
+            assert scheme.version == 0 and not scheme.connected
+            assert all(bool((t == 7).all()) for t in model.state_dict().values())
+            answers = []
+            until = time.monotonic() + 1.0
+            while time.monotonic() < until:
+                if await asyncio.to_thread(impostor.poll, 100):
+                    answers.append(decode(impostor.recv_multipart()[1]))
+            assert not [a for a in answers if not isinstance(a, Heartbeat)], answers
+            with pytest.raises(aiowsync.SenderGoneError, match="did not come from the sender"):
+                await scheme.wait_for_version(1, timeout=5)
+        finally:
+            impostor.close()
+            ctx.term()

@@ -6,7 +6,7 @@ from ._channel import SenderChannel
 from ._exceptions import TransportError, WeightSyncError
 from ._layout import Layout
 from ._peers import Peer, PeerTable
-from ._protocol import PROTOCOL_VERSION, SENDER_INDEX, Heartbeat, Hello
+from ._protocol import PROTOCOL_VERSION, Heartbeat, Hello
 from ._text import excerpt
 
 __all__ = ["probe_gone", "refusal"]
@@ -55,12 +55,12 @@ def _refusal(hello: Hello, layout: Layout, model_id: str, num_workers: int) -> s
     return None
 
 
-async def probe_gone(peers: PeerTable, channel: SenderChannel, peer: Peer, version: int) -> bool:
+async def probe_gone(peers: PeerTable, channel: SenderChannel, peer: Peer, beat: Heartbeat) -> bool:
     """True when ``peer``, the holder of an index that a new hello claims, is demonstrably
-    gone: its process ended, where the plane can see it; else its connection is gone."""
+    gone: its process ended, where the plane can see it; else its connection is gone (a
+    ``beat`` to it is refused)."""
     if peers.sees_processes(peer):
         return peers.gone(peer)
-    beat = Heartbeat(worker_idx=SENDER_INDEX, session=peer.session, version=version)
     try:
         await channel.send(peer.routing, beat, timeout=0)
     except TransportError:

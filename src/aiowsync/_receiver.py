@@ -104,6 +104,10 @@ class ReceiverCore:
         """Since when the connection is down or renewed without the sender's confirmation
         (None while it is confirmed)."""
         self.session = ""
+        self.proof = ""
+        """The sender's secret from the welcome: updates and beats must carry it."""
+        self.impostors = 0
+        """Updates refused for not carrying it (see :meth:`UpdateLoop._from_sender`)."""
         self._changed = Signal()
         self.applier = Applier(
             plane=plane,
@@ -185,7 +189,8 @@ class ReceiverCore:
     @property
     def dropped(self) -> int:
         channel = self.channel
-        return self.protocol_errors + (0 if channel is None else channel.dropped)
+        dropped = self.protocol_errors + self.impostors
+        return dropped + (0 if channel is None else channel.dropped)
 
     def notify(self) -> None:
         self._changed.notify()
@@ -293,6 +298,7 @@ class ReceiverCore:
                 if message.worker_idx != self.worker_idx or message.model_id != self.model_id:
                     raise ProtocolError("welcome names another worker or model")
                 self.session = message.session
+                self.proof = message.proof
                 return message
             raise ProtocolError(f"unexpected {type(message).__name__} during the handshake")
 

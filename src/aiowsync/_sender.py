@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,6 +86,8 @@ class SenderCore:
         self._send_lock = anyio.Semaphore(1, max_value=1, fast_acquire=True)
         self._changed = Signal()
         self.version = 0
+        self.proof = secrets.token_hex(16)
+        """Given to receivers in the welcome; every update and beat carries it."""
         self._loop = ControlLoop(self)
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -338,7 +341,7 @@ class SenderCore:
                 move_by,
                 since=since if since >= 0 else None,
             )
-            update = Update(version=version, params=delivery.params)
+            update = Update(version=version, params=delivery.params, proof=self.proof)
             blocked: list[Peer] = []
             for worker in targets:
                 peer = peers[worker]
@@ -396,7 +399,9 @@ class _Retries:
         channel = core.channel
         if channel is None:
             return False
-        update = Update(version=self.pending.version, attempt=attempt, params=params)
+        update = Update(
+            version=self.pending.version, attempt=attempt, params=params, proof=core.proof
+        )
         peers = [p for w, _ in members if (p := core.peers.get(w)) is not None]
         self.pending.reopen([p.worker_idx for p in peers])
         await to_the_end(core.announcer.all(channel, peers, update))

@@ -94,7 +94,10 @@ class ControlLoop:
 
     def _beat_for(self, peer: Peer) -> wire.Heartbeat:
         return wire.Heartbeat(
-            worker_idx=wire.SENDER_INDEX, session=peer.session, version=self._core.version
+            worker_idx=wire.SENDER_INDEX,
+            session=peer.session,
+            version=self._core.version,
+            proof=self._core.proof,
         )
 
     def _routable(self, peer: Peer) -> bool:
@@ -234,7 +237,7 @@ class ControlLoop:
             old = self._core.peers.get(hello.worker_idx)
             gone = old is None or old.lost
             if not gone and old is not None:
-                gone = await probe_gone(self._core.peers, channel, old, self._core.version)
+                gone = await probe_gone(self._core.peers, channel, old, self._beat_for(old))
             if not gone and old is not None:
                 reason = (
                     f"worker index {hello.worker_idx} is already connected "
@@ -268,6 +271,7 @@ class ControlLoop:
             version=self._core.version,
             params={**self._core.plane.welcome_params(), **join.params},
             heartbeat_interval=self._core.beats.interval,
+            proof=self._core.proof,
         )
         conn.send(welcome)
         peer = Peer(

@@ -6,6 +6,7 @@ and the answers it sends.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -81,6 +82,8 @@ class UpdateLoop:
             return True
         if not isinstance(message, Update):
             return False
+        if not self._from_sender(message):
+            return True
         version = message.version
         try:
             switched = self._core.applier.switch_now(
@@ -176,6 +179,8 @@ class UpdateLoop:
         if isinstance(message, Heartbeat):
             self._on_beat(message)
             return None
+        if isinstance(message, Update) and not self._from_sender(message):
+            return None
         try:
             self._core.conn.receive(message)
         except ProtocolError as exc:
@@ -206,8 +211,35 @@ class UpdateLoop:
         return None
 
     def _on_beat(self, beat: Heartbeat) -> None:
-        if beat.session and beat.session == self._core.session and self._core.channel is not None:
-            self._core.confirmed = self._core.channel.connections
+        # Only the sender's own beat confirms the connection: the session is no secret (this
+        # worker's beats carry it to whoever holds the address), the proof is.
+        core, channel = self._core, self._core.channel
+        if beat.session == core.session and _proves(beat.proof, core.proof) and channel is not None:
+            core.confirmed = channel.connections
+
+    def _from_sender(self, update: Update) -> bool:
+        """Whether ``update`` carries the proof of the sender this worker joined. An update
+        without it comes from another process on the sender's address (the sender died and
+        something else bound it): it is refused and counted, the model keeps its version,
+        and this worker takes nothing more from that address (it reports itself
+        disconnected)."""
+        core = self._core
+        if _proves(update.proof, core.proof):
+            return True
+        core.impostors += 1
+        if core.bye is None:
+            core.bye = "an update that did not come from the sender this worker joined"
+            if core.channel is not None:
+                core.channel.stop_heartbeat()  # nothing more for whoever holds the address
+            log.warning(
+                "worker %d: refused version %d from a process that is not its sender (the "
+                "sender's address is held by another process); keeping version %d",
+                core.worker_idx,
+                update.version,
+                core.version,
+            )
+            core.notify()
+        return False
 
     def _broken(self, exc: ProtocolError) -> None:
         """The sender broke the protocol: stop trusting this connection, keep the weights."""
@@ -287,3 +319,7 @@ class UpdateLoop:
                 answer.version,
                 exc,
             )
+
+
+def _proves(given: str, proof: str) -> bool:
+    return bool(proof) and hmac.compare_digest(given.encode(), proof.encode())

@@ -31,7 +31,7 @@ __all__ = [
 PROTOCOL_VERSION: Final = 4
 """Raised whenever a message changes incompatibly (2: Hello lost transport and credential,
 Welcome lost missed_beats; 3: Hello gained host and problem; 4: Ack, Nack and Heartbeat
-gained leased)."""
+gained leased; Welcome gained proof, which the sender's updates and beats carry)."""
 SENDER_INDEX: Final = -1
 """The ``worker_idx`` the sender uses in messages it originates (heartbeats)."""
 
@@ -46,6 +46,8 @@ MIN_BEAT_INTERVAL: Final = 0.01
 """Seconds; a faster beat would only burn a core."""
 
 _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
+Proof = Annotated[str, msgspec.Meta(max_length=32)]
+"""The sender's secret of :class:`Welcome`, carried by what it sends later."""
 
 Version = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 WorkerIndex = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
@@ -96,6 +98,9 @@ class Welcome(_Base, frozen=True, tag="welcome"):
     worker_idx: WorkerIndex
     session: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
     version: Version
+    proof: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
+    """A secret of this sender, which its updates and beats carry and receivers never send:
+    a process that takes the sender's address after it died cannot produce it."""
     params: Params = {}
     heartbeat_interval: Annotated[float, msgspec.Meta(ge=MIN_BEAT_INTERVAL, le=3600)] = 1.0
 
@@ -117,6 +122,8 @@ class Update(_Base, frozen=True, tag="update"):
     version: Version
     params: Params = {}
     attempt: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
+    proof: Proof = ""
+    """The welcome's ``proof``: a receiver applies no update without it."""
 
 
 class Ack(_Base, frozen=True, tag="ack"):
@@ -151,6 +158,8 @@ class Heartbeat(_Base, frozen=True, tag="beat"):
     worker_idx: Annotated[int, msgspec.Meta(ge=SENDER_INDEX, le=2**31)]
     session: Annotated[str, msgspec.Meta(max_length=32)] = ""
     version: Annotated[int, msgspec.Meta(ge=-1, le=2**62)] = -1
+    proof: Proof = ""
+    """From the sender: the welcome's ``proof`` (a beat without it confirms nothing)."""
     leased: Leased | None = None
     """From a receiver, on the connection its answers take (so in order with them): the
     versions its leases read in the sender's memory, all of them; the newest report wins.
