@@ -130,6 +130,9 @@ class Trainer:
     async def close(self) -> None:
         await self.host.close()
 
+    def ping(self) -> None:
+        pass
+
 
 @ray.remote(num_cpus=0.5)
 class Rollout:
@@ -170,6 +173,24 @@ class Rollout:
             self._rollouts.cancel()
         await self.host.close()
 
+    def ping(self) -> None:
+        pass
+
+
+def is_dead(handle: Any, within: float = 30.0) -> bool:
+    """Whether the actor behind ``handle`` is gone within ``within`` seconds of its kill
+    (``ray.kill`` returns before the actor has stopped)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.2)
+    return False
+
 
 def run(transport: str, sends: int, workers: int) -> dict[str, Any]:
     trainer = Trainer.remote(transport, workers)  # type: ignore[attr-defined]
@@ -192,12 +213,7 @@ def run(transport: str, sends: int, workers: int) -> dict[str, Any]:
     finally:
         for handle in [*actors, trainer]:
             ray.kill(handle)
-    dead = 0
-    for handle in [*actors, trainer]:
-        try:
-            ray.get(handle.close.remote(), timeout=30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            dead += 1
+    dead = sum(is_dead(handle) for handle in [*actors, trainer])
     return {
         "transport": transport,
         "sends": sends,
