@@ -462,10 +462,11 @@ async def test_a_process_of_another_user_cannot_join_a_unix_socket_sender(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     src, mirror = model(0), model(1)
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)  # ipc://@..., no keys
+    # An abstract socket, which has no file permissions: ZeroMQ's handshake refuses them.
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST, bind="ipc://@*")
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
-        assert sender.address.startswith("ipc://")
+        assert sender.address.startswith("ipc://@")
         receiver = pickle.loads(pickle.dumps(sender))
         receiver.init_on_receiver(model=mirror, worker_idx=0)
         async with receiver:
@@ -499,3 +500,68 @@ async def test_allow_other_users_admits_any_local_process() -> None:
         assert await asyncio.to_thread(knock, sender.address, NOBODY) == ("refused", NOBODY)
     finally:
         sender.close()
+
+
+_STORM = """
+import os, socket, sys
+path, uid, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.setgid(uid)
+os.setuid(uid)
+held, errors = [], set()
+for _ in range(count):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except OSError as exc:
+        errors.add(exc.errno)
+        s.close()
+    else:
+        held.append(s)
+print(len(held), sorted(errors))
+"""
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@needs_root
+async def test_another_users_connection_storm_costs_the_default_sender_nothing() -> None:
+    # Before: the default socket was abstract, with no file permissions; another user's 1100
+    # silent connections each took a descriptor of the trainer until libzmq aborted it
+    # ("Too many open files", exit 134). Now the socket lies in a directory of mode 0700:
+    # the kernel refuses such a connect() itself.
+    import errno
+    import subprocess
+
+    src, mirror = model(0), model(1)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        path = sender.address.removeprefix("ipc://")
+        directory = os.path.dirname(path)
+        assert os.stat(directory).st_mode & 0o777 == 0o700
+        receiver = pickle.loads(pickle.dumps(sender))
+        receiver.init_on_receiver(model=mirror, worker_idx=0)
+        async with receiver:
+            await asyncio.gather(sender.connect(timeout=10), receiver.connect(timeout=10))
+            before = _open_fds()
+            storm = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-c", _STORM, path, str(NOBODY), "1100"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+            held, errors = storm.stdout.split(maxsplit=1)
+            assert held == "0" and errors.strip() == f"[{errno.EACCES}]", storm.stdout
+            after = _open_fds()
+            # Nothing was accepted (1100 connections would show as 1100 descriptors; a few
+            # come and go with the event loop's threads).
+            assert after < before + 50, (before, after)
+            for _ in range(3):  # the worker still gets every version
+                bump(src)
+                assert (await sender.send(timeout=WAIT)).worker_ids == (0,)
+                assert same(mirror, src)
+    assert not os.path.exists(directory)  # the directory goes with the socket

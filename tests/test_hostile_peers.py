@@ -335,3 +335,22 @@ def test_no_slot_name_can_be_foretold_from_the_others() -> None:
     finally:
         for f in files:
             f.unlink()
+
+
+def test_the_socket_directory_sweep_removes_only_this_users_dead_senders(tmp_path: Path) -> None:
+    from aiowsync._channel._address import remove_stale_socket_dirs
+
+    dead = tmp_path / "aiowsync-99999999999999999999-0123456789abcdef"  # no such pid
+    live = tmp_path / f"aiowsync-{os.getpid()}-0123456789abcdef"
+    odd = tmp_path / "aiowsync-1-not-hex\n"
+    for d in (dead, live, odd):
+        d.mkdir(mode=0o700)
+    (dead / "control").touch()
+    assert remove_stale_socket_dirs(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and live.exists() and odd.exists()
+    if os.geteuid() == 0:  # another user's directory is not ours to judge
+        theirs = tmp_path / "aiowsync-99999999999999999998-0123456789abcdef"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 12345, 12345)
+        assert remove_stale_socket_dirs(str(tmp_path)) == []
+        assert theirs.exists()

@@ -184,6 +184,7 @@ async def test_a_worker_forked_from_the_trainer_is_told_to_spawn_and_the_trainer
         ("tcp://127.0.0.1:0", "port 0 is for binding; connect to the port the sender reports"),
         ("udp://127.0.0.1:5555", "unknown transport 'udp'"),
         ("ipc://@*", "ipc://@* is for binding; connect to the address the sender reports"),
+        ("ipc://*", "ipc://* is for binding; connect to the address the sender reports"),
     ],
 )
 def test_a_bad_address_is_refused_when_the_scheme_is_built(address: str, problem: str) -> None:
@@ -192,7 +193,8 @@ def test_a_bad_address_is_refused_when_the_scheme_is_built(address: str, problem
     assert str(info.value) == (
         f"{address!r} is not a control address ({problem}); use tcp://HOST:PORT "
         "(e.g. tcp://127.0.0.1:5555, tcp://[::1]:5555; port 0 binds a free one), "
-        "ipc:///path/to/socket, ipc://@abstract-name (Linux), or ipc://@* to bind a fresh one"
+        "ipc:///path/to/socket, ipc://@abstract-name (Linux), ipc://* to bind a fresh socket "
+        "in a private directory, or ipc://@* a fresh abstract one"
     )
 
 

@@ -1079,8 +1079,8 @@ async def test_the_address_is_known_after_init_on_sender_and_kept_across_session
     )
     sender.init_on_sender(model=src, num_workers=2)
     address = sender.address
-    if bind is None:  # an abstract Unix socket of its own name
-        assert re.fullmatch(rf"ipc://@aiowsync-{os.getpid()}-[0-9a-f]{{16}}", address)
+    if bind is None:  # a Unix socket in a private directory of its own name
+        assert re.fullmatch(rf"ipc:///.+/aiowsync-{os.getpid()}-[0-9a-f]{{16}}/control", address)
     else:
         assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":0")
     by_pickle = pickle.loads(pickle.dumps(sender))  # carries the same address
@@ -1146,8 +1146,10 @@ async def test_a_later_session_whose_address_is_taken_binds_a_fresh_one(
         first = sender.address
     # Something else holds the address now (as a child forked during the session would).
     if bind is None:
+        path = first.removeprefix("ipc://")
+        os.mkdir(os.path.dirname(path), 0o700)
         squatter = socket.socket(socket.AF_UNIX)
-        squatter.bind("\0" + first.removeprefix("ipc://@"))
+        squatter.bind(path)
     else:
         squatter = socket.socket()
         squatter.bind(("127.0.0.1", urlsplit(first).port))
@@ -1164,6 +1166,9 @@ async def test_a_later_session_whose_address_is_taken_binds_a_fresh_one(
                     assert same(mirror, sender.model)
     assert second != first
     assert any("cannot serve on" in rec.getMessage() for rec in caplog.records)
+    if bind is None:
+        os.unlink(path)
+        os.rmdir(os.path.dirname(path))
 
 
 async def test_a_sender_serves_on_bind_whatever_address_it_was_built_with() -> None:
@@ -1342,7 +1347,7 @@ async def test_an_update_out_of_order_disconnects_the_worker_and_keeps_its_weigh
         core = sender._sender
         assert core is not None and core.channel is not None
         peer = core.peers.by_index[0]
-        again = Update(version=1, params=core.plane.deliver(1, [], 0.0).params)
+        again = Update(version=1, params=core.plane.deliver(1, [], 0.0).params, proof=core.proof)
         assert core.channel.send_nowait(peer.routing, again)
         deadline = time.monotonic() + 5
         while r._receiver is not None and r._receiver.protocol_errors == 0:

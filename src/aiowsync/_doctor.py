@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ._channel._address import remove_stale_socket_dirs
 from ._shm_slots import SHM_DIR, remove_stale_slots
 
 __all__ = ["Finding", "clean_main", "doctor_main", "findings", "parse_size"]
@@ -200,9 +201,9 @@ def clean_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="aiowsync clean",
         description=(
-            "Remove this user's shared-memory slots left by senders whose process is gone "
-            "(a crashed trainer). Slots of running senders and of other users are kept. A new "
-            "sender does this by itself when it starts."
+            "Remove this user's shared-memory slots and control-socket directories left by "
+            "senders whose process is gone (a crashed trainer). Those of running senders and "
+            "of other users are kept. A new sender does this by itself when it starts."
         ),
     )
     parser.parse_args(argv)
@@ -210,6 +211,10 @@ def clean_main(argv: list[str]) -> int:
     for name in removed:
         print(f"removed {SHM_DIR / name}")
     print(f"{len(removed)} leftover slot(s) removed")
+    dirs = remove_stale_socket_dirs()
+    for directory in dirs:
+        print(f"removed {directory}")
+    print(f"{len(dirs)} leftover socket director(y/ies) removed")
     return 0
 
 

@@ -37,9 +37,9 @@ class SenderSide(SchemeState):
 
         On a sender it can be read as soon as ``init_on_sender()`` returned: the control socket
         is then bound at once (a free port is chosen if ``bind`` names port 0, a fresh socket
-        name for ``ipc://@*``), and ``async with`` serves on it. Later ``async with`` sessions
-        of the same object serve on it again when it can be had (else on a fresh one, with a
-        warning).
+        for ``ipc://*`` and ``ipc://@*``), and ``async with`` serves on it. Later
+        ``async with`` sessions of the same object serve on it again when it can be had (else
+        on a fresh one, with a warning).
         """
         if self._sender is not None and self._sender.channel is not None:
             return self._sender.address

@@ -23,10 +23,12 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
     copying a byte. See :class:`WeightSyncScheme` for the common arguments.
 
     Args:
-        bind: where the sender binds its control socket. By default (``"ipc://@*"``) a fresh
-            abstract Unix socket on Linux: cheaper per message than loopback TCP, reachable
-            from this host's network namespace only, nothing left behind; a loopback TCP port
-            elsewhere.
+        bind: where the sender binds its control socket. By default (``"ipc://*"``) a fresh
+            Unix socket in a new directory of mode 0700 (removed at close): cheaper per
+            message than loopback TCP, and the kernel refuses processes of other users before
+            they cost the sender anything; a loopback TCP port where there are no Unix
+            sockets. ``"ipc://@*"`` binds a fresh abstract socket instead (Linux), which
+            workers in another mount namespace of the same network namespace can reach.
         num_slots: slots created up front (at least 2).
         max_slots: the most slots the sender creates when versions stay in use side by side
             (sends to subsets of the workers, or workers that missed an ack).

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ._exceptions import TransportError
+from ._pids import pid_alive
 
 __all__ = [
     "SHM_DIR",
@@ -36,25 +37,6 @@ log = logging.getLogger("aiowsync.shm")
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"aiowsync-(\d+)-([0-9a-f]+)-(\d+)")
 """A slot file's name (matched whole: no trailing newline or anything else)."""
-
-
-PID_MAX = 2**31 - 1
-"""The largest pid a process can have (Linux's limit is lower; ``kill`` takes a C int)."""
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists. A number that no process can have (0, negative, or
-    above :data:`PID_MAX`, as a hostile peer or file name may give) names none: ``kill``
-    would signal a process group, or overflow."""
-    if not 0 < pid <= PID_MAX:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_slots(directory: Path = SHM_DIR) -> list[str]:

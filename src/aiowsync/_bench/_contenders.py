@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from .. import DistributedWeightSyncScheme, Heartbeats, SharedMemWeightSyncScheme
+from .._channel._address import claim_socket_dir, remove_owned_socket_dir
 from .._channel._zmq import LOCAL_BIND, resolve_local
 from ._models import (
     SendSources,
@@ -356,7 +357,9 @@ class RawZmq(Contender):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # The same transport as the shared-memory scheme's control socket by default.
-        self._sock.bind(resolve_local(LOCAL_BIND))
+        address = resolve_local(LOCAL_BIND)
+        self._socket_dir = claim_socket_dir(address)
+        self._sock.bind(address)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._opened = False
 
@@ -399,6 +402,8 @@ class RawZmq(Contender):
         finally:
             self._sock.close(linger=0)
             self._ctx.term()
+            if self._socket_dir is not None:
+                remove_owned_socket_dir(self._socket_dir)
 
 
 # -- TorchRL ------------------------------------------------------------------------------------

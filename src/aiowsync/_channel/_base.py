@@ -154,8 +154,8 @@ class ChannelFactory(abc.ABC):
     def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
         """The sender's end, bound to ``address`` (port 0: any free port; see ``.address``).
 
-        Schemes resolve :data:`~aiowsync._channel.LOCAL_BIND` (``"ipc://@*"``) to a concrete
-        address before they call this."""
+        Schemes resolve :data:`~aiowsync._channel.LOCAL_BIND` (``"ipc://*"``) and
+        ``"ipc://@*"`` to a concrete address before they call this."""
 
     @abc.abstractmethod
     def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel:

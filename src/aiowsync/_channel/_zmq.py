@@ -24,7 +24,14 @@ from .._exceptions import TransportError
 from .._libc import libc
 from .._protocol import MAX_FRAME, Heartbeat, Message, encode
 from .._signal import Signal
-from ._address import LOCAL_BIND, check_zmq_address, is_loopback_address, resolve_local
+from ._address import (
+    LOCAL_BIND,
+    check_zmq_address,
+    claim_socket_dir,
+    is_loopback_address,
+    remove_owned_socket_dir,
+    resolve_local,
+)
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
 from ._fdwait import POLLIN, ZmqEnd, deadline_after
 from ._monitor import ConnectionWatch
@@ -45,6 +52,27 @@ _PINGS_PER_TIMEOUT = 3
 
 _BEATS_QUEUED = 8
 """Beats a beat socket queues while the sender reads none; more would only be stale news."""
+
+_HANDSHAKE_MS = 5000
+"""How long a connection may take over ZeroMQ's handshake (libzmq's default: 30 s)."""
+
+
+def _raise_open_files_limit() -> None:
+    """Raise the soft limit on open files to the hard one, where it is lower: each peer
+    connection costs the sender a descriptor, and libzmq aborts the process when it runs out
+    (see ``aiowsync doctor``). Never lowered; a failure only leaves it as it was."""
+    try:
+        import resource
+    except ImportError:  # not a Unix system
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            return
+        log.debug("raised the open-files limit from %d to %d", soft, wanted)
 
 
 def _unpredictable_generated_ids() -> None:
@@ -92,6 +120,13 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
         other_users: bool = False,
     ) -> None:
         address = resolve_local(address)
+        try:
+            self._socket_dir = claim_socket_dir(address)
+            """The private directory of the socket, removed with it (see LOCAL_BIND)."""
+        except OSError as exc:
+            ctx.term()
+            raise TransportError(f"cannot bind {address}: {exc}") from None
+        _raise_open_files_limit()
         self._auth: CurveServer | SameUserServer | None = None
         try:
             if curve is not None:
@@ -113,6 +148,9 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
             # the newest connection under an id takes it over.
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + 1024)
+            # A connection that does not finish ZeroMQ's handshake (a peer that connects and
+            # says nothing) is dropped after this long, giving back its descriptor.
+            self._sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
             if urlsplit(address).scheme == "tcp" and urlsplit(address).port in (None, 0):
                 host = address.rsplit(":", 1)[0] if address.count(":") > 1 else address
                 self._sock.bind(f"{host}:*")
@@ -167,6 +205,9 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
         if self._auth is not None:
             self._auth.close()
         self._ctx.term()
+        if self._socket_dir is not None:
+            remove_owned_socket_dir(self._socket_dir)
+            self._socket_dir = None
 
 
 class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
