@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import msgspec
@@ -204,9 +205,42 @@ async def test_a_receiver_refused_by_a_sender_of_another_version_says_so() -> No
 
 
 async def test_a_hello_naming_a_huge_model_is_refused_by_its_count() -> None:
-    descs = [TensorDesc(f"t{i}", "float32", [1]) for i in range(200_000)]
+    descs = [TensorDesc(f"t{i}", "float32", [1]) for i in range(2000)]
     reason = await _refusal_for(_hello(descs))
-    assert "200000 tensors" in reason
+    assert "2000 tensors" in reason
+
+
+async def test_a_hello_larger_than_any_receiver_of_the_model_sends_is_never_read() -> None:
+    # Before: a hello of a million layout rows took about a second to decode on the
+    # trainer's loop (20 of them stalled it 20.6 s), and each connection could queue 1000
+    # frames of 8 MiB. Now the socket cuts off a peer whose message is larger than this
+    # model's receivers ever send, before it is read.
+    from aiowsync._handshake import hello_limit
+
+    descs = [TensorDesc(f"t{i}", "float32", [1]) for i in range(200_000)]
+    frame = encode(_hello(descs))
+    sender = aiowsync.SharedMemWeightSyncScheme()
+    sender.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    assert len(frame) > hello_limit(sender._layout) + 1024  # type: ignore[attr-defined]
+    ctx = zmq.Context()
+    async with sender:
+        raw = _intruder(ctx, sender.address)
+        before = _rss()
+        try:
+            for _ in range(20):
+                raw.send(frame)
+            await asyncio.sleep(1.0)
+            assert not raw.poll(0)  # no answer: nothing was read
+            assert sender.dropped_messages == 0
+            # 20 frames of 3.5 MiB, each decoding to 200,000 objects, had they been read.
+            assert _rss() - before < 64 << 20
+        finally:
+            raw.close(linger=0)
+            ctx.term()
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        r.init_on_receiver(model=nn.Linear(4, 4), worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=20), r.connect(timeout=20))
 
 
 async def test_dtype_names_from_the_wire_never_reach_torch_attributes() -> None:
@@ -354,3 +388,78 @@ def test_the_socket_directory_sweep_removes_only_this_users_dead_senders(tmp_pat
         os.chown(theirs, 12345, 12345)
         assert remove_stale_socket_dirs(str(tmp_path)) == []
         assert theirs.exists()
+
+
+async def test_a_refusal_hands_no_peer_the_keys_it_did_not_name() -> None:
+    # Before: an empty hello was refused with every key, dtype and shape of the model, which
+    # is what a forged hello needs.
+    reason = await _refusal_for(_hello([]))
+    assert "weight" not in reason and "bias" not in reason and "float32" not in reason
+    assert "2 key(s) of the sender's model are missing from the receiver's" in reason
+    # A receiver that names a key with the wrong shape is told that key's expected shape.
+    reason = await _refusal_for(_hello([TensorDesc("weight", "float32", [4, 5])]))
+    assert "weight: expected float32[4, 4], got float32[4, 5]" in reason
+    assert "1 key(s) of the sender's model are missing" in reason and "bias" not in reason
+
+
+def _rss() -> int:
+    """This process's resident memory, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_a_flood_of_messages_never_keeps_the_trainers_loop() -> None:
+    # Before: the serve loop yielded to the event loop only on undecodable frames; a flood of
+    # valid frames kept the trainer's loop for as long as it lasted (3.1 s measured).
+    from aiowsync._protocol import Heartbeat
+
+    src = nn.Linear(4, 4)
+    sender = aiowsync.SharedMemWeightSyncScheme()
+    sender.init_on_sender(model=src, num_workers=1)
+    beat = encode(Heartbeat(worker_idx=0, session="0" * 32, version=0))
+    ctx = zmq.Context()
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        mirror = nn.Linear(4, 4)
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=20), r.connect(timeout=20))
+            intruders = [_intruder(ctx, sender.address) for _ in range(4)]
+            rss_before = _rss()
+            gaps: list[float] = []
+            stop = asyncio.Event()
+
+            async def ticker() -> None:
+                last = time.monotonic()
+                while not stop.is_set():
+                    await asyncio.sleep(0.001)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+            try:
+                task = asyncio.create_task(ticker())
+                for _ in range(50):  # 4 x 50 x 64 = 12800 well-formed beats of no session
+                    for raw in intruders:
+                        for _ in range(64):
+                            try:
+                                raw.send(beat, zmq.NOBLOCK)
+                            except zmq.Again:  # the sender's queue for it is full: M2
+                                break
+                    with torch.no_grad():
+                        src.weight.add_(1)
+                    result = await sender.send(timeout=30)  # the worker still gets each one
+                    assert result.worker_ids == (0,)
+                    assert torch.equal(mirror.weight, src.weight)
+                stop.set()
+                await task
+            finally:
+                for raw in intruders:
+                    raw.close(linger=0)
+                ctx.term()
+            assert sender.dropped_messages > 0
+            # Generous: the loop got a turn every few messages, not once per flood.
+            assert max(gaps) < 1.0, max(gaps)
+            grown = _rss() - rss_before
+            assert grown < 100 << 20, grown  # before: 100 junk frames added 728 MiB
+            print(f"flood: loop max gap {max(gaps) * 1000:.1f} ms, memory grew {grown >> 20} MiB")

@@ -6,25 +6,46 @@ from ._channel import SenderChannel
 from ._exceptions import TransportError, WeightSyncError
 from ._layout import Layout
 from ._peers import Peer, PeerTable
-from ._protocol import PROTOCOL_VERSION, Heartbeat, Hello
+from ._protocol import PROTOCOL_VERSION, Heartbeat, Hello, encode
+from ._protocol._messages import MAX_TEXT
 from ._text import excerpt
 
-__all__ = ["probe_gone", "refusal"]
+__all__ = ["hello_limit", "probe_gone", "refusal"]
 
 _SHOWN = 50
 """Differences a refusal lists."""
 
 
-def refusal(hello: Hello, layout: Layout, model_id: str, num_workers: int) -> str | None:
-    """Why ``hello`` is refused, or None. Whatever a strange hello trips is a refusal too,
-    never an error of the sender's."""
+def hello_limit(layout: Layout) -> int:
+    """The largest message a receiver of ``layout`` sends (its hello), with room for a
+    receiver whose model differs somewhat (so that it is refused with the differences rather
+    than cut off), in bytes."""
+    rows = len(encode(Hello(
+        protocol=PROTOCOL_VERSION, model_id="", worker_idx=0, fingerprint="0" * 64,
+        layout=layout.descs(),
+    )))  # fmt: skip
+    return 2 * rows + MAX_TEXT + 64 * 1024
+
+
+def refusal(
+    hello: Hello, layout: Layout, model_id: str, num_workers: int
+) -> tuple[str, str] | None:
+    """Why ``hello`` is refused, or None: the whole reason (for the trainer's log and worker
+    table) and what the peer is told, which names no key of the sender's model that the
+    peer did not name itself (any process that reaches the socket may say hello). Whatever
+    a strange hello trips is a refusal too, never an error of the sender's."""
     try:
-        return _refusal(hello, layout, model_id, num_workers)
+        reason = _refusal(hello, layout, model_id, num_workers)
     except Exception as exc:
-        return f"the hello could not be checked: {excerpt(repr(exc))}"
+        reason = f"the hello could not be checked: {excerpt(repr(exc))}"
+    if reason is None or isinstance(reason, tuple):
+        return reason
+    return reason, reason
 
 
-def _refusal(hello: Hello, layout: Layout, model_id: str, num_workers: int) -> str | None:
+def _refusal(
+    hello: Hello, layout: Layout, model_id: str, num_workers: int
+) -> str | tuple[str, str] | None:
     if hello.protocol != PROTOCOL_VERSION:
         return f"protocol {hello.protocol} is not supported (sender speaks {PROTOCOL_VERSION})"
     if hello.model_id != model_id:
@@ -42,8 +63,14 @@ def _refusal(hello: Hello, layout: Layout, model_id: str, num_workers: int) -> s
             return f"the receiver's model layout is invalid: {excerpt(str(exc))}"
         # Every difference is counted: the count of keys was bounded above.
         lines = layout.differences(theirs) or ["layouts differ (alignment or order)"]
-        shown = "\n  ".join(lines[:_SHOWN])
-        more = f"\n  ... and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else ""
+        named = {s.key for s in theirs.specs}
+        missing = sum(s.key not in named for s in layout.specs)
+        told = [line for line in lines if ": missing (expected " not in line]
+        if missing:
+            told.append(
+                f"{missing} key(s) of the sender's model are missing from the receiver's "
+                "(the trainer's log and worker table name them)"
+            )
         wire = ""
         if layout.wire_dtype is not None:
             name = str(layout.wire_dtype).removeprefix("torch.")
@@ -51,8 +78,14 @@ def _refusal(hello: Hello, layout: Layout, model_id: str, num_workers: int) -> s
                 f" (floating tensors travel as {name}, the sender's wire_dtype; a receiver "
                 "built from an address must be given the same)"
             )
-        return f"the receiver's model does not match the sender's{wire}:\n  {shown}{more}"
+        head = f"the receiver's model does not match the sender's{wire}:\n  "
+        return head + _listed(lines), head + _listed(told)
     return None
+
+
+def _listed(lines: list[str]) -> str:
+    shown = "\n  ".join(lines[:_SHOWN])
+    return shown + (f"\n  ... and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else "")
 
 
 async def probe_gone(peers: PeerTable, channel: SenderChannel, peer: Peer, beat: Heartbeat) -> bool:

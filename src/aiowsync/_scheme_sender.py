@@ -17,6 +17,7 @@ from torch import nn
 
 from ._channel import SenderChannel, resolve_local
 from ._exceptions import TransportError
+from ._handshake import hello_limit
 from ._layout import Layout, refuse_meta
 from ._models import check_models, models_id, sender_weights, split_send
 from ._plane import SenderContext, WeightSource
@@ -56,7 +57,9 @@ class SenderSide(SchemeState):
 
     def _bind_early(self) -> None:
         channel = self.channels.bind(
-            resolve_local(self.bind), heartbeat_timeout=self.heartbeats.timeout
+            resolve_local(self.bind),
+            heartbeat_timeout=self.heartbeats.timeout,
+            max_message=hello_limit(self._layout),
         )
         self._served = channel.address
         # Closed by the sender it is handed to, or when this object goes unused.
@@ -68,7 +71,9 @@ class SenderSide(SchemeState):
         timeout = self.heartbeats.timeout
         if self._served is not None:
             try:
-                return self.channels.bind(self._served, heartbeat_timeout=timeout)
+                return self.channels.bind(
+                    self._served, heartbeat_timeout=timeout, max_message=hello_limit(self._layout)
+                )
             except TransportError as exc:
                 log.warning(
                     "cannot serve on %s again (%s); binding %s instead: workers need the new "
@@ -77,7 +82,11 @@ class SenderSide(SchemeState):
                     exc,
                     self.bind,
                 )
-        return self.channels.bind(resolve_local(self.bind), heartbeat_timeout=timeout)
+        return self.channels.bind(
+            resolve_local(self.bind),
+            heartbeat_timeout=timeout,
+            max_message=hello_limit(self._layout),
+        )
 
     def _take_bound(self) -> SenderChannel | None:
         bound, self._bound = self._bound, None

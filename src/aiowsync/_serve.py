@@ -6,6 +6,7 @@ sends, the version) and never sends a version itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -31,6 +32,8 @@ log = logging.getLogger("aiowsync.sender")
 
 DISOWNED_KEPT = 256
 """Routing ids :meth:`ControlLoop._disown` remembers having told."""
+MESSAGES_PER_TURN = 8
+"""Messages handled before the event loop gets a turn (see :meth:`ControlLoop._turn`)."""
 QUEUED_PER_BEAT = 256
 """Queued messages read before each round of beats, at most (a flood must not delay them)."""
 REFUSAL_CHARS = 60000
@@ -46,6 +49,8 @@ class ControlLoop:
         self._disowned: dict[PeerId, None] = {}
         """Routing ids lately told that their session is not one of ours, oldest first."""
         self.dropped = 0
+        self.refusals = 0
+        self.handled = 0
 
     # -- background task ----------------------------------------------------------------------
 
@@ -65,6 +70,7 @@ class ControlLoop:
                     pass
                 else:
                     await self._dispatch(peer_id, message)
+                    await self._turn()
                 now = time.monotonic()
                 if now >= next_beat:
                     next_beat = now + self._core.beats.interval
@@ -75,9 +81,18 @@ class ControlLoop:
                             self._core.peers.check_liveness()
                             break
                         await self._dispatch(*got)
+                        await self._turn()
                     # else: more is queued than one round reads; beats may be among it, so
                     # nobody is judged silent until the queue has been read through.
                     await self._beat(channel)
+
+    async def _turn(self) -> None:
+        """Give the event loop a turn every few messages, whatever they are: a receive that
+        finds a message waiting does not suspend, so a flood of valid messages would
+        otherwise keep the trainer's loop for as long as it lasts."""
+        self.handled += 1
+        if self.handled % MESSAGES_PER_TURN == 0:
+            await asyncio.sleep(0)
 
     async def _beat(self, channel: SenderChannel) -> None:
         for peer in self._core.peers.values():
@@ -230,26 +245,34 @@ class ControlLoop:
     async def _on_hello(self, routing: PeerId, hello: wire.Hello) -> None:
         channel = self._core.channel
         assert channel is not None
-        reason = refusal(hello, self._core.layout, self._core.model_id, self._core.num_workers)
+        refused = refusal(hello, self._core.layout, self._core.model_id, self._core.num_workers)
+        reason, told = refused if refused is not None else (None, None)
         if hello.problem and 0 <= hello.worker_idx < self._core.num_workers:
-            reason = f"it could not start its receiver: {hello.problem}"
+            reason = told = f"it could not start its receiver: {hello.problem}"
         if reason is None:
             old = self._core.peers.get(hello.worker_idx)
             gone = old is None or old.lost
             if not gone and old is not None:
                 gone = await probe_gone(self._core.peers, channel, old, self._beat_for(old))
             if not gone and old is not None:
-                reason = (
+                reason = told = (
                     f"worker index {hello.worker_idx} is already connected "
                     f"(pid {old.pid}); a second claimant is refused"
                 )
         if reason is not None:
-            log.warning("refused worker %d: %s", hello.worker_idx, excerpt(reason, 2000))
+            self.refusals += 1
+            if worth_logging(self.refusals):  # a flood of hellos must not flood the log
+                log.warning(
+                    "refused worker %d: %s (%d refusal(s) so far)",
+                    hello.worker_idx,
+                    excerpt(reason, 2000),
+                    self.refusals,
+                )
             self._note_refusal(hello.worker_idx, reason)
             with contextlib.suppress(WeightSyncError):
                 await channel.refuse(
                     routing,
-                    wire.Refuse(reason=reason[:REFUSAL_CHARS]),
+                    wire.Refuse(reason=(told or reason)[:REFUSAL_CHARS]),
                     protocol=_answer_in(hello.protocol),
                     timeout=self._core.timeouts.control,
                 )

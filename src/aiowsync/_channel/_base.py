@@ -151,11 +151,15 @@ class ChannelFactory(abc.ABC):
         del address, bind
 
     @abc.abstractmethod
-    def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
+    def bind(
+        self, address: str, *, heartbeat_timeout: float, max_message: int | None = None
+    ) -> SenderChannel:
         """The sender's end, bound to ``address`` (port 0: any free port; see ``.address``).
 
         Schemes resolve :data:`~aiowsync._channel.LOCAL_BIND` (``"ipc://*"``) and
-        ``"ipc://@*"`` to a concrete address before they call this."""
+        ``"ipc://@*"`` to a concrete address before they call this. ``max_message``: the
+        largest message a peer may send, in bytes (the sender knows what its receivers need
+        to say); a channel may refuse larger ones before reading them."""
 
     @abc.abstractmethod
     def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel:

@@ -197,7 +197,9 @@ class MemoryChannelFactory(ChannelFactory):
                 f"{address!r} is not an address of in-process channels: they look like mem://1"
             )
 
-    def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
+    def bind(
+        self, address: str, *, heartbeat_timeout: float, max_message: int | None = None
+    ) -> SenderChannel:
         if not address.startswith("mem://") or address in ("mem://", "mem://0"):
             address = f"mem://{next(self._ids)}"
         if address in self._senders:

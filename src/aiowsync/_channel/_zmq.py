@@ -53,6 +53,9 @@ _PINGS_PER_TIMEOUT = 3
 _BEATS_QUEUED = 8
 """Beats a beat socket queues while the sender reads none; more would only be stale news."""
 
+_QUEUED_PER_PEER = 64
+"""Messages one connection may have waiting at the sender (libzmq's default: 1000)."""
+
 _HANDSHAKE_MS = 5000
 """How long a connection may take over ZeroMQ's handshake (libzmq's default: 30 s)."""
 
@@ -118,6 +121,7 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
         curve: CurveKeys | None = None,
         *,
         other_users: bool = False,
+        max_message: int | None = None,
     ) -> None:
         address = resolve_local(address)
         try:
@@ -147,7 +151,11 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
             # Receivers keep their routing id across reconnections (see the receiver channel);
             # the newest connection under an id takes it over.
             self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + 1024)
+            # A peer that sends more than the sender's receivers ever need to is cut off
+            # before its message is read, and none may queue more than a few messages.
+            limit = MAX_FRAME if max_message is None else min(max_message, MAX_FRAME)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, limit + 1024)
+            self._sock.setsockopt(zmq.RCVHWM, _QUEUED_PER_PEER)
             # A connection that does not finish ZeroMQ's handshake (a peer that connects and
             # says nothing) is dropped after this long, giving back its descriptor.
             self._sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
@@ -411,7 +419,9 @@ class ZmqChannelFactory(ChannelFactory):
     def check_address(self, address: str, *, bind: bool) -> None:
         check_zmq_address(address, bind=bind)
 
-    def bind(self, address: str, *, heartbeat_timeout: float) -> SenderChannel:
+    def bind(
+        self, address: str, *, heartbeat_timeout: float, max_message: int | None = None
+    ) -> SenderChannel:
         if self.curve is None:
             if not is_loopback_address(address) and not self.allow_insecure_bind:
                 raise ValueError(
@@ -427,6 +437,7 @@ class ZmqChannelFactory(ChannelFactory):
             heartbeat_timeout,
             self.curve,
             other_users=self.allow_other_users,
+            max_message=max_message,
         )
 
     def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel:
