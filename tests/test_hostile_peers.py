@@ -225,15 +225,12 @@ async def test_a_hello_larger_than_any_receiver_of_the_model_sends_is_never_read
     ctx = zmq.Context()
     async with sender:
         raw = _intruder(ctx, sender.address)
-        before = _rss()
         try:
             for _ in range(20):
                 raw.send(frame)
             await asyncio.sleep(1.0)
             assert not raw.poll(0)  # no answer: nothing was read
             assert sender.dropped_messages == 0
-            # 20 frames of 3.5 MiB, each decoding to 200,000 objects, had they been read.
-            assert _rss() - before < 64 << 20
         finally:
             raw.close(linger=0)
             ctx.term()
