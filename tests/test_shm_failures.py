@@ -1359,3 +1359,39 @@ async def test_an_update_out_of_order_disconnects_the_worker_and_keeps_its_weigh
             await sender.send(timeout=0.5)
         assert r.version == 1
         assert all(torch.equal(v, held[k]) for k, v in m.state_dict().items())
+
+
+async def test_a_sender_whose_slot_files_were_removed_goes_on_and_workers_join_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before: once the slot files were removed under a running sender (logind's RemoveIPC
+    # at logout, a tidy-up rm), every send failed with a wrong "raise --shm-size" hint and
+    # no worker could join again.
+    src, mirror = model(0), model(1)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=2)
+    async with sender:
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, heartbeats=FAST)
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await r.connect(timeout=20)
+            bump(src)
+            await sender.send(timeout=10, worker_ids=[0])
+            prefix = f"aiowsync-{os.getpid()}-"
+            mine = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+            assert mine
+            for name in mine:
+                os.unlink(f"/dev/shm/{name}")
+            with caplog.at_level(logging.WARNING, logger="aiowsync.shm"):
+                for _ in range(3):
+                    bump(src)
+                    result = await sender.send(timeout=10, worker_ids=[0])
+                    assert result.worker_ids == (0,) and same(mirror, src)
+            # A worker joins afterwards and gets the latest version.
+            late = model(7)
+            joiner = aiowsync.SharedMemWeightSyncScheme(address=sender.address, heartbeats=FAST)
+            joiner.init_on_receiver(model=late, worker_idx=1)
+            async with joiner:
+                await joiner.connect(timeout=20)
+                assert joiner.version == sender.version and same(late, src)
+            assert "was removed by another process; made anew" in caplog.text

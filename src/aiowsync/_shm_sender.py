@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ from ._slot_table import SlotTable
 from ._stager import Stager
 
 __all__ = ["SharedMemSenderPlane"]
+
+
+log = logging.getLogger("aiowsync.shm")
 
 
 @dataclass(slots=True)
@@ -144,6 +148,7 @@ class SharedMemSenderPlane(SenderPlane):
         for name in sections:
             table = self._tables[name]
             pinned = {held[name] for v, held in self._held.items() if v in reserved.pinned}
+            _renew_removed(table, pinned)
             reserved.slots[name] = table.reserve_unpinned(pinned, self.what)
         return [self._tables[n][i].value for n, i in reserved.slots.items()]
 
@@ -318,3 +323,16 @@ class SharedMemSenderPlane(SenderPlane):
 
 def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor] | None) -> bool:
     return b is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _renew_removed(table: SlotTable[_File], pinned: set[int]) -> None:
+    """Replace the slot files whose name was removed under the sender (logind's RemoveIPC at
+    logout, a tidy-up ``rm``) by new ones, where no version in use is in them: the sender
+    could still write the old ones, but no worker could open them any more."""
+    for index, slot in enumerate(table.slots):
+        if slot.busy or (slot.version is not None and slot.version in pinned):
+            continue
+        path = slot.value.file.path
+        if not os.path.exists(path):
+            log.warning("shared-memory slot %s was removed by another process; made anew", path)
+            table.renew(index)

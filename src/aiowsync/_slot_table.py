@@ -59,6 +59,11 @@ class SlotTable(Generic[T]):
     def __getitem__(self, index: int) -> Slot[T]:
         return self.slots[index]
 
+    def renew(self, index: int) -> Slot[T]:
+        """Replace slot ``index`` by a new one (its old memory goes with its last user)."""
+        slot = self.slots[index] = Slot(self._make(index))
+        return slot
+
     def add(self) -> Slot[T]:
         slot = Slot(self._make(len(self.slots)))
         self.slots.append(slot)
