@@ -728,3 +728,36 @@ def test_a_memory_factory_named_by_another_process_is_refused() -> None:
     forked = f"{os.getpid() + 1}-{token.split('-', 1)[1]}"  # as a forked child would see it
     with pytest.raises(aiowsync.TransportError, match="works within one process"):
         _factory(forked)
+
+
+def test_closing_a_receiver_whose_beat_thread_is_stuck_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: when the beat thread did not stop within its join timeout, ctx.term() waited for
+    # that thread's socket for ever, and close() never returned.
+    import threading
+    import time
+
+    from aiowsync._channel import _monitor
+
+    monkeypatch.setattr(_monitor, "_JOIN_WAIT", 0.2)
+    factory = ZmqChannelFactory()
+    sender = factory.bind("tcp://127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    receiver = factory.connect(sender.address, heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    release = threading.Event()
+    in_beat = threading.Event()
+
+    def stuck_beat() -> Heartbeat:
+        in_beat.set()
+        release.wait(30)  # a beat that hangs (say, a callback blocked on a lock)
+        return Heartbeat(worker_idx=0)
+
+    try:
+        receiver.start_heartbeat(stuck_beat, 0.05)
+        assert in_beat.wait(10)
+        started = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - started < 5  # before: for ever (until the beat returned)
+    finally:
+        release.set()
+        sender.close()

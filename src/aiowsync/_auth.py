@@ -241,6 +241,8 @@ class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
     users: frozenset[int] | None = None
     """When set, only peers whose process runs as one of these uids are admitted."""
     refused_users = 0
+    stuck = False
+    """The thread did not stop when told to (its socket stays open)."""
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         if self.users is not None and len(msg) >= 6:
@@ -268,6 +270,7 @@ class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
                 self.thread.join(_STOP_WAIT)
                 if self.thread.is_alive():
                     log.warning("the ZAP thread did not stop within %g s", _STOP_WAIT)
+                    self.stuck = True
             self.thread = None  # type: ignore[assignment]
             self.pipe.close(linger=0)
             self.pipe = None  # type: ignore[assignment]
@@ -309,6 +312,11 @@ class SameUserServer:
 
     def close(self) -> None:
         self._auth.stop()
+
+    @property
+    def stuck(self) -> bool:
+        """The ZAP thread did not stop when closed: the context cannot end yet."""
+        return self._auth.stuck
 
 
 def check_server_keys(keys: CurveKeys) -> None:
@@ -359,3 +367,8 @@ class CurveServer:
 
     def close(self) -> None:
         self._auth.stop()
+
+    @property
+    def stuck(self) -> bool:
+        """The ZAP thread did not stop when closed: the context cannot end yet."""
+        return self._auth.stuck

@@ -112,18 +112,22 @@ class ConnectionWatch:
         self._beat = None  # read by the thread before each beat
         self._wake.set()
 
-    def close(self) -> None:
-        """Stop the thread and the monitor; ``sock`` itself stays open."""
+    def close(self) -> bool:
+        """Stop the thread and the monitor; ``sock`` itself stays open. False when the thread
+        did not end in time (it is stuck in a beat): its socket is still open then."""
         self._stop = True
         self._wake.set()
+        ended = True
         if self._thread is not None:
             self._thread.join(timeout=_JOIN_WAIT)
+            ended = not self._thread.is_alive()
         with self._lock:
             # Read what is queued first: libzmq's thread may be waiting for room to queue one
             # more event, holding the lock that disable_monitor() takes.
             self._drain()
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
+        return ended
 
     def _run(self) -> None:
         sock: zmq.Socket[bytes] | None = None

@@ -12,6 +12,7 @@ import ctypes
 import logging
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +59,17 @@ _QUEUED_PER_PEER = 64
 
 _HANDSHAKE_MS = 5000
 """How long a connection may take over ZeroMQ's handshake (libzmq's default: 30 s)."""
+
+
+def _terminate(ctx: zmq.Context[zmq.Socket[bytes]], *, wait: bool) -> None:
+    """Terminate ``ctx``. ``ctx.term()`` waits until every socket of the context is closed;
+    when a thread of ours that holds one did not stop (``wait`` False), that could be for
+    ever, so the context is terminated by a daemon thread instead, once that socket closes."""
+    if wait:
+        ctx.term()
+        return
+    log.warning("a channel thread did not stop; its ZeroMQ context ends when it does")
+    threading.Thread(target=ctx.term, name="aiowsync-term", daemon=True).start()
 
 
 def _raise_open_files_limit() -> None:
@@ -210,9 +222,11 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
     def close(self) -> None:
         self.closed = True
         self._close_socket()
+        stuck = False
         if self._auth is not None:
             self._auth.close()
-        self._ctx.term()
+            stuck = self._auth.stuck
+        _terminate(self._ctx, wait=not stuck)
         if self._socket_dir is not None:
             remove_owned_socket_dir(self._socket_dir)
             self._socket_dir = None
@@ -374,10 +388,10 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         if self.closed:
             return
         self.closed = True
-        self._watch.close()
+        ended = self._watch.close()
         # Terminating the context waits for the socket's linger: the goodbye leaves first.
         self._close_socket(_ms(flush) if flush > 0 else 0)
-        self._ctx.term()
+        _terminate(self._ctx, wait=ended)
 
 
 class ZmqChannelFactory(ChannelFactory):
