@@ -565,3 +565,35 @@ async def test_another_users_connection_storm_costs_the_default_sender_nothing()
                 assert (await sender.send(timeout=WAIT)).worker_ids == (0,)
                 assert same(mirror, src)
     assert not os.path.exists(directory)  # the directory goes with the socket
+
+
+async def test_liveness_follows_the_pid_the_kernel_gives_not_the_hellos() -> None:
+    # Before: a peer could give the pid of a process that never ends (1), and its versions
+    # stayed pinned for as long as the sender ran.
+    from aiowsync._protocol import decode
+
+    src = model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    layout = sender._layout  # type: ignore[attr-defined]
+    hello = Hello(
+        protocol=PROTOCOL_VERSION,
+        model_id=sender.model_id,
+        worker_idx=0,
+        fingerprint=layout.fingerprint,
+        layout=layout.descs(),
+        pid=1,
+    )
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    async with sender:
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        try:
+            raw.connect(sender.address)
+            raw.send(encode(hello))
+            assert await asyncio.to_thread(raw.poll, 10_000)
+            assert type(decode(raw.recv())).__name__ == "Welcome"
+            assert sender.workers[0].pid == os.getpid()  # this process, not pid 1
+        finally:
+            raw.close(linger=0)
+            ctx.term()

@@ -258,6 +258,10 @@ class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
                     )
                 self._send_zap_reply(msg[1], b"400", b"another user")
                 return
+            # Admitted: the reply names the peer's process, which the kernel gave (every
+            # message of the connection carries it as its User-Id).
+            self._send_zap_reply(msg[1], b"200", b"OK", user_id=f"pid:{_peer_pid(msg[3])}")
+            return
         await super().handle_zap_message(msg)
 
     def stop(self) -> None:
@@ -284,6 +288,12 @@ def _peer_uid(address: bytes) -> int | None:
     if len(parts) != 4 or parts[0] != b"localhost" or not parts[1].isdigit():
         return None
     return int(parts[1])
+
+
+def _peer_pid(address: bytes) -> int:
+    """The pid in a Unix-socket peer's ZAP address (see :func:`_peer_uid`); 0 if none."""
+    parts = address.split(b":")
+    return int(parts[3]) if len(parts) == 4 and parts[3].isdigit() else 0
 
 
 class SameUserServer:

@@ -277,7 +277,10 @@ class ControlLoop:
                     timeout=self._core.timeouts.control,
                 )
             return
-        self._core.peers.replace(hello.worker_idx, hello.pid)
+        # Where the kernel names the peer's process (a Unix socket), liveness follows that
+        # pid, not the one the hello gives (a peer could name a process that never ends).
+        pid = channel.peer_pid(routing) or hello.pid
+        self._core.peers.replace(hello.worker_idx, pid)
         conn = wire.Connection(wire.Role.SENDER, hello.worker_idx)
         conn.receive(hello)
         session = secrets.token_hex(16)
@@ -302,7 +305,7 @@ class ControlLoop:
             routing=routing,
             conn=conn,
             session=session,
-            pid=hello.pid,
+            pid=pid,
             welcome_version=self._core.version,
             last_seen=time.monotonic(),
             inflight={self._core.version},

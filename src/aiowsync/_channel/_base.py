@@ -65,6 +65,12 @@ class SenderChannel(_Counting, abc.ABC):
         """Send one encoded frame to one peer; raises :class:`TransportError` if the peer is
         gone."""
 
+    def peer_pid(self, peer: PeerId) -> int | None:
+        """The pid of ``peer``'s process as the kernel gave it when it connected (Unix
+        sockets, where the channel checks peers' users); None where the channel cannot tell."""
+        del peer
+        return None
+
     def send_nowait(self, peer: PeerId, message: Message) -> bool:
         """Queue ``message`` only if that needs no wait; False when :meth:`send` must be used.
 

@@ -143,11 +143,23 @@ class ZmqEnd:
             except TimeoutError:
                 raise timeout_error("message", timeout) from None
 
+    user_ids = False
+    """Read each message's ``User-Id`` (set by a ZAP handler) into :attr:`user_id`."""
+    user_id: str | None = None
+    """The ``User-Id`` of the last message read, when :attr:`user_ids` is set."""
+
     def _recv_frames_nowait(self) -> list[bytes] | None:
         if self._sock.closed:
             raise TransportError("channel is closed")
         try:
-            frames: list[bytes] | None = self._sock.recv_multipart(_NOBLOCK)
+            frames: list[bytes] | None
+            if self.user_ids:
+                parts = self._sock.recv_multipart(_NOBLOCK, copy=False)
+                user = parts[-1].get("User-Id") if parts else None
+                self.user_id = user if isinstance(user, str) else None
+                frames = [p.bytes for p in parts]
+            else:
+                frames = self._sock.recv_multipart(_NOBLOCK)
         except zmq.Again:
             # Nothing to read: zmq still processed the socket's pending commands, which also
             # reset the descriptor that _signalled() waits on.

@@ -54,6 +54,9 @@ _PINGS_PER_TIMEOUT = 3
 _BEATS_QUEUED = 8
 """Beats a beat socket queues while the sender reads none; more would only be stale news."""
 
+_PIDS_KEPT = 4096
+"""Routing ids whose kernel-given pid the sender remembers (the newest)."""
+
 _QUEUED_PER_PEER = 64
 """Messages one connection may have waiting at the sender (libzmq's default: 1000)."""
 
@@ -136,6 +139,8 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
         max_message: int | None = None,
     ) -> None:
         address = resolve_local(address)
+        self._pids: collections.OrderedDict[PeerId, int] = collections.OrderedDict()
+        """By routing id, the pid the kernel gave for the peer's process (Unix sockets)."""
         try:
             self._socket_dir = claim_socket_dir(address)
             """The private directory of the socket, removed with it (see LOCAL_BIND)."""
@@ -149,6 +154,7 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
                 self._auth = CurveServer(ctx, curve)
             elif urlsplit(address).scheme == "ipc" and not other_users and _PEER_CREDENTIALS:
                 self._auth = SameUserServer(ctx)
+                self.user_ids = True  # the handler names each peer's process (its pid)
         except BaseException:
             ctx.term()
             raise
@@ -217,7 +223,22 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
             self._count_drop("a message of %d frames", len(frames))
             return None
         message = self._decode_or_drop(frames[1], f"peer {frames[0].hex()}")
-        return None if message is None else (frames[0], message)
+        if message is None:
+            return None
+        if self.user_ids:
+            self._remember_pid(frames[0])
+        return frames[0], message
+
+    def _remember_pid(self, peer: PeerId) -> None:
+        user = self.user_id or ""
+        if user.startswith("pid:") and user[4:].isdigit():
+            self._pids[peer] = int(user[4:])
+            self._pids.move_to_end(peer)
+            while len(self._pids) > _PIDS_KEPT:
+                self._pids.popitem(last=False)
+
+    def peer_pid(self, peer: PeerId) -> int | None:
+        return self._pids.get(peer)
 
     def close(self) -> None:
         self.closed = True
