@@ -45,8 +45,8 @@ _MAX_SOCKET_PATH = 100
 
 
 def _socket_base() -> str:
-    """Where private socket directories go: the user's runtime directory if it is a private
-    one, else the temporary directory, else /tmp (whichever keeps the path short enough)."""
+    """Where private socket directories go: the user's runtime directory if there is one,
+    else the temporary directory, else /tmp (the first that keeps the path short enough)."""
     candidates = [os.environ.get("XDG_RUNTIME_DIR", ""), tempfile.gettempdir(), "/tmp"]
     for base in candidates:
         if not base or len(base) > _MAX_SOCKET_PATH - 40:

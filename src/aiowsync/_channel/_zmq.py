@@ -1,4 +1,5 @@
-"""The ZeroMQ control channel: a ROUTER bound by the sender, one DEALER per receiver.
+"""The ZeroMQ control channel: one DEALER per receiver (the sender's ROUTER is
+:mod:`._zmq_sender`'s), and the factory of both.
 
 The waiting is :mod:`._fdwait`'s (nothing read while waiting, so no deadline loses a
 message); a receiver's connection monitor and heartbeats are :mod:`._monitor`'s.
@@ -6,251 +7,41 @@ message); a receiver's connection monitor and heartbeats are :mod:`._monitor`'s.
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import ctypes
 import logging
-import secrets
-import sys
-import threading
-import time
 from collections.abc import Callable
-from typing import Any
-from urllib.parse import urlsplit
 
 import zmq
 
-from .._auth import CurveKeys, CurveServer, SameUserServer, check_server_keys, client_options
+from .._auth import CurveKeys, check_server_keys, client_options
 from .._exceptions import TransportError
-from .._libc import libc
 from .._protocol import MAX_FRAME, Heartbeat, Message, encode
 from .._signal import Signal
 from ._address import (
     LOCAL_BIND,
     check_zmq_address,
-    claim_socket_dir,
     is_loopback_address,
-    remove_owned_socket_dir,
     resolve_local,
 )
-from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel, timeout_error
+from ._base import ChannelFactory, ReceiverChannel, SenderChannel, timeout_error
 from ._fdwait import POLLIN, ZmqEnd, deadline_after
 from ._monitor import ConnectionWatch
+from ._zmq_options import (
+    BEATS_QUEUED,
+    DROPS_PER_TURN,
+    base_options,
+    ms,
+    own_routing_id,
+    terminate,
+)
+from ._zmq_sender import ZmqSenderChannel
 
 __all__ = ["LOCAL_BIND", "ZmqChannelFactory", "is_loopback_address", "resolve_local"]
 
 log = logging.getLogger("aiowsync.channel")
 
-_PEER_CREDENTIALS = sys.platform.startswith("linux")
-"""Whether libzmq reports a Unix-socket peer's uid to the ZAP handler here (from
-``SO_PEERCRED``; the format elsewhere is not relied on)."""
-
-_DROPS_PER_TURN = 64
-"""Malformed messages read in a row before the event loop gets a turn."""
-
-_PINGS_PER_TIMEOUT = 3
-"""ZMTP pings sent within one heartbeat timeout, so that one late ping does not lose a peer."""
-
-_BEATS_QUEUED = 8
-"""Beats a beat socket queues while the sender reads none; more would only be stale news."""
-
-_PIDS_KEPT = 4096
-"""Routing ids whose kernel-given pid the sender remembers (the newest)."""
-
-_QUEUED_PER_PEER = 64
-"""Messages one connection may have waiting at the sender (libzmq's default: 1000)."""
-
-_HANDSHAKE_MS = 5000
-"""How long a connection may take over ZeroMQ's handshake (libzmq's default: 30 s)."""
-
-
-def _terminate(ctx: zmq.Context[zmq.Socket[bytes]], *, wait: bool) -> None:
-    """Terminate ``ctx``. ``ctx.term()`` waits until every socket of the context is closed;
-    when a thread of ours that holds one did not stop (``wait`` False), that could be for
-    ever, so the context is terminated by a daemon thread instead, once that socket closes."""
-    if wait:
-        ctx.term()
-        return
-    log.warning("a channel thread did not stop; its ZeroMQ context ends when it does")
-    threading.Thread(target=ctx.term, name="aiowsync-term", daemon=True).start()
-
-
-def _raise_open_files_limit() -> None:
-    """Raise the soft limit on open files to the hard one, where it is lower: each peer
-    connection costs the sender a descriptor, and libzmq aborts the process when it runs out
-    (see ``aiowsync doctor``). Never lowered; a failure only leaves it as it was."""
-    try:
-        import resource
-    except ImportError:  # not a Unix system
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-        except (ValueError, OSError):
-            return
-        log.debug("raised the open-files limit from %d to %d", soft, wanted)
-
-
-def _unpredictable_generated_ids() -> None:
-    """Seed the C library's ``rand()`` from the OS before a ROUTER is made.
-
-    A ROUTER names a peer that brings no routing id of its own ``0x00`` + a counter, which
-    libzmq starts at ``rand()``; nobody seeds ``rand()``, so the counter starts at the same
-    value in every process. A peer that picks the next such name as its own routing id makes
-    the ROUTER meet it twice, and libzmq aborts the whole process on that (an assertion). From
-    an unpredictable start, that name cannot be guessed.
-    """
-    c = libc()
-    if c is not None:
-        srand = c.srand
-        srand.argtypes = [ctypes.c_uint]
-        srand.restype = None
-        srand(secrets.randbits(32))
-
-
-def _own_routing_id() -> bytes:
-    """A routing id for a receiver's socket: ``0x01`` + 15 random bytes, never the ``0x00``
-    form a ROUTER makes up for peers that bring none."""
-    return b"\x01" + secrets.token_bytes(15)
-
-
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
-
-
-def _base_options(sock: zmq.Socket[Any], heartbeat_timeout: float) -> None:
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(heartbeat_timeout / _PINGS_PER_TIMEOUT))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(heartbeat_timeout))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(heartbeat_timeout))
-
-
-class ZmqSenderChannel(ZmqEnd, SenderChannel):
-    def __init__(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        address: str,
-        heartbeat_timeout: float,
-        curve: CurveKeys | None = None,
-        *,
-        other_users: bool = False,
-        max_message: int | None = None,
-    ) -> None:
-        address = resolve_local(address)
-        self._pids: collections.OrderedDict[PeerId, int] = collections.OrderedDict()
-        """By routing id, the pid the kernel gave for the peer's process (Unix sockets)."""
-        try:
-            self._socket_dir = claim_socket_dir(address)
-            """The private directory of the socket, removed with it (see LOCAL_BIND)."""
-        except OSError as exc:
-            ctx.term()
-            raise TransportError(f"cannot bind {address}: {exc}") from None
-        _raise_open_files_limit()
-        self._auth: CurveServer | SameUserServer | None = None
-        try:
-            if curve is not None:
-                self._auth = CurveServer(ctx, curve)
-            elif urlsplit(address).scheme == "ipc" and not other_users and _PEER_CREDENTIALS:
-                self._auth = SameUserServer(ctx)
-                self.user_ids = True  # the handler names each peer's process (its pid)
-        except BaseException:
-            ctx.term()
-            raise
-        _unpredictable_generated_ids()
-        ZmqEnd.__init__(self, ctx, zmq.ROUTER)
-        SenderChannel.__init__(self)
-        try:
-            _base_options(self._sock, heartbeat_timeout)
-            if self._auth is not None:
-                self._auth.apply(self._sock)
-            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            # Receivers keep their routing id across reconnections (see the receiver channel);
-            # the newest connection under an id takes it over.
-            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            # A peer that sends more than the sender's receivers ever need to is cut off
-            # before its message is read, and none may queue more than a few messages.
-            limit = MAX_FRAME if max_message is None else min(max_message, MAX_FRAME)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, limit + 1024)
-            self._sock.setsockopt(zmq.RCVHWM, _QUEUED_PER_PEER)
-            # A connection that does not finish ZeroMQ's handshake (a peer that connects and
-            # says nothing) is dropped after this long, giving back its descriptor.
-            self._sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
-            if urlsplit(address).scheme == "tcp" and urlsplit(address).port in (None, 0):
-                host = address.rsplit(":", 1)[0] if address.count(":") > 1 else address
-                self._sock.bind(f"{host}:*")
-            else:
-                self._sock.bind(address)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise TransportError(f"cannot bind {address}: {exc}") from None
-        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-    async def send_frame(self, peer: PeerId, frame: bytes, *, timeout: float | None) -> None:
-        await self._send_frames([peer, frame], timeout)
-
-    def send_nowait(self, peer: PeerId, message: Message) -> bool:
-        return self._try_send(peer, encode(message))
-
-    async def recv(self, *, timeout: float | None) -> tuple[PeerId, Message]:
-        deadline = deadline_after(timeout)
-        dropped = 0
-        while True:
-            remaining = None if timeout is None else max(0.0, deadline - time.monotonic())
-            got = self._accept(await self._recv_frames(remaining))
-            if got is not None:
-                return got
-            dropped += 1
-            if dropped % _DROPS_PER_TURN == 0:
-                # A peer sending junk as fast as it can must not keep the loop to itself,
-                # nor this call past its deadline.
-                await asyncio.sleep(0)
-                if time.monotonic() >= deadline:
-                    raise timeout_error("message", timeout)
-
-    def recv_nowait(self) -> tuple[PeerId, Message] | None:
-        for _ in range(_DROPS_PER_TURN):
-            if not self._ready(POLLIN) or (frames := self._recv_frames_nowait()) is None:
-                return None
-            got = self._accept(frames)
-            if got is not None:
-                return got
-        return None  # only junk so far: the rest waits for the next call
-
-    def _accept(self, frames: list[bytes]) -> tuple[PeerId, Message] | None:
-        if len(frames) != 2:
-            self._count_drop("a message of %d frames", len(frames))
-            return None
-        message = self._decode_or_drop(frames[1], f"peer {frames[0].hex()}")
-        if message is None:
-            return None
-        if self.user_ids:
-            self._remember_pid(frames[0])
-        return frames[0], message
-
-    def _remember_pid(self, peer: PeerId) -> None:
-        user = self.user_id or ""
-        if user.startswith("pid:") and user[4:].isdigit():
-            self._pids[peer] = int(user[4:])
-            self._pids.move_to_end(peer)
-            while len(self._pids) > _PIDS_KEPT:
-                self._pids.popitem(last=False)
-
-    def peer_pid(self, peer: PeerId) -> int | None:
-        return self._pids.get(peer)
-
-    def close(self) -> None:
-        self.closed = True
-        self._close_socket()
-        stuck = False
-        if self._auth is not None:
-            self._auth.close()
-            stuck = self._auth.stuck
-        _terminate(self._ctx, wait=not stuck)
-        if self._socket_dir is not None:
-            remove_owned_socket_dir(self._socket_dir)
-            self._socket_dir = None
+_base_options = base_options
+"""The settings every socket of ours gets (a module attribute: tests may wrap it)."""
 
 
 class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
@@ -267,7 +58,7 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         self._set_curve(self._sock)
         # A fixed, unguessable routing id: after a reconnection (say the process was stopped
         # long enough for the connection to time out) the sender still reaches this receiver.
-        self._sock.setsockopt(zmq.ROUTING_ID, _own_routing_id())
+        self._sock.setsockopt(zmq.ROUTING_ID, own_routing_id())
         _base_options(self._sock, heartbeat_timeout)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME + 1024)
         self._address = address
@@ -334,7 +125,7 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         back for the waiting ``recv()``."""
         self._handing = True
         try:
-            for _ in range(_DROPS_PER_TURN):
+            for _ in range(DROPS_PER_TURN):
                 if not self._ready(POLLIN):
                     return True
                 frames = self._recv_frames_nowait()
@@ -392,10 +183,10 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         would take its place at the sender)."""
         sock = self._ctx.socket(zmq.DEALER)
         try:
-            sock.setsockopt(zmq.ROUTING_ID, _own_routing_id())
+            sock.setsockopt(zmq.ROUTING_ID, own_routing_id())
             _base_options(sock, self._heartbeat_timeout)
             self._set_curve(sock)
-            sock.setsockopt(zmq.SNDHWM, _BEATS_QUEUED)
+            sock.setsockopt(zmq.SNDHWM, BEATS_QUEUED)
             # A beat is news only while it is fresh: with no live connection it is dropped,
             # not queued for whichever sender binds the address next.
             sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -411,8 +202,8 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         self.closed = True
         ended = self._watch.close()
         # Terminating the context waits for the socket's linger: the goodbye leaves first.
-        self._close_socket(_ms(flush) if flush > 0 else 0)
-        _terminate(self._ctx, wait=ended)
+        self._close_socket(ms(flush) if flush > 0 else 0)
+        terminate(self._ctx, wait=ended)
 
 
 class ZmqChannelFactory(ChannelFactory):
