@@ -1395,3 +1395,59 @@ async def test_a_sender_whose_slot_files_were_removed_goes_on_and_workers_join_a
                 await joiner.connect(timeout=20)
                 assert joiner.version == sender.version and same(late, src)
             assert "was removed by another process; made anew" in caplog.text
+
+
+def _bn_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
+
+
+def _state(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _holds(m: nn.Module, expected: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(v, expected[k]) for k, v in m.state_dict().items())
+
+
+@pytest.mark.parametrize("switch", ["rebind", "remap"])
+async def test_a_worker_that_writes_its_swap_mode_model_changes_only_its_own(
+    switch: str,
+) -> None:
+    # Before: slots were mapped read-write and shared, so a worker whose BatchNorm was left in
+    # train mode changed the sender's slot and the other worker's running_mean.
+    src = _bn_model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=2)
+    models = [_bn_model(1), _bn_model(2)]
+    async with sender:
+        receivers = []
+        for i, m in enumerate(models):
+            r = aiowsync.SharedMemWeightSyncScheme(
+                address=sender.address, heartbeats=FAST, switch=switch, apply_mode="swap"
+            )
+            r.init_on_receiver(model=m, worker_idx=i)
+            receivers.append(r)
+        async with receivers[0], receivers[1]:
+            await asyncio.gather(
+                sender.connect(timeout=20), *(r.connect(timeout=20) for r in receivers)
+            )
+            for version in range(1, 6):
+                with torch.no_grad():
+                    for p in src.parameters():
+                        p.add_(0.5)
+                sent = _state(src)
+                await sender.send(timeout=10)
+                # Every worker runs exactly what was sent: what worker 0 wrote into the
+                # version before is gone, also when the sender reuses that slot.
+                assert all(_holds(m, sent) for m in models), version
+                # Worker 0 writes into its model: BatchNorm's running stats in train mode,
+                # and noise added to a weight.
+                writer = models[0].train()
+                with torch.no_grad():
+                    writer(torch.randn(32, 8) * 10)
+                    writer[0].weight.add_(1.0)
+                assert not torch.equal(writer[1].running_mean, sent["1.running_mean"])
+                assert not torch.equal(writer[0].weight, sent["0.weight"])
+                # ... and changes nothing of the sender's or of the other worker.
+                assert _holds(models[1], sent), version

@@ -114,7 +114,8 @@ class SlotWindow:
             )
         fd = self.open(path)
         prot = mmap.PROT_READ | mmap.PROT_WRITE
-        self._mmap(self.addr, prot, mmap.MAP_SHARED | _MAP_FIXED, fd)
+        # Private: what the model writes stays its own and goes with the next switch.
+        self._mmap(self.addr, prot, mmap.MAP_PRIVATE | _MAP_NORESERVE | _MAP_FIXED, fd)
         self.showing = path
 
     def release(self) -> None:
