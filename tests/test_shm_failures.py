@@ -1410,12 +1410,26 @@ def _holds(m: nn.Module, expected: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(v, expected[k]) for k, v in m.state_dict().items())
 
 
-@pytest.mark.parametrize("switch", ["rebind", "remap"])
+@pytest.mark.parametrize(
+    "switch",
+    [
+        "remap",
+        pytest.param(
+            "rebind",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="rebind mode maps each slot file once, shared: a worker's writes reach "
+                "the sender's slot and the other workers (docs/receiving.md)",
+            ),
+        ),
+    ],
+)
 async def test_a_worker_that_writes_its_swap_mode_model_changes_only_its_own(
     switch: str,
 ) -> None:
     # Before: slots were mapped read-write and shared, so a worker whose BatchNorm was left in
-    # train mode changed the sender's slot and the other worker's running_mean.
+    # train mode changed the sender's slot and the other worker's running_mean. The slot
+    # window now maps each version privately (copy-on-write).
     src = _bn_model(0)
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
     sender.init_on_sender(model=src, num_workers=2)

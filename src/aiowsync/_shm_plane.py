@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from ._plane import (
 )
 from ._protocol import ParamValue
 from ._shm_sender import SharedMemSenderPlane
-from ._shm_slots import SlotFile, check_slot_path, discard_private_writes
+from ._shm_slots import SlotFile, check_slot_path
 from ._shm_window import SlotWindow, windows_supported
 from ._slot_table import check_slot_counts
 
@@ -86,14 +85,6 @@ class SharedMemReceiverPlane(ReceiverPlane):
         self._mapped: dict[str, Staged] = {}
         self._files: dict[str, list[torch.Tensor]] = {}
         """Several models: each slot file's buffers, by path."""
-        self._bases: dict[str, torch.Tensor] = {}
-        """Each mapped slot file, whole (a private mapping), by path."""
-        self._live: set[str] = set()
-        """The slot files the model is bound to now (swap mode)."""
-        self._scrubs: dict[str, concurrent.futures.Future[int]] = {}
-        """Slot files the model was bound to, having their private pages dropped (see
-        :meth:`show`): a new version is bound to one only once that is done."""
-        self._scrubber: concurrent.futures.ThreadPoolExecutor | None = None
         self._switch = switch
         self._window: SlotWindow | None = None
         self._window_staged: Staged | None = None
@@ -128,30 +119,9 @@ class SharedMemReceiverPlane(ReceiverPlane):
 
     def show(self, staged: Staged) -> Staged:
         if self._window is None or self._window_staged is None:
-            self._bound(set(staged.source.split("\n")))
             return staged
-        self._window.show(staged.source)  # a fresh private mapping: nothing to drop later
+        self._window.show(staged.source)
         return self._window_staged
-
-    def _bound(self, live: set[str]) -> None:
-        """The model is bound to the slot files ``live`` from now on. Those it leaves may
-        hold pages it wrote (its writes go to private copies): they are dropped in the
-        background, long before the sender can reuse the file for a later version."""
-        for path in self._live - live:
-            base = self._bases.get(path)
-            if base is not None and path not in self._scrubs:
-                if self._scrubber is None:
-                    self._scrubber = concurrent.futures.ThreadPoolExecutor(
-                        1, thread_name_prefix="aiowsync-scrub"
-                    )
-                self._scrubs[path] = self._scrubber.submit(discard_private_writes, base)
-        self._live = live
-
-    def _scrubbed(self, path: str) -> None:
-        """Before slot file ``path`` is bound to a new version: its private pages are gone."""
-        pending = self._scrubs.pop(path, None)
-        if pending is not None:
-            pending.result()
 
     def fetch_nowait(self, params: Mapping[str, ParamValue]) -> Staged:
         if self.layout.sectioned:
@@ -177,20 +147,11 @@ class SharedMemReceiverPlane(ReceiverPlane):
             check_slot_path(path, self._owner)
             if len(self._mapped) >= _KEPT_MAPPINGS:
                 # A sender has a few slots; a cache of every path ever named would grow.
-                self._forget(next(iter(self._mapped)))
+                self._mapped.pop(next(iter(self._mapped)))
             file = SlotFile.open(path, nbytes)
-            self._bases[path] = file.tensor
             parts = self.layout.split(file.tensor)
             views = self._mapped[path] = Staged(parts, self.layout.views(parts), path, shared=True)
-        else:
-            self._scrubbed(path)
         return views
-
-    def _forget(self, path: str) -> None:
-        self._mapped.pop(path, None)
-        self._files.pop(path, None)
-        if path not in self._live:
-            self._bases.pop(path, None)
 
     def lease_buffers(self, staged: Staged) -> list[torch.Tensor] | None:
         if staged.buffers or self._window is None:
@@ -215,16 +176,13 @@ class SharedMemReceiverPlane(ReceiverPlane):
             if mapped is None:
                 check_slot_path(path, self._owner)  # paths come from the wire: checked first
                 if len(self._files) >= _KEPT_MAPPINGS:
-                    self._forget(next(iter(self._files)))
+                    self._files.pop(next(iter(self._files)))
                 file = SlotFile.open(path, nbytes)
-                self._bases[path] = file.tensor
                 mapped, start = [], 0
                 for size in sizes:
                     mapped.append(file.tensor[start : start + size])
                     start += size
                 self._files[path] = mapped
-            elif path not in self._live:
-                self._scrubbed(path)
             paths.append(path)
             parts.extend(mapped)
         key = "\n".join(paths)
@@ -240,12 +198,7 @@ class SharedMemReceiverPlane(ReceiverPlane):
 
     def close(self) -> None:
         # Views bound to the model keep their mapping alive; only our cache is dropped.
-        if self._scrubber is not None:
-            self._scrubber.shutdown(wait=True)
-            self._scrubber = None
-        self._scrubs.clear()
         self._mapped.clear()
         self._files.clear()
-        self._bases.clear()
         if self._window is not None:
             self._window.release()

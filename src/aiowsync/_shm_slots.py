@@ -9,7 +9,6 @@ files, so every new sender first removes the files of senders whose process no l
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import mmap
@@ -22,7 +21,6 @@ from pathlib import Path
 import torch
 
 from ._exceptions import TransportError
-from ._libc import libc
 from ._pids import pid_alive
 
 __all__ = [
@@ -97,54 +95,6 @@ def open_slot(path: str, nbytes: int) -> int:
     return fd
 
 
-_MAP_NORESERVE = 0x4000
-_MADV_DONTNEED = 4
-_PAGE = mmap.PAGESIZE
-
-
-def discard_private_writes(base: torch.Tensor) -> int:
-    """Make the private mapping ``base`` (a receiver's, see :meth:`SlotFile.open`) show its
-    file again wherever this process wrote to it, dropping those pages' private copies;
-    returns how many pages held one. Reads ``/proc/self/pagemap`` (a page present and not
-    the file's is a private copy); where it cannot, every page is dropped, which is as
-    correct and only slower to read afterwards."""
-    addr, nbytes = base.data_ptr(), base.numel()
-    first = addr - addr % _PAGE
-    count = (addr + nbytes - first + _PAGE - 1) // _PAGE
-    c = _madvise()
-    if c is None or count == 0:
-        return 0
-    try:
-        with open("/proc/self/pagemap", "rb") as f:
-            f.seek(first // _PAGE * 8)
-            raw = f.read(count * 8)
-        if len(raw) != count * 8:
-            raise ValueError("short read")
-        # Bit 63: the page is present; bit 61: it is the file's (or shared) page.
-        entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-        private = ((entries < 0) & ((entries >> 61) & 1 == 0)).nonzero().flatten().tolist()
-    except (OSError, ValueError):
-        c.madvise(first, count * _PAGE, _MADV_DONTNEED)
-        return count
-    run_start = None
-    for i, page in enumerate(private):  # one call per run of pages
-        if run_start is None:
-            run_start = page
-        if i + 1 == len(private) or private[i + 1] != page + 1:
-            c.madvise(first + run_start * _PAGE, (page - run_start + 1) * _PAGE, _MADV_DONTNEED)
-            run_start = None
-    return len(private)
-
-
-def _madvise() -> ctypes.CDLL | None:
-    c = libc()
-    if c is None:
-        return None
-    c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    c.madvise.restype = ctypes.c_int
-    return c
-
-
 def _map(path: str, nbytes: int, flags: int) -> torch.Tensor:
     created = bool(flags & os.O_CREAT)
     if created:
@@ -157,10 +107,7 @@ def _map(path: str, nbytes: int, flags: int) -> torch.Tensor:
     try:
         if created:
             os.ftruncate(fd, max(nbytes, 1))
-        # The sender writes through the file; a receiver's own writes (a BatchNorm left in
-        # train mode, noise added to a parameter) stay its own: copy-on-write.
-        how = mmap.MAP_SHARED if created else mmap.MAP_PRIVATE | _MAP_NORESERVE
-        mm = mmap.mmap(fd, max(nbytes, 1), how, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         if created:
             with contextlib.suppress(OSError):
@@ -228,8 +175,6 @@ class SlotFile:
 
     @classmethod
     def open(cls, path: str, nbytes: int) -> SlotFile:
-        """A receiver's mapping of slot ``path``: private, so that what the receiver writes
-        stays its own (see :func:`discard_private_writes`)."""
         return cls(path, nbytes, _map(path, nbytes, os.O_RDWR), owner=False)
 
     def unlink(self) -> None:
