@@ -510,3 +510,32 @@ def test_closing_a_receiver_plane_does_not_wait_for_its_store_connection() -> No
     # c10d retries the connection with random pauses: it gives up well after its timeout.
     thread.join(THREAD_EXIT)
     assert not thread.is_alive() and errors
+
+
+def test_a_receivers_store_client_is_made_anew_after_its_connection_broke() -> None:
+    # Before: the client a receiver joins groups through never reconnected; once its
+    # connection to the trainer's store was reset, every later group failed to form.
+    import datetime
+    import gc
+    import time
+
+    from torch._C._distributed_c10d import TCPStore
+
+    from aiowsync._dist_groups import ReceiverGroups
+
+    wait = datetime.timedelta(seconds=10)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=wait)
+    port = store.port
+    groups = ReceiverGroups("gloo")
+    try:
+        assert groups.join(("127.0.0.1", port), "a", 0, 1, "127.0.0.1", time.monotonic() + 20, 10)
+        del store  # the store goes away: the client's connection breaks
+        gc.collect()
+        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=wait)
+        with pytest.raises(Exception):  # noqa: B017 - whatever torch raises for a dead link
+            groups.join(("127.0.0.1", port), "b", 0, 1, "127.0.0.1", time.monotonic() + 20, 5)
+        # The next group is joined through a new client.
+        assert groups.join(("127.0.0.1", port), "c", 0, 1, "127.0.0.1", time.monotonic() + 20, 10)
+    finally:
+        groups.close()
+        del store

@@ -349,6 +349,7 @@ class ReceiverGroups:
     def __init__(self, backend: Backend) -> None:
         self.backend: Backend = backend
         self._store: Store | None = None
+        self._store_at: tuple[str, int] | None = None
         self._table: dict[str, tuple[Any, float]] = {}
         self._dead: dict[str, None] = {}  # names of groups that failed (oldest first)
         self._closed = False
@@ -376,9 +377,17 @@ class ReceiverGroups:
         """Join group ``name`` as ``rank``, blocking until all ``size`` ranks have, for at
         most ``form`` seconds."""
         store = self._need_store(*store_at, seconds_left(deadline))
-        return new_group(
-            self.backend, store, name, rank, size, hostname, min(seconds_left(deadline), form)
-        )
+        try:
+            return new_group(
+                self.backend, store, name, rank, size, hostname, min(seconds_left(deadline), form)
+            )
+        except BaseException:
+            # The store client never reconnects by itself (after a reset, say): the next
+            # group is joined through a new one.
+            with self._lock:
+                if self._store is store:
+                    self._store = None
+            raise
 
     def keep(self, name: str, pg: Any) -> None:
         """Cache ``pg`` after a transfer on it succeeded (unless closed meanwhile)."""
@@ -403,7 +412,7 @@ class ReceiverGroups:
         with self._lock:
             if self._closed:
                 raise TransportError("the receiver is closed")
-            if self._store is not None:
+            if self._store is not None and self._store_at == (host, port):
                 return self._store
         # Connected outside the lock: close() takes it on the event loop, which must not
         # wait for a store that does not answer.
@@ -411,8 +420,8 @@ class ReceiverGroups:
         with self._lock:
             if self._closed:
                 raise TransportError("the receiver is closed")
-            if self._store is None:
-                self._store = store
+            if self._store is None or self._store_at != (host, port):
+                self._store, self._store_at = store, (host, port)
             return self._store
 
     def _discard(self, name: str) -> None:
