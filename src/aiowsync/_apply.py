@@ -171,8 +171,7 @@ class Applier:
         """A private copy of the version the model runs, on the model's device and in its
         dtypes, by key. Call holding the guard."""
         live = self._live
-        if live is None or not live.buffers:
-            return {k: t.detach().clone() for k, t in self._targets.items()}
+        assert live is not None, "a lease is taken once a version runs"
         # Swap mode needs the model's dtypes on the wire, so its layout is the model's too.
         return self.model_layout.views([b.clone() for b in live.buffers])
 

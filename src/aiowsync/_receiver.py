@@ -246,9 +246,12 @@ class ReceiverCore:
         if self.apply_mode == "swap":
             _return_freed_memory()
 
-    def heartbeat(self) -> Heartbeat:
+    def heartbeat(self, leased: tuple[int, ...] | None = None) -> Heartbeat:
         return Heartbeat(
-            worker_idx=self.worker_idx, session=self.session, version=max(self.version, 0)
+            worker_idx=self.worker_idx,
+            session=self.session,
+            version=max(self.version, 0),
+            leased=leased,
         )
 
     def _report_leases_soon(self) -> None:
@@ -264,12 +267,7 @@ class ReceiverCore:
         channel = self.channel
         if channel is None or self.bye is not None or not self.session:
             return
-        beat = Heartbeat(
-            worker_idx=self.worker_idx,
-            session=self.session,
-            version=max(self.version, 0),
-            leased=self.leases.pinned(),
-        )
+        beat = self.heartbeat(leased=self.leases.pinned())
         # On the connection the answers take, so in order with them; a report that finds no
         # room is dropped: the next answer carries the same news.
         with contextlib.suppress(WeightSyncError):

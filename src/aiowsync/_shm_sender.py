@@ -24,8 +24,9 @@ from ._copy_job import early_share
 from ._exceptions import WeightSyncError
 from ._gather import EarlyCopy, GatherCopy, remember_hint
 from ._layout import Layout
+from ._pids import pid_alive
 from ._plane import Delivery, InPlace, Member, Params, SenderPlane, Source, WeightSource
-from ._shm_slots import SlotFile, pid_alive, remove_stale_slots
+from ._shm_slots import SlotFile, remove_stale_slots
 from ._slot_table import SlotTable
 from ._stager import Stager
 

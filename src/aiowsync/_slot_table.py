@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ._exceptions import WeightSyncError
+from ._pids import pid_alive
 from ._plane import Delivery, InPlace, Member, Params, SenderPlane
-from ._shm_slots import pid_alive
 
 __all__ = ["InPlaceSenderPlane", "Slot", "SlotTable", "SlotsFull", "check_slot_counts"]
 
