@@ -1,18 +1,18 @@
-"""Process groups of our own, and the TCP store they form in.
+"""Process groups of our own, and the store they form in.
 
-The sender runs a TCP store (bound to the control socket's host only) and creates one process
-group per set of receivers it sends to, with itself as rank 0. A group is named by a random
-token and used as a prefix in the store, so groups never collide and the user's default group
-is never touched. Groups are cached by their members (worker index and session, so a restarted
-worker gets new groups); a group whose collective failed is dropped at once, which closes its
-connections and makes every member's pending receive fail quickly instead of timing out.
+The sender runs a store (:mod:`._dist_store`, bound to the data host only and open only to
+holders of its secret) and creates one process group per set of receivers it sends to, with
+itself as rank 0. A group is named by a random token and used as a prefix in the store, so
+groups never collide and the user's default group is never touched. Groups are cached by
+their members (worker index and session, so a restarted worker gets new groups); a group whose
+collective failed is dropped at once, which closes its connections and makes every member's
+pending receive fail quickly instead of timing out. A dropped group's keys leave the store.
 
 Every blocking call here runs in a worker thread and has a deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import math
@@ -21,15 +21,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch._C._distributed_c10d import PrefixStore, Store
 
+from ._dist_store import StoreServer, group_prefix
+from ._dist_store_client import StoreClient
 from ._exceptions import TransportError
 from ._plane import Params
 
@@ -57,8 +58,8 @@ FORM_TIMEOUT = 10.0
 """The longest a new group may take to form, whatever the transfer's deadline: a member that
 never joins fails the transfer early, so that its retry on a fresh group still has time."""
 
-_STORE_TIMEOUT = datetime.timedelta(seconds=60)
-"""The sender's store's limit on one request; every wait that matters has its own deadline."""
+_STORE_TIMEOUT = 60.0
+"""The sender's limit on one store request; every wait that matters has its own deadline."""
 
 _OP_TIMEOUT = datetime.timedelta(hours=1)
 """The groups' own limit on one send or receive. Deadlines are enforced by each wait instead:
@@ -69,9 +70,6 @@ _MAX_GROUPS = 8
 
 _DEAD_NAMES = 256
 """Names of failed groups a receiver remembers, so that an update naming one fails at once."""
-
-_LISTEN_BACKLOG = 256
-"""Connections the store's socket queues: every member of a forming group connects at once."""
 
 
 def host_of(address: str) -> str:
@@ -107,7 +105,7 @@ def new_group(
     timeout: float,
 ) -> dist.ProcessGroup:
     """A process group of ``size`` ranks under prefix ``name``: blocks until all have joined."""
-    prefixed = PrefixStore(f"aiowsync/{name}/", store)
+    prefixed = PrefixStore(group_prefix(name), store)
     span = datetime.timedelta(seconds=timeout)
     pg: Any
     if backend == "gloo":
@@ -164,37 +162,20 @@ class SenderGroups:
         self.port = 0
         self._table: dict[tuple[Member, ...], Group] = {}
         self._lock = threading.Lock()
-        self._store: TCPStore | None = None
-        self._unkeyed: list[str] = []
-        """Dropped groups whose rendezvous keys are still in the store."""
-        self._keeper: ThreadPoolExecutor | None = None
-        """One thread that deletes those keys, on a store connection of its own: the one
-        that forms groups is held for as long as a rendezvous waits."""
-        self._keeper_store: Store | None = None
+        self.store = StoreServer(host)
+        self._client: StoreClient | None = None
         self._closed = False
+
+    @property
+    def secret(self) -> bytes:
+        """What receivers answer the store's challenge with (it travels in the welcome)."""
+        return self.store.secret
 
     def open(self) -> None:
         """Start the store; :attr:`port` says where receivers reach it."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.bind((self.host, 0))
-            listener.listen(_LISTEN_BACKLOG)
-            # The store serves on our own socket, so it listens on the control host only.
-            self._store = TCPStore(
-                self.host,
-                listener.getsockname()[1],
-                is_master=True,
-                wait_for_workers=False,
-                timeout=_STORE_TIMEOUT,
-                master_listen_fd=listener.fileno(),
-            )
-        except BaseException:
-            listener.close()
-            raise
-        # The store owns the listening socket from here on and closes it with itself.
-        self.port = int(listener.getsockname()[1])
-        listener.detach()
+        self.store.open()
+        self.port = self.store.port
+        self._client = StoreClient(self.host, self.port, self.store.secret, _STORE_TIMEOUT)
 
     def route(self, members: Sequence[Member], purpose: str = "") -> Group:
         """The group for ``members``, created on first use and not evicted until :meth:`done`
@@ -205,6 +186,7 @@ class SenderGroups:
             if group is None:
                 group = Group(secrets.token_hex(8), key)
                 self._table[key] = group
+                self.store.allow(group.name, len(group.workers) + 1)
             group.last_used = time.monotonic()
             group.users += 1
             self._evict()
@@ -243,7 +225,6 @@ class SenderGroups:
         finally:
             group.last_used = time.monotonic()
             group.lock.release()
-        self._schedule_key_deletion()
 
     def done(self, group: Group, *, failed: bool) -> None:
         """The transfer on a route from :meth:`route` ended; a failed one's group is no
@@ -275,17 +256,18 @@ class SenderGroups:
             self._closed = True
             groups = list(self._table.values())
             self._table.clear()
-            keeper, self._keeper = self._keeper, None
+            client, self._client = self._client, None
         for group in groups:
             group.pg = None
-        if keeper is not None:
-            keeper.shutdown(wait=False, cancel_futures=True)
-        self._store = None
+        if client is not None:
+            client.close()
+        self.store.close()
 
     def _need_store(self) -> Store:
-        if self._store is None or self._closed:
+        client = self._client
+        if client is None or self._closed:
             raise TransportError("the distributed plane is closed")
-        return self._store
+        return client
 
     def _evict(self) -> None:
         idle = sorted((g for g in self._table.values() if g.users == 0), key=lambda g: g.last_used)
@@ -295,52 +277,11 @@ class SenderGroups:
             self._retire(group)
 
     def _retire(self, group: Group) -> None:
-        """Mark ``group`` dropped and let its connections go (call with the lock held)."""
+        """Mark ``group`` dropped, let its connections go and its keys leave the store (call
+        with the lock held). A dropped group's name is never used again."""
         if not group.dropped:
-            self._unkeyed.append(group.name)
+            self.store.forget(group.name)
         group.dropped, group.pg = True, None
-
-    def _schedule_key_deletion(self) -> None:
-        """Have the keeper thread delete the rendezvous keys of the groups dropped so far.
-
-        Every group formed leaves its members' addresses in the store (a few hundred bytes
-        each); a sender that forms groups without end (many distinct target sets, workers
-        coming and going) would otherwise grow its store for good. A dropped group's name is
-        never used again. Called after a successful transfer, so that the deletion does not
-        race the members of a group still forming.
-        """
-        with self._lock:
-            if not self._unkeyed or self._closed or self._store is None:
-                return
-            if self._keeper is None:
-                self._keeper = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="aiowsync-store"
-                )
-            keeper = self._keeper
-        with contextlib.suppress(RuntimeError):  # shut down meanwhile
-            keeper.submit(self._delete_keys)
-
-    def _delete_keys(self) -> None:
-        """Keeper thread: delete the keys of :attr:`_unkeyed`. Needs ``list_keys`` and
-        ``clone`` (recent torch); without them the keys stay."""
-        with self._lock:
-            names, self._unkeyed = self._unkeyed, []
-            store = self._store
-        if not names or store is None:
-            return
-        try:
-            if self._keeper_store is None:
-                clone = getattr(store, "clone", None)
-                if clone is None:
-                    return
-                self._keeper_store = clone()
-            client: Any = self._keeper_store
-            prefixes = tuple(f"aiowsync/{name}/" for name in names)
-            for key in client.list_keys():
-                if key.startswith(prefixes):
-                    client.delete_key(key)
-        except Exception as exc:  # the store is a convenience here, never a failure
-            log.debug("could not delete the keys of dropped groups: %s", exc)
 
 
 class ReceiverGroups:
@@ -348,8 +289,7 @@ class ReceiverGroups:
 
     def __init__(self, backend: Backend) -> None:
         self.backend: Backend = backend
-        self._store: Store | None = None
-        self._store_at: tuple[str, int] | None = None
+        self._store: StoreClient | None = None
         self._table: dict[str, tuple[Any, float]] = {}
         self._dead: dict[str, None] = {}  # names of groups that failed (oldest first)
         self._closed = False
@@ -366,7 +306,7 @@ class ReceiverGroups:
 
     def join(
         self,
-        store_at: tuple[str, int],
+        store_at: tuple[str, int, bytes],
         name: str,
         rank: int,
         size: int,
@@ -375,19 +315,11 @@ class ReceiverGroups:
         form: float,
     ) -> Any:
         """Join group ``name`` as ``rank``, blocking until all ``size`` ranks have, for at
-        most ``form`` seconds."""
-        store = self._need_store(*store_at, seconds_left(deadline))
-        try:
-            return new_group(
-                self.backend, store, name, rank, size, hostname, min(seconds_left(deadline), form)
-            )
-        except BaseException:
-            # The store client never reconnects by itself (after a reset, say): the next
-            # group is joined through a new one.
-            with self._lock:
-                if self._store is store:
-                    self._store = None
-            raise
+        most ``form`` seconds. ``store_at`` is the store's host, port and secret."""
+        store = self._need_store(*store_at)
+        return new_group(
+            self.backend, store, name, rank, size, hostname, min(seconds_left(deadline), form)
+        )
 
     def keep(self, name: str, pg: Any) -> None:
         """Cache ``pg`` after a transfer on it succeeded (unless closed meanwhile)."""
@@ -406,23 +338,20 @@ class ReceiverGroups:
         with self._lock:
             self._closed = True
             self._table.clear()
-            self._store = None
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
 
-    def _need_store(self, host: str, port: int, timeout: float) -> Store:
+    def _need_store(self, host: str, port: int, secret: bytes) -> StoreClient:
+        """The client for the store at ``host:port``; it connects on its first request (and
+        again after its connection broke), outside any lock of ours."""
         with self._lock:
             if self._closed:
                 raise TransportError("the receiver is closed")
-            if self._store is not None and self._store_at == (host, port):
-                return self._store
-        # Connected outside the lock: close() takes it on the event loop, which must not
-        # wait for a store that does not answer.
-        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-        with self._lock:
-            if self._closed:
-                raise TransportError("the receiver is closed")
-            if self._store is None or self._store_at != (host, port):
-                self._store, self._store_at = store, (host, port)
-            return self._store
+            store = self._store
+            if store is None or (store.host, store.port, store.secret) != (host, port, secret):
+                self._store = store = StoreClient(host, port, secret, _STORE_TIMEOUT)
+            return store
 
     def _discard(self, name: str) -> None:
         """Forget group ``name`` for good (call with the lock held).

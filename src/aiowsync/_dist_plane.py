@@ -122,6 +122,7 @@ class DistSenderPlane(SenderPlane):
         return {
             **({"store_host": self.host} if self.announce_host else {}),
             "store_port": self._groups.port,
+            "store_key": self._groups.secret.hex(),
             "backend": self.backend,
             "bucket_bytes": self.bucket_bytes,
         }

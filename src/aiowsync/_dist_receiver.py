@@ -52,13 +52,20 @@ class DistReceiverPlane(ReceiverPlane):
         self, layout: Layout, welcome: Mapping[str, ParamValue], *, swap: bool = True
     ) -> None:
         self.layout = layout
-        port, backend, bucket_bytes = (
+        port, key, backend, bucket_bytes = (
             welcome.get("store_port"),
+            welcome.get("store_key"),
             welcome.get("backend"),
             welcome.get("bucket_bytes"),
         )
         if not isinstance(port, int) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ProtocolError(f"the welcome lacks the store port or bucket size: {welcome}")
+            raise ProtocolError("the welcome lacks the store port or bucket size")
+        try:
+            self._store_key = bytes.fromhex(key) if isinstance(key, str) else b""
+        except ValueError:
+            self._store_key = b""
+        if len(self._store_key) != 32:
+            raise ProtocolError("the welcome lacks the key to the sender's store")
         if backend != self.backend:
             raise ProtocolError(
                 f"the sender uses backend {backend!r}, this receiver {self.backend!r}"
@@ -184,7 +191,7 @@ class DistReceiverPlane(ReceiverPlane):
     ) -> None:
         if cached is None:
             rank = workers.index(self._worker_idx) + 1
-            store_at = (self.sender_host, self._port)
+            store_at = (self.sender_host, self._port, self._store_key)
             pg = self._groups.join(
                 store_at, name, rank, len(workers) + 1, self._hostname, deadline, form
             )

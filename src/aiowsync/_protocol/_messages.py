@@ -28,10 +28,11 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 """Raised whenever a message changes incompatibly (2: Hello lost transport and credential,
 Welcome lost missed_beats; 3: Hello gained host and problem; 4: Ack, Nack and Heartbeat
-gained leased; Welcome gained proof, which the sender's updates and beats carry)."""
+gained leased; Welcome gained proof, which the sender's updates and beats carry; 5: the
+distributed plane's welcome gained store_key, its store's secret)."""
 SENDER_INDEX: Final = -1
 """The ``worker_idx`` the sender uses in messages it originates (heartbeats)."""
 
