@@ -99,8 +99,9 @@ class StoreClient(Store):
         if status == OK:
             return reply
         text = reply[0].decode(errors="replace") if reply else "no reason given"
+        # RuntimeError, as torch's own stores raise: callers treat it as a failed transfer.
         if status == TIMEOUT:
-            raise TimeoutError(f"the sender's store: {text}")
+            raise RuntimeError(f"the sender's store: {text}")
         raise RuntimeError(f"the sender's store refused a request: {text}")
 
     def _connected(self, deadline: float) -> socket.socket:
