@@ -155,6 +155,22 @@ async def test_a_send_of_some_models_moves_those_and_the_others_keep_their_bytes
         assert all(equal(mine["policy"], state(models["policy"])) for _, mine in receivers)
 
 
+async def test_digests_cover_every_model_of_a_version_those_carried_too(kind: Kind) -> None:
+    # The sender digests the version as receivers will hold it: the models a partial send
+    # carries come from the slots of earlier versions, and a digest that missed them (or
+    # took another version's) would make every receiver refuse the send.
+    async with rig(kind, integrity=True) as (sender, models, receivers):
+        fill(models["value"], 1.0)
+        await sender.send()
+        for step in range(2, 6):
+            fill(models["policy"], float(step))
+            result = await sender.send(weights={"policy": models["policy"].state_dict()})
+            assert result.version == step and result.worker_ids == (0, 1)
+            for _, mine in receivers:
+                assert equal(mine["policy"], state(models["policy"]))
+                assert equal(mine["value"], state(models["value"]))
+
+
 async def test_sends_that_do_not_fit_are_refused_before_a_byte_moves(kind: Kind) -> None:
     async with rig(kind) as (sender, models, receivers):
         before = [(state(m["policy"]), state(m["value"])) for _, m in receivers]

@@ -14,6 +14,7 @@ import torch
 from ._binding import bind_views
 from ._config import Timeouts
 from ._copy import fused_copy
+from ._digest import check_digest
 from ._double import DoubleBuffer
 from ._exceptions import WeightSyncTimeout
 from ._guard import ReadGuard
@@ -80,8 +81,8 @@ class Applier:
         bytes in place, no reader in the guard. False if it must go through :meth:`apply`.
         Otherwise ``check()`` runs first (it may raise, and nothing switches); then True, or
         the exception that fetching or switching raised (nothing switched)."""
-        if self.hooks or self.mode != "swap":
-            return False
+        if self.hooks or self.mode != "swap" or "digest" in params:
+            return False  # a digest is checked in a thread, by apply()
         failure: Exception | None = None
         try:
             staged = self.plane.fetch_nowait(params)
@@ -108,6 +109,13 @@ class Applier:
         staged = self.plane.fetch_nowait(params)
         if staged is None:
             staged = await self.plane.fetch(params)
+        expected = params.get("digest")
+        if expected is not None:
+            # Before anything switches or is copied: bytes that differ are never applied. (A
+            # slot window's version has no buffers of its own: its slot file is read.)
+            buffers = staged.buffers or self.plane.lease_buffers(staged) or []
+            check = functools.partial(check_digest, self.layout, buffers, str(expected))
+            await to_the_end(anyio.to_thread.run_sync(check))
         index = -1
         if self._private is not None:
             index, target = self._private.spare()

@@ -195,6 +195,20 @@ class DistSenderPlane(SenderPlane):
             for old in sorted(self._held)[:-HELD_VERSIONS]:
                 del self._held[old]
 
+    def staged_buffers(self, slot: int) -> list[torch.Tensor]:
+        written = self._writes.get(slot, frozenset(self.layout.sections))
+        before = self._held.get(self._latest) if self._latest is not None else None
+        out: list[torch.Tensor] = []
+        for name, (first, last) in self.layout.sections.items():
+            if name in written:
+                image = self._slots[slot].value.image
+            else:
+                assert before is not None, "a version of some models needs one before it"
+                image = self._slot_of(before[name]).value.image
+            self._packer.seal(image)  # the digest needs the bytes now, not during the transfer
+            out.extend(self.layout.split(image.flat)[first:last])
+        return out
+
     def release(self, slot: int) -> None:
         self._writes.pop(slot, None)
         self._slots.release(slot).value.image.source = None

@@ -44,6 +44,8 @@ class DistributedPlane(DataPlane):
     data_host: str | None = None
     max_slots: int = 4
 
+    integrity_by_default = True  # bytes cross a network: digests are on unless turned off
+
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")

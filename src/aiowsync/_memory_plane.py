@@ -134,6 +134,9 @@ class MemorySenderPlane(InPlaceSenderPlane):
     def where(self, index: int) -> Params:
         return {"slot": index, "nbytes": self.layout.total_bytes}
 
+    def staged_buffers(self, slot: int) -> list[torch.Tensor]:
+        return self.buffers_of(slot)
+
     def buffers_of(self, slot: int) -> list[torch.Tensor]:
         if self._closed:
             raise TransportError("the in-process plane is closed")

@@ -197,6 +197,12 @@ class SenderPlane(abc.ABC):
     def publish(self, slot: int, version: int) -> None:
         """``slot`` holds ``version`` from now on."""
 
+    def staged_buffers(self, slot: int) -> list[torch.Tensor]:
+        """The layout's flat buffers as the version staged in ``slot`` will hold them once
+        published (models it carries taken from the latest version), for its digest.
+        Blocking: a plane that packs during the transfer packs it all now."""
+        raise NotImplementedError(f"{type(self).__name__} cannot digest its versions")
+
     @abc.abstractmethod
     def release(self, slot: int) -> None:
         """Give back a reserved slot whose version was never published."""
@@ -299,6 +305,9 @@ class DataPlane(abc.ABC):
     Pass one to a scheme as ``plane=``; it pickles with the scheme, so receivers build their
     half from the same settings.
     """
+
+    integrity_by_default: bool = False
+    """Whether a scheme on this plane digests each version unless told (``integrity=``)."""
 
     @abc.abstractmethod
     def sender(self, context: SenderContext) -> SenderPlane:

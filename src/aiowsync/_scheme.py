@@ -47,6 +47,7 @@ class SchemeOptions(TypedDict, total=False):
     apply_mode: Literal["auto", "swap", "copy"]
     background: bool
     wire_dtype: torch.dtype | None
+    integrity: bool | None
 
 
 class WeightSyncScheme(SenderSide, ReceiverSide):
@@ -82,6 +83,11 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
             travel as they are. The same on both sides (it pickles with the scheme). A
             receiver whose model holds that dtype swaps as usual; one holding another copies
             each version with a cast.
+        integrity: senders only: carry a digest (XXH3) of each version's bytes in its
+            update, which every receiver checks before it switches; a receiver whose bytes
+            differ nacks, naming the bucket, and keeps its version. ``None`` (default) takes
+            the data plane's choice: on for torch.distributed, off on one host (shared
+            memory, in-process), where it would cost about as much as the send.
     """
 
     def __init__(
@@ -98,6 +104,7 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
         apply_mode: Literal["auto", "swap", "copy"] = "auto",
         background: bool = True,
         wire_dtype: torch.dtype | None = None,
+        integrity: bool | None = None,
     ) -> None:
         if wire_dtype is not None and (
             not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point
@@ -106,6 +113,8 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
                 f"wire_dtype must be a floating torch dtype (torch.bfloat16, torch.float16, "
                 f"...), got {wire_dtype!r}"
             )
+        if integrity is not None and not isinstance(integrity, bool):
+            raise TypeError(f"integrity must be True, False or None, got {integrity!r}")
         if apply_mode not in ("auto", "swap", "copy"):
             raise ValueError(f"apply_mode must be 'auto', 'swap' or 'copy', got {apply_mode!r}")
         if not isinstance(plane, DataPlane):
@@ -125,6 +134,7 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
         self.apply_mode: Literal["auto", "swap", "copy"] = apply_mode
         self.background = background
         self.wire_dtype = wire_dtype
+        self.integrity = integrity
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -167,6 +177,7 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
         "apply_mode",
         "background",
         "wire_dtype",
+        "integrity",
     )
 
     def __getstate__(self) -> dict[str, Any]:

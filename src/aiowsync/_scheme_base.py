@@ -71,6 +71,7 @@ class SchemeState:
     _models: dict[str, WeightsLike] | None
     _weights: WeightsLike | None
     wire_dtype: torch.dtype | None
+    integrity: bool | None
     _model_layout: Layout
     """The layout of the model's own dtypes (what sources are checked against); ``_layout``
     is the one on the wire, the same unless ``wire_dtype`` casts."""

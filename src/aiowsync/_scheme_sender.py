@@ -170,6 +170,9 @@ class SenderSide(SchemeState):
                 model_id=self.model_id,
                 timeouts=self.timeouts,
                 heartbeats=self.heartbeats,
+                integrity=(
+                    self.plane.integrity_by_default if self.integrity is None else self.integrity
+                ),
             )
             if isinstance(self._model, nn.Module):
                 self._source = ModelSource(

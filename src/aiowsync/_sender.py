@@ -12,7 +12,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -20,6 +19,7 @@ import anyio
 from ._announce import Announcer
 from ._channel import SenderChannel
 from ._config import Heartbeats, Timeouts
+from ._digest import Digests
 from ._exceptions import (
     WeightSyncError,
     WeightSyncTimeout,
@@ -28,11 +28,12 @@ from ._exceptions import (
 from ._layout import Layout
 from ._outcome import Answers, PendingSend, SendResult
 from ._peers import Peer, PeerTable
-from ._plane import Delivery, Member, Params, SenderPlane, WeightSource
+from ._plane import Delivery, Params, SenderPlane, WeightSource
 from ._protocol import (
     Bye,
     Update,
 )
+from ._retries import AnswerRetries
 from ._serve import ControlLoop
 from ._shield import to_the_end
 from ._signal import Signal
@@ -70,8 +71,11 @@ class SenderCore:
         model_id: str,
         timeouts: Timeouts,
         heartbeats: Heartbeats,
+        integrity: bool = False,
     ) -> None:
         self.plane = plane
+        self.digests = Digests(layout, plane, enabled=integrity)
+        """Every update carries a digest of its version's bytes, which receivers check."""
         self.layout = layout
         self.num_workers = num_workers
         self.model_id = model_id
@@ -109,6 +113,7 @@ class SenderCore:
             self.plane.setup(self.layout)
             slot = self.plane.reserve(set())
             await self.plane.stage(slot, initial)
+            await self.digests.take(slot, 0)
             self.plane.publish(slot, 0)
             await self.plane.seal(0)
         except BaseException:
@@ -269,7 +274,7 @@ class SenderCore:
         try:
             try:
                 # Still under the lock: a retry must be announced before the next version.
-                await staged.delivery.run(_Retries(self, pending, staged.members))
+                await staged.delivery.run(AnswerRetries(self, pending, staged.members))
             except WeightSyncError as exc:
                 # The members that failed say so themselves, or their deadline names them.
                 log.warning("version %d: %s", version, exc)
@@ -297,6 +302,10 @@ class SenderCore:
             f"{exc}; {leases}: a leased version keeps its slot until its last lease ends"
         )
 
+    def sealed(self, version: int, params: Params) -> Params:
+        """``params`` for an update of ``version``, with its digest when there is one."""
+        return self.digests.add_to(version, params)
+
     async def _stage_and_announce(
         self, source: WeightSource, targets: list[int], move_by: float
     ) -> _Staged:
@@ -309,6 +318,7 @@ class SenderCore:
         try:
             # The source checks the weights against the layout before any byte is written.
             await plane.stage(slot, source)
+            await self.digests.take(slot, self.version + 1)
             if time.monotonic() >= move_by:
                 # A copy cannot be interrupted, so its deadline is checked here: a version
                 # staged too late is never announced.
@@ -341,7 +351,9 @@ class SenderCore:
                 move_by,
                 since=since if since >= 0 else None,
             )
-            update = Update(version=version, params=delivery.params, proof=self.proof)
+            update = Update(
+                version=version, params=self.sealed(version, delivery.params), proof=self.proof
+            )
             blocked: list[Peer] = []
             for worker in targets:
                 peer = peers[worker]
@@ -366,43 +378,3 @@ class SenderCore:
                 await delivery.finish()
             raise
         return _Staged(version, pending, stage_s, delivery, members)
-
-
-class _Retries:
-    """The engine's side of a delivery's retries (see :class:`Retries`), for one version."""
-
-    def __init__(self, core: SenderCore, pending: Answers, members: list[Peer]) -> None:
-        self._core = core
-        self.pending = pending
-        self._members = members
-
-    def waiting(self) -> set[int]:
-        return self.pending.waiting
-
-    def retryable(self) -> list[Member]:
-        pending, peers = self.pending, self._core.peers
-        return [
-            (p.worker_idx, p.session)
-            for p in self._members
-            if p.worker_idx in pending.retryable and not p.lost and peers.get(p.worker_idx) is p
-        ]
-
-    def done(self) -> bool:
-        return self.pending.done.is_set() or self._core.channel is None
-
-    async def changed(self, timeout: float) -> None:
-        with anyio.move_on_after(timeout):
-            await self.pending.changed.wait()
-
-    async def announce(self, members: Sequence[Member], attempt: int, params: Params) -> bool:
-        core = self._core
-        channel = core.channel
-        if channel is None:
-            return False
-        update = Update(
-            version=self.pending.version, attempt=attempt, params=params, proof=core.proof
-        )
-        peers = [p for w, _ in members if (p := core.peers.get(w)) is not None]
-        self.pending.reopen([p.worker_idx for p in peers])
-        await to_the_end(core.announcer.all(channel, peers, update))
-        return True

@@ -295,7 +295,9 @@ class ControlLoop:
             worker_idx=hello.worker_idx,
             session=session,
             version=self._core.version,
-            params={**self._core.plane.welcome_params(), **join.params},
+            params=self._core.sealed(
+                self._core.version, {**self._core.plane.welcome_params(), **join.params}
+            ),
             heartbeat_interval=self._core.beats.interval,
             proof=self._core.proof,
         )

@@ -169,6 +169,19 @@ class SharedMemSenderPlane(SenderPlane):
         self._held[version] = held
         self._latest = version
 
+    def staged_buffers(self, slot: int) -> list[torch.Tensor]:
+        reserved = self._reserved[slot]
+        latest = self._held.get(self._latest) if self._latest is not None else None
+        out: list[torch.Tensor] = []
+        for name, table in self._tables.items():
+            if name in reserved.slots:
+                index = reserved.slots[name]
+            else:
+                assert latest is not None, "a version of some models needs one before it"
+                index = table.index_of(latest[name])
+            out.extend(table[index].value.parts)
+        return out
+
     def release(self, slot: int) -> None:
         reserved = self._reserved.pop(slot, None)
         if reserved is not None and not self._closed:

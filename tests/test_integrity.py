@@ -1,0 +1,195 @@
+"""Digests of each version's bytes (issue 25, deliver 6): carried in the update, checked by
+every receiver before it switches; bytes that differ are never applied."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import aiowsync
+import helpers
+from aiowsync._digest import DigestMismatch, bucket_bytes, check_digest, digest
+from aiowsync._dist_receiver import DistReceiverPlane
+from aiowsync._layout import Layout
+from aiowsync._plane import Staged
+from aiowsync._shm_sender import SharedMemSenderPlane
+from helpers import bump, same
+
+pytestmark = pytest.mark.timeout(120)
+
+BEATS = aiowsync.Heartbeats(interval=0.1, missed=50)
+
+
+def test_a_flipped_byte_is_named_by_its_bucket_and_keys() -> None:
+    layout = Layout.from_weights(
+        {"a": torch.zeros(3 << 20), "b": torch.zeros(5 << 20), "c": torch.zeros(16)}
+    )
+    buffers = layout.allocate()
+    for buf in buffers:
+        buf.random_(0, 255)
+    expected = digest(layout, buffers)
+    size = bucket_bytes(layout)
+    assert size == 8 << 20 and expected.startswith(f"xxh3:{size}:")
+    check_digest(layout, buffers, expected)  # the same bytes pass
+    views = layout.views(buffers)
+    views["b"].view(torch.uint8)[-1] ^= 1  # the last byte of b: the fourth 8 MiB bucket
+    with pytest.raises(DigestMismatch) as info:
+        check_digest(layout, buffers, expected)
+    text = str(info.value)
+    assert text.startswith("bucket 3 of 5 (bytes 25165824-33554432 of buffer 0: b)")
+    assert "the version was not applied" in text
+    for wrong in ("", "crc32:1:00", expected[:-16], expected.replace(f":{size}:", ":4096:")):
+        with pytest.raises(DigestMismatch, match="does not fit this model"):
+            check_digest(layout, buffers, wrong)
+
+
+def test_the_digest_does_not_depend_on_where_the_buffers_live() -> None:
+    # The sender digests its slot, a receiver what it fetched: the same bytes, other memory.
+    layout = Layout.from_weights({f"k{i}": torch.randn(i + 1) for i in range(1000)})
+    a = layout.allocate()
+    layout.pack({f"k{i}": torch.full((i + 1,), float(i)) for i in range(1000)}, layout.views(a))
+    b = [buf.clone() for buf in a]
+    assert digest(layout, a) == digest(layout, b)
+
+
+def _flip(buffers: list[torch.Tensor], where: int = 1000) -> None:
+    flat = buffers[0]
+    flat[where] = flat[where] ^ 0x5A
+
+
+async def test_a_memory_plane_update_with_a_bad_bucket_is_refused_and_the_model_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scheme = functools.partial(
+        aiowsync.WeightSyncScheme,
+        plane=aiowsync.MemoryPlane(),
+        channels=aiowsync.MemoryChannelFactory(),
+        heartbeats=BEATS,
+        integrity=True,
+    )
+    async with helpers.system(scheme, 2) as (sender, src, receivers):
+        for _ in range(3):
+            bump(src)
+            await sender.send(timeout=20)
+            assert all(same(m, src) for _, m in receivers)
+        kept = [copy.deepcopy(m.state_dict()) for _, m in receivers]
+        # The slot changes after the sender digested it, before any receiver reads it.
+        plane = sender._sender.plane  # type: ignore[union-attr]
+        deliver = plane.deliver
+
+        def corrupt(version: int, *args: Any, **kwargs: Any) -> Any:
+            _flip(plane.buffers_of(plane._slots.index_of(version)))
+            return deliver(version, *args, **kwargs)
+
+        monkeypatch.setattr(plane, "deliver", corrupt)
+        bump(src)
+        with pytest.raises(aiowsync.RemoteApplyError) as info:
+            await sender.send(timeout=20)
+        assert info.value.version == 4 and info.value.acked == ()
+        for worker in (0, 1):
+            assert info.value.errors[worker].startswith("DigestMismatch: bucket 0 of 1 (bytes 0-")
+        for (r, m), before in zip(receivers, kept, strict=True):
+            assert r.version == 3
+            assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+        monkeypatch.undo()
+        bump(src)
+        assert (await sender.send(timeout=20)).worker_ids == (0, 1)
+        assert all(r.version == 5 and same(m, src) for r, m in receivers)
+
+
+@pytest.mark.parametrize("switch", ["rebind", "remap"])
+async def test_a_shared_memory_slot_changed_after_its_digest_is_refused(
+    monkeypatch: pytest.MonkeyPatch, switch: str
+) -> None:
+    scheme = functools.partial(
+        aiowsync.SharedMemWeightSyncScheme, heartbeats=BEATS, integrity=True, switch=switch
+    )
+    async with helpers.system(scheme, 2) as (sender, src, receivers):
+        bump(src)
+        await sender.send(timeout=20)
+        assert all(r.version == 1 and same(m, src) for r, m in receivers)
+        kept = [copy.deepcopy(m.state_dict()) for _, m in receivers]
+        plane = sender._sender.plane  # type: ignore[union-attr]
+        assert isinstance(plane, SharedMemSenderPlane)
+        deliver = plane.deliver
+
+        def corrupt(version: int, *args: Any, **kwargs: Any) -> Any:
+            table = plane._tables[""]
+            _flip(table[table.index_of(version)].value.parts, where=7)
+            return deliver(version, *args, **kwargs)
+
+        monkeypatch.setattr(plane, "deliver", corrupt)
+        bump(src)
+        with pytest.raises(aiowsync.RemoteApplyError) as info:
+            await sender.send(timeout=20)
+        assert sorted(info.value.errors) == [0, 1] and "bucket 0 of 1" in info.value.errors[0]
+        for (r, m), before in zip(receivers, kept, strict=True):
+            assert r.version == 1
+            assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+        monkeypatch.undo()
+        bump(src)
+        await sender.send(timeout=20)
+        assert all(r.version == 3 and same(m, src) for r, m in receivers)
+
+
+def _wide(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(512, 2048), nn.Linear(2048, 1024))  # 12 MiB: 2 buckets
+
+
+async def test_a_bucket_flipped_in_transit_over_gloo_is_refused_by_that_worker_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with helpers.system(
+        aiowsync.DistributedWeightSyncScheme,
+        2,
+        make_model=_wide,
+        connect_timeout=30,
+        heartbeats=BEATS,
+        bucket_bytes=1 << 20,
+    ) as (sender, src, receivers):
+        assert sender._sender.digests.enabled  # type: ignore[union-attr]  # on by default here
+        bump(src)
+        await sender.send(timeout=30)
+        kept = copy.deepcopy(receivers[1][1].state_dict())
+        fetch = DistReceiverPlane.fetch
+
+        async def in_transit(self: DistReceiverPlane, params: Any) -> Staged:
+            staged = await fetch(self, params)
+            if self._worker_idx == 1:
+                _flip(staged.buffers, where=(9 << 20) + 5)  # in the second 8 MiB bucket
+            return staged
+
+        monkeypatch.setattr(DistReceiverPlane, "fetch", in_transit)
+        bump(src)
+        with pytest.raises(aiowsync.RemoteApplyError) as info:
+            await sender.send(timeout=30)
+        assert info.value.acked == (0,) and list(info.value.errors) == [1]
+        assert info.value.errors[1].startswith("DigestMismatch: bucket 1 of 2 (bytes 8388608-")
+        assert receivers[0][0].version == 2 and same(receivers[0][1], src)
+        r1, m1 = receivers[1]
+        assert r1.version == 1
+        assert all(torch.equal(m1.state_dict()[k], v) for k, v in kept.items())
+        monkeypatch.undo()
+        bump(src)
+        await sender.send(timeout=30)
+        assert all(r.version == 3 and same(m, src) for r, m in receivers)
+
+
+async def test_digests_are_off_on_one_host_unless_asked_for() -> None:
+    async with helpers.system(aiowsync.SharedMemWeightSyncScheme, 1, heartbeats=BEATS) as (
+        sender,
+        src,
+        receivers,
+    ):
+        assert not sender._sender.digests.enabled  # type: ignore[union-attr]
+        bump(src)
+        await sender.send(timeout=20)
+        assert same(receivers[0][1], src)
+    with pytest.raises(TypeError, match="integrity must be True, False or None"):
+        aiowsync.SharedMemWeightSyncScheme(integrity="yes")  # type: ignore[arg-type]
