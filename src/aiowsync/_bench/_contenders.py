@@ -35,6 +35,7 @@ from ._rawgloo import RawRoot
 from ._torchrl import TorchRLTree
 
 __all__ = [
+    "DIGEST_MODE",
     "AiowsyncSend",
     "AiowsyncSession",
     "Contender",
@@ -43,6 +44,10 @@ __all__ = [
     "RawZmq",
     "TorchRLContender",
 ]
+
+
+DIGEST_MODE = "send() +digest"
+"""``send()`` with each version's digest carried and checked (``integrity=True``)."""
 
 
 class Contender:
@@ -163,11 +168,15 @@ class AiowsyncSession:
         """Whole ``publish()`` sends, acks included (seconds)."""
         beats = Heartbeats(interval=0.5, missed=10)  # busy 2-core machine: slow beats are normal
         self.scheme: SharedMemWeightSyncScheme | DistributedWeightSyncScheme
+        # Digests off, whatever the transport's default: ``send() +digest`` turns them on for
+        # its own sends, so that both are measured on the same session, turn about.
         if transport == "shm":
-            self.scheme = SharedMemWeightSyncScheme(heartbeats=beats, wire_dtype=self.wire)
+            self.scheme = SharedMemWeightSyncScheme(
+                heartbeats=beats, wire_dtype=self.wire, integrity=False
+            )
         else:
             self.scheme = DistributedWeightSyncScheme(
-                backend="gloo", heartbeats=beats, wire_dtype=self.wire
+                backend="gloo", heartbeats=beats, wire_dtype=self.wire, integrity=False
             )
         self.scheme.init_on_sender(model=self.sources.module, num_workers=n)
         self._joined = False
@@ -185,7 +194,7 @@ class AiowsyncSession:
 
     def fill_next(self, mode: str) -> None:
         self.k += 1
-        fill(self.sources.targets("send()" if mode == "publish()" else mode), self.k)
+        fill(self.sources.targets("send(weights)" if mode == "send(weights)" else "send()"), self.k)
 
     async def send(self, mode: str) -> float:
         """One send in ``mode``; its time. For ``publish()``, the time the trainer is held
@@ -194,6 +203,13 @@ class AiowsyncSession:
         t0 = time.perf_counter()
         if mode == "send()":
             await self.scheme.send(timeout=self.timeout)
+        elif mode == DIGEST_MODE:
+            digests = self.scheme._sender.digests  # type: ignore[union-attr]
+            digests.enabled = True
+            try:
+                await self.scheme.send(timeout=self.timeout)
+            finally:
+                digests.enabled = False
         elif mode == "publish()":
             pending = await self.scheme.publish(timeout=self.timeout)
             held = time.perf_counter() - t0

@@ -145,6 +145,22 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": None,
             }
         )
+    for model in ("256MiB", "1000t-64MiB"):
+        for transport in ("shm", "dist"):
+            # What integrity costs: the same session's sends with and without digests.
+            digested = _ratio(
+                _find(report, model, 4, transport),
+                f"aiowsync {transport} send() +digest",
+                f"aiowsync {transport} send()",
+            )
+            out.append(
+                {
+                    "check": f"{model} x4: aiowsync {transport} send() +digest / send()",
+                    "value": "not measured" if digested is None else f"{digested:.2f}x",
+                    "target": "none",
+                    "met": None,
+                }
+            )
     cell = _find(report, "1MiB", 4, "shm")
     floor = _rows(cell).get(FLOOR) if cell else None
     floor_p50 = _median(floor) if floor else None

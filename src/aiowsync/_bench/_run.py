@@ -14,6 +14,7 @@ import traceback
 from typing import Any
 
 from ._contenders import (
+    DIGEST_MODE,
     AiowsyncSend,
     AiowsyncSession,
     Contender,
@@ -231,6 +232,7 @@ async def _cell(
     progress.say(f"{label}: opening aiowsync {transport} session ({nbytes / MIB:.0f} MiB)")
     session = AiowsyncSession(transport, pool, spec, n, settings.timeout, settings.wire_dtype)
     ours: list[Contender] = [AiowsyncSend(session, "send()"), AiowsyncSend(session, "publish()")]
+    digested = AiowsyncSend(session, DIGEST_MODE)  # timed only: its reads are send()'s
     limit: RawCopy | RawGloo
     floors: list[RawZmq] = []
     if transport == "shm":
@@ -262,7 +264,7 @@ async def _cell(
                 batch,
                 model,
                 n,
-                [*ours, limit, *floors],
+                [*ours, digested, limit, *floors],
                 samples,
                 settings,
                 out,
@@ -284,7 +286,7 @@ async def _cell(
     for c in ours:
         if isinstance(c, AiowsyncSend) and c.mode == "publish()":
             c.info = {"whole_send_s": session.totals}  # acks included, every publish() sent
-    out["contenders"] = [_row(c) for c in (*ours, limit, *floors, *theirs)]
+    out["contenders"] = [_row(c) for c in (*ours, digested, limit, *floors, *theirs)]
     return out
 
 
