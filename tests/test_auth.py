@@ -597,3 +597,116 @@ async def test_liveness_follows_the_pid_the_kernel_gives_not_the_hellos() -> Non
         finally:
             raw.close(linger=0)
             ctx.term()
+
+
+_FLOOD = """
+import os, socket, sys, time
+import zmq
+from aiowsync._protocol import PROTOCOL_VERSION, Ack, Heartbeat, Hello, TensorDesc, encode
+address, uid, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+host, port = address.removeprefix("tcp://").rsplit(":", 1)
+"127.0.0.1".encode("idna")  # loaded now: that user may not read the interpreter's files
+os.setgid(uid)
+os.setuid(uid)
+def hello(rows):
+    layout = [TensorDesc(f"k{i}", "float32", [4]) for i in range(rows)]
+    return encode(Hello(protocol=PROTOCOL_VERSION, model_id="policy", worker_idx=0,
+                        pid=os.getpid(), fingerprint="0" * 64, layout=layout))
+big = [hello(200_000)]  # 3.5 MiB: more than any receiver of this model sends, cut off
+small = [
+    hello(2),  # a hello that does not fit: refused
+    encode(Ack(worker_idx=0, version=1)),
+    encode(Heartbeat(worker_idx=0, session="0" * 32, version=0)),
+]
+ctx = zmq.Context()
+socks = []
+for _ in range(8):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 64)
+    s.setsockopt(zmq.ROUTING_ID, b"\\x01" + os.urandom(15))
+    s.connect(address)
+    socks.append(s)
+held = []
+for _ in range(1000):  # silent connections: the handshake limit drops them
+    c = socket.socket()
+    try:
+        c.connect((host, int(port)))
+        held.append(c)
+    except OSError:
+        c.close()
+sent = 0
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    for i, s in enumerate(socks):
+        for frame in big if i < 2 else small:
+            try:
+                s.send(frame, zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                pass
+    time.sleep(0.001)
+print(os.getuid(), sent, len(held))
+for s in socks:
+    s.close()
+ctx.term()
+"""
+
+
+@needs_root
+async def test_another_users_flood_over_tcp_never_holds_the_trainer_or_its_worker() -> None:
+    # Hellos too large to read, hellos that do not fit, acks and beats of no session, and
+    # 1000 silent connections, from another user, over the loopback TCP port any local user
+    # reaches; meanwhile the trainer sends to its worker.
+    import subprocess
+
+    src, mirror = model(0), model(1)
+    sender = aiowsync.SharedMemWeightSyncScheme(bind="tcp://127.0.0.1:0", heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        receiver = pickle.loads(pickle.dumps(sender))
+        receiver.init_on_receiver(model=mirror, worker_idx=0)
+        async with receiver:
+            await asyncio.gather(sender.connect(timeout=10), receiver.connect(timeout=10))
+            gc.collect()
+            before = _rss()
+            gaps: list[float] = []
+            flood = asyncio.create_task(
+                asyncio.to_thread(
+                    subprocess.run,
+                    [sys.executable, "-c", _FLOOD, sender.address, str(NOBODY), "4"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    check=True,
+                )
+            )
+            sent = 0
+            last = time.monotonic()
+            while not flood.done():
+                bump(src)
+                result = await sender.send(timeout=30)
+                assert result.worker_ids == (0,) and same(mirror, src)
+                sent += 1
+                for _ in range(10):
+                    await asyncio.sleep(0.001)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+            done = await flood
+            uid, frames, held = map(int, done.stdout.split())
+            grown = _rss() - before
+            assert uid == NOBODY and frames > 1000, done.stdout
+            assert receiver.version == sender.version == sent  # every version reached it
+            assert grown < 200 << 20, grown
+            assert max(gaps) < 1.0, max(gaps)  # generous: a loaded machine, not a held loop
+            print(
+                f"flood from uid {uid}: {frames} frames, {held} silent connections; "
+                f"{sent} sends all applied, loop max gap {max(gaps) * 1e3:.1f} ms, "
+                f"trainer grew {grown >> 20} MiB"
+            )
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
