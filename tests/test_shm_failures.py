@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -1397,6 +1398,79 @@ async def test_a_sender_whose_slot_files_were_removed_goes_on_and_workers_join_a
             assert "was removed by another process; made anew" in caplog.text
 
 
+_WRITER = """
+import asyncio, sys
+import torch
+from torch import nn
+import aiowsync
+address = sys.argv[1]
+torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
+async def main():
+    scheme = aiowsync.SharedMemWeightSyncScheme(address=address, switch="rebind", apply_mode="swap")
+    scheme.init_on_receiver(model=model, worker_idx=0)
+    async with scheme:
+        await scheme.connect(timeout=30)
+        await scheme.wait_for_version(1, timeout=30)
+        print("running version 1", flush=True)
+        with torch.no_grad():
+            model.train()(torch.randn(32, 8))  # BatchNorm writes its running stats
+        print("wrote into the model", flush=True)
+asyncio.run(main())
+"""
+
+
+async def test_a_worker_that_writes_a_rebound_model_fails_alone_and_loudly() -> None:
+    # Before: rebind mode mapped slots shared and read-write, so a worker whose BatchNorm was
+    # left in train mode silently changed the sender's slot and the other worker's
+    # running_mean. Its mappings are read only now: the write faults in that worker alone.
+    src = _bn_model(0)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=2)
+    other = _bn_model(2)
+    async with sender:
+        writer = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-c",
+            _WRITER,
+            sender.address,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            r = aiowsync.SharedMemWeightSyncScheme(
+                address=sender.address, heartbeats=FAST, switch="rebind", apply_mode="swap"
+            )
+            r.init_on_receiver(model=other, worker_idx=1)
+            async with r:
+                await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
+                with torch.no_grad():
+                    for p in src.parameters():
+                        p.add_(0.5)
+                sent = _state(src)
+                await sender.send(timeout=20)
+                out, err = await asyncio.wait_for(writer.communicate(), 60)
+                # The writer died on its write (SIGSEGV), saying where.
+                assert writer.returncode == -signal.SIGSEGV, (writer.returncode, err[-2000:])
+                assert b"running version 1" in out and b"wrote into the model" not in out
+                assert b"Segmentation fault" in err and b"batchnorm" in err.lower()
+                # Nothing changed for the sender or the other worker.
+                assert _holds(other, sent) and _holds(src, sent)
+                assert await eventually(lambda: sender.workers[0].state in ("lost", "gone"), 30)
+                with torch.no_grad():
+                    for p in src.parameters():
+                        p.add_(0.5)
+                sent = _state(src)
+                assert (await sender.send(worker_ids=[1], timeout=20)).worker_ids == (1,)
+                assert _holds(other, sent)
+        finally:
+            if writer.returncode is None:
+                writer.kill()
+                await writer.wait()
+
+
 def _bn_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
@@ -1410,26 +1484,11 @@ def _holds(m: nn.Module, expected: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(v, expected[k]) for k, v in m.state_dict().items())
 
 
-@pytest.mark.parametrize(
-    "switch",
-    [
-        "remap",
-        pytest.param(
-            "rebind",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="rebind mode maps each slot file once, shared: a worker's writes reach "
-                "the sender's slot and the other workers (docs/receiving.md)",
-            ),
-        ),
-    ],
-)
-async def test_a_worker_that_writes_its_swap_mode_model_changes_only_its_own(
-    switch: str,
-) -> None:
+async def test_a_worker_that_writes_its_swap_mode_model_changes_only_its_own() -> None:
     # Before: slots were mapped read-write and shared, so a worker whose BatchNorm was left in
     # train mode changed the sender's slot and the other worker's running_mean. The slot
-    # window now maps each version privately (copy-on-write).
+    # window maps each version privately (copy-on-write).
+    switch = "remap"
     src = _bn_model(0)
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
     sender.init_on_sender(model=src, num_workers=2)

@@ -79,7 +79,12 @@ class SharedMemPlane(DataPlane):
 
 
 class SharedMemReceiverPlane(ReceiverPlane):
-    """Maps the sender's slot files by name, once each, and hands out typed views of them."""
+    """Maps the sender's slot files by name, once each, and hands out typed views of them.
+
+    Mappings are read only: a write into a model bound to one (a BatchNorm left in train
+    mode) faults in this worker instead of changing the sender's slot and the other workers'
+    weights. The slot window maps each version privately instead (ADR 0056).
+    """
 
     def __init__(self, *, switch: SwitchMode = "auto") -> None:
         self._mapped: dict[str, Staged] = {}
@@ -148,7 +153,7 @@ class SharedMemReceiverPlane(ReceiverPlane):
             if len(self._mapped) >= _KEPT_MAPPINGS:
                 # A sender has a few slots; a cache of every path ever named would grow.
                 self._mapped.pop(next(iter(self._mapped)))
-            file = SlotFile.open(path, nbytes)
+            file = SlotFile.open(path, nbytes, writable=False)
             parts = self.layout.split(file.tensor)
             views = self._mapped[path] = Staged(parts, self.layout.views(parts), path, shared=True)
         return views
@@ -177,7 +182,7 @@ class SharedMemReceiverPlane(ReceiverPlane):
                 check_slot_path(path, self._owner)  # paths come from the wire: checked first
                 if len(self._files) >= _KEPT_MAPPINGS:
                     self._files.pop(next(iter(self._files)))
-                file = SlotFile.open(path, nbytes)
+                file = SlotFile.open(path, nbytes, writable=False)
                 mapped, start = [], 0
                 for size in sizes:
                     mapped.append(file.tensor[start : start + size])

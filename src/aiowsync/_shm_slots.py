@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import stat
+import warnings
 from pathlib import Path
 
 import torch
@@ -72,15 +73,16 @@ def check_slot_path(path: str, owner: int | None = None) -> None:
         raise TransportError(f"{path!r} is not a slot of this worker's sender (pid {owner})")
 
 
-def open_slot(path: str, nbytes: int) -> int:
-    """A read-write descriptor of an existing slot file, checked first.
+def open_slot(path: str, nbytes: int, *, writable: bool = True) -> int:
+    """A descriptor of an existing slot file (read-write unless not ``writable``), checked
+    first.
 
     Slot paths come from the control channel, so only a regular file of ours (this user's,
     not a link) of at least ``nbytes`` bytes is opened.
     """
     check_slot_path(path)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
     except OSError as exc:
         raise TransportError(f"cannot open shared-memory slot {path}: {exc}") from None
     try:
@@ -95,7 +97,10 @@ def open_slot(path: str, nbytes: int) -> int:
     return fd
 
 
-def _map(path: str, nbytes: int, flags: int) -> torch.Tensor:
+def _map(path: str, nbytes: int, flags: int, *, writable: bool = True) -> torch.Tensor:
+    """Map ``path`` shared (created with ``O_CREAT`` in ``flags``); not ``writable``: read
+    only, so that a write through the mapping faults in this process instead of reaching
+    the file."""
     created = bool(flags & os.O_CREAT)
     if created:
         try:
@@ -103,11 +108,12 @@ def _map(path: str, nbytes: int, flags: int) -> torch.Tensor:
         except OSError as exc:
             raise TransportError(f"cannot create shared-memory slot {path}: {exc}") from None
     else:
-        fd = open_slot(path, nbytes)
+        fd = open_slot(path, nbytes, writable=writable)
     try:
         if created:
             os.ftruncate(fd, max(nbytes, 1))
-        mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, prot)
     except OSError as exc:
         if created:
             with contextlib.suppress(OSError):
@@ -117,7 +123,10 @@ def _map(path: str, nbytes: int, flags: int) -> torch.Tensor:
         os.close(fd)
     # The tensor holds the only reference to the mapping; it is unmapped when the last view
     # of it (including a model's parameters) is gone.
-    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+    with warnings.catch_warnings():
+        # torch warns that it cannot mark a tensor read-only: the mapping itself is.
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
 
 
 def _free_bytes(directory: str) -> int | str:
@@ -174,8 +183,10 @@ class SlotFile:
         return cls(path, nbytes, tensor, owner=True)
 
     @classmethod
-    def open(cls, path: str, nbytes: int) -> SlotFile:
-        return cls(path, nbytes, _map(path, nbytes, os.O_RDWR), owner=False)
+    def open(cls, path: str, nbytes: int, *, writable: bool = True) -> SlotFile:
+        """Map another process's slot file (read only unless ``writable``)."""
+        flags = os.O_RDWR if writable else os.O_RDONLY
+        return cls(path, nbytes, _map(path, nbytes, flags, writable=writable), owner=False)
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid until their last view goes)."""
