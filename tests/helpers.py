@@ -106,6 +106,12 @@ async def pair(
             yield sender, r
 
 
+def rss() -> int:
+    """This process's resident memory, in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> bool:
     """Poll ``predicate`` until it holds, for at most ``within`` seconds; its last answer."""
     deadline = time.monotonic() + within

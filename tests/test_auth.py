@@ -24,9 +24,10 @@ from torch import nn
 from zmq.auth.thread import AuthenticationThread
 
 import aiowsync
+import helpers
 from aiowsync import CurveKeys, ZmqChannelFactory
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, Welcome, encode
-from helpers import bump, model, same
+from helpers import bump, model, rss, same
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -660,53 +661,43 @@ async def test_another_users_flood_over_tcp_never_holds_the_trainer_or_its_worke
     # reaches; meanwhile the trainer sends to its worker.
     import subprocess
 
-    src, mirror = model(0), model(1)
-    sender = aiowsync.SharedMemWeightSyncScheme(bind="tcp://127.0.0.1:0", heartbeats=FAST)
-    sender.init_on_sender(model=src, num_workers=1)
-    async with sender:
-        receiver = pickle.loads(pickle.dumps(sender))
-        receiver.init_on_receiver(model=mirror, worker_idx=0)
-        async with receiver:
-            await asyncio.gather(sender.connect(timeout=10), receiver.connect(timeout=10))
-            gc.collect()
-            before = _rss()
-            gaps: list[float] = []
-            flood = asyncio.create_task(
-                asyncio.to_thread(
-                    subprocess.run,
-                    [sys.executable, "-c", _FLOOD, sender.address, str(NOBODY), "4"],
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                    check=True,
-                )
+    async with helpers.system(
+        aiowsync.SharedMemWeightSyncScheme, 1, bind="tcp://127.0.0.1:0", heartbeats=FAST
+    ) as (sender, src, [(receiver, mirror)]):
+        gc.collect()
+        before = rss()
+        gaps: list[float] = []
+        flood = asyncio.create_task(
+            asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-c", _FLOOD, sender.address, str(NOBODY), "4"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
             )
-            sent = 0
-            last = time.monotonic()
-            while not flood.done():
-                bump(src)
-                result = await sender.send(timeout=30)
-                assert result.worker_ids == (0,) and same(mirror, src)
-                sent += 1
-                for _ in range(10):
-                    await asyncio.sleep(0.001)
-                    now = time.monotonic()
-                    gaps.append(now - last)
-                    last = now
-            done = await flood
-            uid, frames, held = map(int, done.stdout.split())
-            grown = _rss() - before
-            assert uid == NOBODY and frames > 1000, done.stdout
-            assert receiver.version == sender.version == sent  # every version reached it
-            assert grown < 200 << 20, grown
-            assert max(gaps) < 1.0, max(gaps)  # generous: a loaded machine, not a held loop
-            print(
-                f"flood from uid {uid}: {frames} frames, {held} silent connections; "
-                f"{sent} sends all applied, loop max gap {max(gaps) * 1e3:.1f} ms, "
-                f"trainer grew {grown >> 20} MiB"
-            )
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        )
+        sent = 0
+        last = time.monotonic()
+        while not flood.done():
+            bump(src)
+            result = await sender.send(timeout=30)
+            assert result.worker_ids == (0,) and same(mirror, src)
+            sent += 1
+            for _ in range(10):
+                await asyncio.sleep(0.001)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+        done = await flood
+        uid, frames, held = map(int, done.stdout.split())
+        grown = rss() - before
+        assert uid == NOBODY and frames > 1000, done.stdout
+        assert receiver.version == sender.version == sent  # every version reached it
+        assert grown < 200 << 20, grown
+        assert max(gaps) < 1.0, max(gaps)  # generous: a loaded machine, not a held loop
+        print(
+            f"flood from uid {uid}: {frames} frames, {held} silent connections; "
+            f"{sent} sends all applied, loop max gap {max(gaps) * 1e3:.1f} ms, "
+            f"trainer grew {grown >> 20} MiB"
+        )

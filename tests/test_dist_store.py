@@ -213,22 +213,17 @@ print(os.getuid(), listed, stored, sent)
 """
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 async def test_another_user_can_neither_read_nor_grow_nor_break_a_distributed_sender() -> None:
     import asyncio
 
-    from helpers import bump, same
+    from helpers import bump, rss, same
     from test_distributed import system
 
     async with system(1) as (sender, src, receivers):
         plane = sender._sender.plane  # type: ignore[union-attr]
         port = plane._groups.port
-        before = _rss()
+        before = rss()
         intruder = asyncio.create_task(
             asyncio.to_thread(
                 subprocess.run,
@@ -248,7 +243,7 @@ async def test_another_user_can_neither_read_nor_grow_nor_break_a_distributed_se
         done = await intruder
         uid, listed, stored, pushed = map(int, done.stdout.split())
         assert uid == 65534 and listed == -1 and stored == 0, done.stdout
-        grown = _rss() - before
+        grown = rss() - before
         # 200 values of 1 MiB went nowhere, and 50 connections that tried to push 16 MiB of
         # junk each were cut off at the challenge.
         assert grown < 64 << 20, (grown, pushed)

@@ -25,6 +25,7 @@ from aiowsync._layout import Layout, _dtype_from_name
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, Refuse, TensorDesc, decode, encode
 from aiowsync._shm_plane import SharedMemReceiverPlane, SwitchMode
 from aiowsync._shm_slots import SHM_DIR, SlotFile, open_slot, pid_alive, remove_stale_slots
+from helpers import rss
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -399,12 +400,6 @@ async def test_a_refusal_hands_no_peer_the_keys_it_did_not_name() -> None:
     assert "1 key(s) of the sender's model are missing" in reason and "bias" not in reason
 
 
-def _rss() -> int:
-    """This process's resident memory, in bytes."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 async def test_a_flood_of_messages_never_keeps_the_trainers_loop() -> None:
     # Before: the serve loop yielded to the event loop only on undecodable frames; a flood of
     # valid frames kept the trainer's loop for as long as it lasted (3.1 s measured).
@@ -422,7 +417,7 @@ async def test_a_flood_of_messages_never_keeps_the_trainers_loop() -> None:
         async with r:
             await asyncio.gather(sender.connect(timeout=20), r.connect(timeout=20))
             intruders = [_intruder(ctx, sender.address) for _ in range(4)]
-            rss_before = _rss()
+            rss_before = rss()
             gaps: list[float] = []
             stop = asyncio.Event()
 
@@ -457,6 +452,6 @@ async def test_a_flood_of_messages_never_keeps_the_trainers_loop() -> None:
             assert sender.dropped_messages > 0
             # Generous: the loop got a turn every few messages, not once per flood.
             assert max(gaps) < 1.0, max(gaps)
-            grown = _rss() - rss_before
+            grown = rss() - rss_before
             assert grown < 100 << 20, grown  # before: 100 junk frames added 728 MiB
             print(f"flood: loop max gap {max(gaps) * 1000:.1f} ms, memory grew {grown >> 20} MiB")
