@@ -52,9 +52,8 @@ class AnswerRetries:
         if channel is None:
             return False
         version = self.pending.version
-        update = Update(
-            version=version, attempt=attempt, params=core.sealed(version, params), proof=core.proof
-        )
+        params = core.with_digest(version, params)
+        update = Update(version=version, attempt=attempt, params=params, proof=core.proof)
         peers = [p for w, _ in members if (p := core.peers.get(w)) is not None]
         self.pending.reopen([p.worker_idx for p in peers])
         await to_the_end(core.announcer.all(channel, peers, update))

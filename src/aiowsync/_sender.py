@@ -302,7 +302,7 @@ class SenderCore:
             f"{exc}; {leases}: a leased version keeps its slot until its last lease ends"
         )
 
-    def sealed(self, version: int, params: Params) -> Params:
+    def with_digest(self, version: int, params: Params) -> Params:
         """``params`` for an update of ``version``, with its digest when there is one."""
         return self.digests.add_to(version, params)
 
@@ -352,7 +352,7 @@ class SenderCore:
                 since=since if since >= 0 else None,
             )
             update = Update(
-                version=version, params=self.sealed(version, delivery.params), proof=self.proof
+                version=version, params=self.with_digest(version, delivery.params), proof=self.proof
             )
             blocked: list[Peer] = []
             for worker in targets:

@@ -295,7 +295,7 @@ class ControlLoop:
             worker_idx=hello.worker_idx,
             session=session,
             version=self._core.version,
-            params=self._core.sealed(
+            params=self._core.with_digest(
                 self._core.version, {**self._core.plane.welcome_params(), **join.params}
             ),
             heartbeat_interval=self._core.beats.interval,
