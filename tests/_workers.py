@@ -479,3 +479,48 @@ def forked_worker_main(scheme: aiowsync.WeightSyncScheme, events: Any) -> None:
         events.put(("refused", str(exc)))
     else:
         events.put(("accepted", ""))
+
+
+def relay_main(
+    root: aiowsync.WeightSyncScheme, relay_idx: int, leaves: int, events: Any, stop: Any
+) -> None:
+    """A relay process: a receiver of ``root`` (as worker ``relay_idx``) relaying to a
+    shared-memory sender of ``leaves`` leaves; reports ("address", relay_idx, address), then
+    ("relay ready", relay_idx, version), then serves until ``stop`` is set."""
+    torch.set_num_threads(1)
+
+    async def main() -> None:
+        model = make_model("small")
+        root.init_on_receiver(model=model, worker_idx=relay_idx)
+        local = aiowsync.SharedMemWeightSyncScheme(heartbeats=aiowsync.Heartbeats(0.2, 10))
+        local.init_on_sender(model=model, num_workers=leaves)
+        root.relay_to(local)
+        async with local:  # the usual order: the leaves' sender first, then the upstream
+            events.put(("address", relay_idx, local.address))
+            async with root:
+                await root.connect(timeout=60)
+                await local.connect(timeout=60)
+                events.put(("relay ready", relay_idx, local.version))
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+
+
+def leaf_main(address: str, tag: int, worker_idx: int, events: Any, stop: Any) -> None:
+    """A leaf of a relay: a shared-memory receiver of a "small" model at ``address``;
+    reports ("leaf", tag, version, digest) when it connects and at every switch."""
+    torch.set_num_threads(1)
+
+    async def main() -> None:
+        model = make_model("small")
+        scheme = aiowsync.SharedMemWeightSyncScheme(address=address)
+        scheme.init_on_receiver(model=model, worker_idx=worker_idx)
+        scheme.register_hook(lambda v: events.put(("leaf", tag, v, digest(model))))
+        async with scheme:
+            await scheme.connect(timeout=60)
+            events.put(("leaf", tag, scheme.version, digest(model)))
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+
+    asyncio.run(main())

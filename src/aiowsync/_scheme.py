@@ -15,8 +15,9 @@ import torch
 from ._channel import ChannelFactory, SenderChannel, ZmqChannelFactory
 from ._config import Heartbeats, Timeouts
 from ._guard import ReadGuard
-from ._plane import DataPlane
+from ._plane import DataPlane, WeightSource
 from ._receiver import Hook, ReceiverCore
+from ._relay import Relay
 from ._scheme_base import Role
 from ._scheme_receiver import ReceiverSide
 from ._scheme_sender import SenderSide
@@ -159,6 +160,13 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
         self._connected = False
         self._served: str | None = None
         """The address this sender serves on (bound early, or by its last session)."""
+        self._relay: Relay | None = None
+        """A sender fed by a relay (``upstream.relay_to(self)``)."""
+        self._relays_to: Relay | None = None
+        """A receiver that feeds a relay (``self.relay_to(local)``)."""
+        self._deferred: tuple[SenderCore, WeightSource, SenderChannel] | None = None
+        """A relayed sender entered before its upstream held a version: its engine, first
+        version and channel, started by the relay."""
         self._bound: tuple[SenderChannel, weakref.finalize[Any, Any]] | None = None
         """A control socket bound before ``async with`` (reading ``address``), and its
         closer."""
@@ -321,6 +329,9 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
                     await finished.wait()
             if self._sender is not None:
                 await self._sender.close()
+            deferred, self._deferred = self._deferred, None
+            if deferred is not None:
+                deferred[2].close()  # a relayed sender that never started
             if self._receiver is not None:
                 await self._receiver.close()
         finally:
@@ -348,6 +359,8 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
         timeout = self.timeouts.handshake if timeout is None else timeout
         if self._tg is None:
             raise RuntimeError("use `async with scheme:` before connect()")
+        if self._role == "sender" and self._relay is not None:
+            timeout -= await self._relay.wait_started(timeout)
         if self._sender is not None:
             await self._sender.wait_ready(timeout)
             self._connected = True

@@ -19,8 +19,9 @@ from ._channel import ChannelFactory, SenderChannel
 from ._config import Heartbeats, Timeouts
 from ._guard import ReadGuard
 from ._layout import Layout
-from ._plane import DataPlane
+from ._plane import DataPlane, WeightSource
 from ._receiver import Hook, ReceiverCore
+from ._relay import Relay
 from ._sender import SenderCore
 from ._source import ModelSource
 from ._strategy import WeightStrategy
@@ -72,6 +73,9 @@ class SchemeState:
     _weights: WeightsLike | None
     wire_dtype: torch.dtype | None
     integrity: bool | None
+    _relay: Relay | None
+    _relays_to: Relay | None
+    _deferred: tuple[SenderCore, WeightSource, SenderChannel] | None
     _model_layout: Layout
     """The layout of the model's own dtypes (what sources are checked against); ``_layout``
     is the one on the wire, the same unless ``wire_dtype`` casts."""

@@ -7,7 +7,7 @@ import os
 import socket
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -25,8 +25,12 @@ from ._models import check_models, models_id, receiver_targets, sender_weights
 from ._plane import ReceiverContext
 from ._protocol import PROTOCOL_VERSION, Hello
 from ._receiver import ApplyMode, Hook, ReceiverCore
+from ._relay import Relay
 from ._scheme_base import SchemeState, forked_text, resolve_model
 from ._weights import WeightsLike, flatten_weights
+
+if TYPE_CHECKING:
+    from ._scheme import WeightSyncScheme
 
 __all__ = ["ReceiverSide", "tell_sender"]
 
@@ -173,6 +177,46 @@ class ReceiverSide(SchemeState):
             raise RuntimeError("receive() is for pull mode: build the scheme with background=False")
         timeout = self.timeouts.ack if timeout is None else timeout
         return await self._need_receiver().receive(timeout)
+
+    def relay_to(self, local: WeightSyncScheme) -> None:
+        """Forward every version this receiver applies to ``local``'s workers (its leaves).
+
+        ``local`` is a scheme initialised as sender on the same model (typically
+        :class:`SharedMemWeightSyncScheme` for the workers of this host). Each version this
+        receiver switches to is staged from the model into ``local`` (one copy) and sent to
+        its leaves under the same version number; this receiver acknowledges it only once
+        every leaf holds it, and otherwise nacks, naming the leaves that do not. ``local``
+        serves nothing until this receiver holds a version (its leaves' ``connect()`` waits
+        until then). Call it after both ``init_on_*`` calls, before entering either scheme;
+        enter them in either order. See the relays guide.
+        """
+        if self._role != "receiver":
+            raise RuntimeError("relay_to() is called on the receiver that feeds the relay")
+        if getattr(local, "_role", None) != "sender":
+            raise ValueError("relay_to() needs a scheme initialised with init_on_sender()")
+        if local is self:
+            raise ValueError("a scheme cannot relay to itself")
+        ours = self._models if self._models is not None else self._model
+        theirs = local._models if local._models is not None else local._model
+        same = ours is theirs or (
+            isinstance(ours, dict)
+            and isinstance(theirs, dict)
+            and ours.keys() == theirs.keys()
+            and all(ours[k] is theirs[k] for k in ours)
+        )
+        if ours is None or not same:
+            raise ValueError(
+                "relay_to() needs `local` initialised as sender on the very model (or models) "
+                "this receiver was initialised on: the relay stages what it receives from it"
+            )
+        if self._tg is not None or local._tg is not None:
+            raise RuntimeError("call relay_to() before entering either scheme")
+        if local._relay is not None or self._relays_to is not None:
+            raise RuntimeError("each scheme takes part in one relay")
+        relay = Relay(self, local)  # type: ignore[arg-type]
+        self._relays_to = relay
+        local._relay = relay
+        self._hooks.append(relay.forward)
 
     def register_hook(self, hook: Hook) -> None:
         """Call ``hook(version)`` (sync or async) right after each switch, before the ack."""

@@ -182,6 +182,13 @@ class SenderSide(SchemeState):
         except BaseException:
             channel.close()
             raise
+        if self._relay is not None:
+            # Fed by a relay: the first version is the upstream's, staged once it holds one
+            # (now, if it does already).
+            self._deferred = (sender, initial, channel)
+            self._served = channel.address
+            await self._relay.start_local(guarded=True)
+            return
         await sender.start(initial, channel)  # closes the channel if it fails
         self._sender = sender
         self._served = sender.address  # what later sessions try to serve on again
@@ -270,6 +277,11 @@ class SenderSide(SchemeState):
         worker_ids: int | Sequence[int] | None,
         timeout: float | None,
     ) -> tuple[SenderCore, WeightSource, list[int], dict[str, Any]]:
+        if self._relay is not None:
+            raise RuntimeError(
+                f"{what}() is not for a relay's local scheme: it sends what its upstream "
+                "receives, under the upstream's version numbers"
+            )
         sender = self._sender
         if sender is None or self._tg is None:
             if self._role == "sender":

@@ -106,16 +106,20 @@ class SenderCore:
     def channel(self) -> SenderChannel | None:
         return self._channel
 
-    async def start(self, initial: WeightSource, channel: SenderChannel) -> None:
-        """Create the slots, stage version 0 and serve on ``channel`` (bound by the scheme;
-        closed, with the slots, if this fails)."""
+    async def start(
+        self, initial: WeightSource, channel: SenderChannel, *, first_version: int = 0
+    ) -> None:
+        """Create the slots, stage the first version (0 unless a relay numbers it as its
+        upstream did) and serve on ``channel`` (bound by the scheme; closed, with the slots,
+        if this fails)."""
         try:
             self.plane.setup(self.layout)
             slot = self.plane.reserve(set())
             await self.plane.stage(slot, initial)
-            await self.digests.take(slot, 0)
-            self.plane.publish(slot, 0)
-            await self.plane.seal(0)
+            await self.digests.take(slot, first_version)
+            self.plane.publish(slot, first_version)
+            self.version = first_version
+            await self.plane.seal(first_version)
         except BaseException:
             self.plane.close()
             channel.close()
@@ -166,6 +170,10 @@ class SenderCore:
     def notify(self) -> None:
         self._changed.notify()
 
+    async def changed(self) -> None:
+        """Wait until a worker's state or version changes."""
+        await self._changed.wait()
+
     def _on_lost(self, peer: Peer) -> None:
         for pending in self.pending.values():
             if peer.worker_idx in pending.waiting:
@@ -202,14 +210,16 @@ class SenderCore:
         stage_limit: float,
         ack_limit: float,
         deadline: float | None,
+        version: int | None = None,
     ) -> SendResult:
-        """Stage ``source`` as the next version and deliver it to ``targets``.
+        """Stage ``source`` as the next version (or as ``version``, a relay's upstream's
+        number, above the latest) and deliver it to ``targets``.
 
         Staging (and delivery) must end within ``stage_limit`` seconds; the acks are awaited
         until ``deadline`` (monotonic) if given, else for ``ack_limit`` seconds after delivery.
         """
         started = time.perf_counter()
-        staged = await self._stage_in_turn(source, targets, stage_limit)
+        staged = await self._stage_in_turn(source, targets, stage_limit, version)
         return await self._complete(staged, ack_limit, deadline, started)
 
     async def publish(
@@ -237,7 +247,11 @@ class SenderCore:
         return pending
 
     async def _stage_in_turn(
-        self, source: WeightSource, targets: list[int], stage_limit: float
+        self,
+        source: WeightSource,
+        targets: list[int],
+        stage_limit: float,
+        version: int | None = None,
     ) -> _Staged:
         """Wait for the send before (by ``stage_limit``), then stage and announce; returns
         holding the send lock, which :meth:`_complete` releases."""
@@ -258,7 +272,7 @@ class SenderCore:
             await self._send_lock.acquire()
         try:
             self.check_targets(targets)
-            return await self._stage_and_announce(source, targets, move_by)
+            return await self._stage_and_announce(source, targets, move_by, version)
         except TimeoutError:
             self._send_lock.release()
             raise late from None
@@ -307,8 +321,11 @@ class SenderCore:
         return self.digests.add_to(version, params)
 
     async def _stage_and_announce(
-        self, source: WeightSource, targets: list[int], move_by: float
+        self, source: WeightSource, targets: list[int], move_by: float, at: int | None = None
     ) -> _Staged:
+        if at is not None and at <= self.version:
+            raise ValueError(f"version {at} does not follow the latest, {self.version}")
+        version = self.version + 1 if at is None else at
         plane = self.plane
         try:
             slot = plane.reserve(self.peers.pinned_versions(self.version))
@@ -318,7 +335,7 @@ class SenderCore:
         try:
             # The source checks the weights against the layout before any byte is written.
             await plane.stage(slot, source)
-            await self.digests.take(slot, self.version + 1)
+            await self.digests.take(slot, version)
             if time.monotonic() >= move_by:
                 # A copy cannot be interrupted, so its deadline is checked here: a version
                 # staged too late is never announced.
@@ -335,7 +352,6 @@ class SenderCore:
         # From here on the version exists: announce it to every target even if cancelled.
         # Nothing below suspends unless a socket cannot take an update at once, and those
         # announcements are shielded.
-        version = self.version + 1
         plane.publish(slot, version)
         self.version = version
         pending = Answers(version, set(targets))

@@ -1,0 +1,291 @@
+"""Relays (issue 30): a receiver that forwards each version to leaves of its own, under the
+root's version numbers, and acknowledges only once they hold it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from torch import nn
+
+import aiowsync
+from helpers import bump, model, same
+
+pytestmark = pytest.mark.timeout(120)
+
+BEATS = aiowsync.Heartbeats(interval=0.1, missed=20)
+TIMEOUTS = aiowsync.Timeouts(handshake=20, ack=10, transfer=20)
+
+
+def _memory(channels: aiowsync.MemoryChannelFactory, **kw: Any) -> aiowsync.WeightSyncScheme:
+    return aiowsync.WeightSyncScheme(
+        plane=aiowsync.MemoryPlane(), channels=channels, heartbeats=BEATS, timeouts=TIMEOUTS, **kw
+    )
+
+
+class Tree:
+    """A root sender, one relay (an upstream receiver and a local sender on one model) and
+    its leaves, all in this process on the in-process plane."""
+
+    def __init__(self, leaves: int = 2) -> None:
+        self.src = model(0)
+        self.root = _memory(aiowsync.MemoryChannelFactory())
+        self.root.init_on_sender(model=self.src, num_workers=1)
+        self.relay_model = model(1)
+        self.upstream = pickle.loads(pickle.dumps(self.root))
+        self.upstream.init_on_receiver(model=self.relay_model, worker_idx=0)
+        self.local = _memory(aiowsync.MemoryChannelFactory())
+        self.local.init_on_sender(model=self.relay_model, num_workers=leaves)
+        self.upstream.relay_to(self.local)
+        self.leaf_models = [model(10 + i) for i in range(leaves)]
+        self.leaves: list[aiowsync.WeightSyncScheme | None] = [None] * leaves
+        self.stack = contextlib.AsyncExitStack()
+        self.leaf_stacks: list[contextlib.AsyncExitStack | None] = [None] * leaves
+
+    async def start_leaf(self, i: int) -> aiowsync.WeightSyncScheme:
+        leaf = pickle.loads(pickle.dumps(self.local))
+        leaf.init_on_receiver(model=self.leaf_models[i], worker_idx=i)
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(leaf)
+        self.leaves[i], self.leaf_stacks[i] = leaf, stack
+        return leaf
+
+    async def stop_leaf(self, i: int) -> None:
+        stack = self.leaf_stacks[i]
+        assert stack is not None
+        await stack.aclose()
+        self.leaves[i] = self.leaf_stacks[i] = None
+
+    def leaves_hold(self, version: int) -> bool:
+        return all(
+            leaf is not None and leaf.version == version and same(m, self.src)
+            for leaf, m in zip(self.leaves, self.leaf_models, strict=True)
+        )
+
+
+@contextlib.asynccontextmanager
+async def tree(leaves: int = 2, *, local_first: bool = True) -> AsyncIterator[Tree]:
+    t = Tree(leaves)
+    async with t.stack:
+        await t.stack.enter_async_context(t.root)
+        order = [t.local, t.upstream] if local_first else [t.upstream, t.local]
+        for scheme in order:
+            await t.stack.enter_async_context(scheme)
+        for i in range(leaves):
+            await t.start_leaf(i)
+        await asyncio.gather(
+            t.root.connect(timeout=20),
+            t.upstream.connect(timeout=20),
+            t.local.connect(timeout=20),
+            *(leaf.connect(timeout=20) for leaf in t.leaves if leaf is not None),
+        )
+        try:
+            yield t
+        finally:
+            for i in reversed(range(leaves)):  # schemes leave in the reverse order
+                if t.leaf_stacks[i] is not None:
+                    await t.stop_leaf(i)
+
+
+@pytest.mark.parametrize("local_first", [True, False])
+async def test_every_leaf_runs_each_root_version_when_the_roots_send_returns(
+    local_first: bool,
+) -> None:
+    async with tree(local_first=local_first) as t:
+        # Version 0 is the root's, bytes and number, whichever scheme was entered first.
+        assert t.local.version == 0 and t.leaves_hold(0)
+        for _ in range(10):
+            bump(t.src)
+            result = await t.root.send(timeout=20)
+            assert result.worker_ids == (0,)
+            assert t.leaves_hold(result.version), result.version
+        assert t.local.version == t.root.version == 10
+
+
+async def test_a_leaf_that_left_is_named_in_the_roots_error_and_rejoins_at_the_latest() -> None:
+    async with tree() as t:
+        bump(t.src)
+        await t.root.send(timeout=20)
+        await t.stop_leaf(1)
+        bump(t.src)
+        with pytest.raises(aiowsync.RemoteApplyError) as info:
+            await t.root.send(timeout=20)
+        text = info.value.errors[0]
+        assert "relay (worker 0): leaves [1] do not hold version 2" in text, text
+        assert "leaf 1: gone" in text, text
+        # The other leaf runs the version, and so does the relay itself.
+        assert t.leaves[0] is not None and t.leaves[0].version == 2
+        assert same(t.leaf_models[0], t.src) and t.upstream.version == 2
+        # The leaf comes back and is brought to the latest version; sends reach all again.
+        leaf = await t.start_leaf(1)
+        await leaf.connect(timeout=20)
+        assert leaf.version == 2 and same(t.leaf_models[1], t.src)
+        bump(t.src)
+        result = await t.root.send(timeout=20)
+        assert t.leaves_hold(result.version)
+
+
+async def test_a_relays_local_scheme_is_not_sent_to_directly_and_takes_one_relay() -> None:
+    t = Tree()
+    with pytest.raises(RuntimeError, match="each scheme takes part in one relay"):
+        t.upstream.relay_to(t.local)
+    other = _memory(aiowsync.MemoryChannelFactory())
+    other.init_on_sender(model=nn.Linear(2, 2), num_workers=1)
+    fresh = pickle.loads(pickle.dumps(t.root))
+    fresh.init_on_receiver(model=model(3), worker_idx=0)
+    with pytest.raises(ValueError, match="on the very model"):
+        fresh.relay_to(other)
+    with pytest.raises(RuntimeError, match="is called on the receiver"):
+        other.relay_to(t.local)
+    async with t.root, t.local:
+        with pytest.raises(RuntimeError, match="not for a relay's local scheme"):
+            await t.local.send()
+
+
+async def _leaf_reports(events: Any, want: dict[int, int], timeout: float = 60) -> dict[int, str]:
+    """Wait until each leaf ``tag`` of ``want`` reported version ``want[tag]``; the digests."""
+    import queue
+    import time
+
+    got: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while set(got) != set(want):
+        left = deadline - time.monotonic()
+        assert left > 0, f"leaves {sorted(set(want) - set(got))} did not report {want}"
+        try:
+            event = await asyncio.to_thread(events.get, True, min(left, 1.0))
+        except queue.Empty:
+            continue
+        if event[0] == "leaf" and want.get(event[1]) == event[2]:
+            got[event[1]] = event[3]
+    return got
+
+
+async def test_a_root_sends_through_two_relays_to_four_shared_memory_leaves() -> None:
+    # The root sends over gloo to two relay processes; each relays over shared memory to two
+    # leaf processes of its own.
+    from _workers import SPAWN, digest, leaf_main, make_model, randomize, relay_main
+
+    src = make_model("small")
+    root = aiowsync.DistributedWeightSyncScheme(
+        backend="gloo", heartbeats=aiowsync.Heartbeats(0.2, 10)
+    )
+    root.init_on_sender(model=src, num_workers=2)
+    events, stop = SPAWN.Queue(), SPAWN.Event()
+    procs: dict[str, Any] = {}
+
+    def start(name: str, target: Any, *args: Any) -> None:
+        procs[name] = SPAWN.Process(target=target, args=(*args, events, stop), daemon=True)
+        procs[name].start()
+
+    try:
+        async with root:
+            for r in range(2):
+                start(f"relay {r}", relay_main, root, r, 2)
+            addresses: dict[int, str] = {}
+            while len(addresses) < 2:
+                event = await asyncio.to_thread(events.get, True, 60)
+                if event[0] == "address":
+                    addresses[event[1]] = event[2]
+            for tag in range(4):  # leaf ``tag`` is leaf tag % 2 of relay tag // 2
+                start(f"leaf {tag}", leaf_main, addresses[tag // 2], tag, tag % 2)
+            await root.connect(timeout=120)
+            first = await _leaf_reports(events, dict.fromkeys(range(4), 0))
+            assert set(first.values()) == {digest(src)}  # the root's version 0, bytes and number
+            for k in range(1, 11):
+                randomize(src, k)
+                result = await root.send(timeout=60)
+                assert result.version == k and result.worker_ids == (0, 1)
+                got = await _leaf_reports(events, dict.fromkeys(range(4), k))
+                assert set(got.values()) == {digest(src)}, k
+            # A leaf of relay 1 is killed: the root's next send names it, through its relay.
+            procs.pop("leaf 3").kill()
+            randomize(src, 11)
+            with pytest.raises(aiowsync.RemoteApplyError) as info:
+                await root.send(timeout=60)
+            assert info.value.version == 11 and info.value.acked == (0,)
+            text = info.value.errors[1]
+            assert "relay (worker 1): " in text and "leaf 1" in text, text
+            print(f"the root's error for worker 1: {text}")
+            got = await _leaf_reports(events, dict.fromkeys(range(3), 11))
+            assert set(got.values()) == {digest(src)}  # the other leaves hold the version
+            # The leaf comes back: it joins at the latest version, and sends reach all again.
+            start("leaf 3", leaf_main, addresses[1], 3, 1)
+            assert (await _leaf_reports(events, {3: 11}))[3] == digest(src)
+            randomize(src, 12)
+            assert (await root.send(timeout=60)).worker_ids == (0, 1)
+            got = await _leaf_reports(events, dict.fromkeys(range(4), 12))
+            assert set(got.values()) == {digest(src)}
+    finally:
+        stop.set()
+        for proc in procs.values():
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def _relay_of(root: aiowsync.WeightSyncScheme, idx: int, leaves: int, seed: int) -> Any:
+    """An upstream receiver of ``root`` (worker ``idx``) relaying to a local sender of
+    ``leaves``: (upstream, local, their model)."""
+    m = model(seed)
+    upstream = pickle.loads(pickle.dumps(root))
+    upstream.init_on_receiver(model=m, worker_idx=idx)
+    local = _memory(aiowsync.MemoryChannelFactory())
+    local.init_on_sender(model=m, num_workers=leaves)
+    upstream.relay_to(local)
+    return upstream, local, m
+
+
+def _receiver_of(sender: aiowsync.WeightSyncScheme, idx: int, seed: int) -> Any:
+    m = model(seed)
+    r = pickle.loads(pickle.dumps(sender))
+    r.init_on_receiver(model=m, worker_idx=idx)
+    return r, m
+
+
+async def test_relays_of_relays_subset_sends_late_joins_and_shutdown_order() -> None:
+    src = model(0)
+    root = _memory(aiowsync.MemoryChannelFactory())
+    root.init_on_sender(model=src, num_workers=2)  # worker 0: a relay; worker 1: a plain one
+    plain, _ = _receiver_of(root, 1, 1)
+    async with contextlib.AsyncExitStack() as stack:
+        for scheme in (root, plain):
+            await stack.enter_async_context(scheme)
+        await plain.connect(timeout=20)
+        # Sends to the plain worker alone while no relay exists: versions 1 to 3.
+        for _ in range(3):
+            bump(src)
+            await root.send(worker_ids=[1], timeout=20)
+        # A relay joins late, and a relay of that relay below it, with one leaf at the bottom.
+        up1, local1, _ = _relay_of(root, 0, 1, 2)
+        up2, local2, m2 = _relay_of(local1, 0, 1, 3)
+        leaf, leaf_model = _receiver_of(local2, 0, 4)
+        for scheme in (local1, up1, up2):
+            await stack.enter_async_context(scheme)
+        async with contextlib.AsyncExitStack() as bottom:
+            for scheme in (local2, leaf):
+                await bottom.enter_async_context(scheme)
+            await asyncio.gather(
+                *(s.connect(timeout=20) for s in (root, up1, local1, up2, local2, leaf))
+            )
+            # Every level starts at the root's latest version, with its bytes.
+            assert [s.version for s in (up1, local1, up2, local2, leaf)] == [3] * 5
+            assert same(leaf_model, src) and same(m2, src)
+            # A subset send leaves the relay out; the next full send skips a number below it.
+            bump(src)
+            await root.send(worker_ids=[1], timeout=20)
+            bump(src)
+            result = await root.send(timeout=20)
+            assert result.version == 5 and result.worker_ids == (0, 1)
+            assert leaf.version == local2.version == local1.version == 5
+            assert same(leaf_model, src)
+        # The bottom relay's local sender (and its leaf) left: the root's sends still go
+        # through; that relay applies them and forwards nothing.
+        bump(src)
+        assert (await root.send(timeout=20)).worker_ids == (0, 1)
+        assert up2.version == 6 and same(m2, src) and leaf.version == 5
