@@ -34,6 +34,14 @@ def test_the_rollouts_example_ends_with_every_worker_on_the_trainers_bytes(tmp_p
     assert "OK: every worker runs version 8 with the trainer's exact weights" in run.stdout
 
 
+def test_the_relay_example_ends_with_every_worker_of_every_host_on_the_trainers_bytes(
+    tmp_path: Path,
+) -> None:
+    run = _run([str(ROOT / "examples" / "relay_fanout.py")], tmp_path)
+    assert "OK: every worker of every host runs version 6 with the trainer's weights" in run.stdout
+    assert run.stdout.count("the trainer's exact weights") == 4
+
+
 @pytest.mark.parametrize(
     ("script", "args"),
     [
