@@ -289,3 +289,30 @@ async def test_relays_of_relays_subset_sends_late_joins_and_shutdown_order() -> 
         bump(src)
         assert (await root.send(timeout=20)).worker_ids == (0, 1)
         assert up2.version == 6 and same(m2, src) and leaf.version == 5
+
+
+async def test_a_leaf_that_never_joins_is_named_before_the_upstreams_hook_limit() -> None:
+    # The relay waits for a joining leaf no longer than the upstream allows its hooks (its
+    # ack timeout, 3 s here), so the upstream's refusal carries the relay's explanation.
+    src = model(0)
+    root = _memory(aiowsync.MemoryChannelFactory())
+    root.init_on_sender(model=src, num_workers=1)
+    m = model(1)
+    upstream = pickle.loads(pickle.dumps(root))
+    upstream.timeouts = aiowsync.Timeouts(handshake=20, ack=3, transfer=20)
+    upstream.init_on_receiver(model=m, worker_idx=0)
+    local = _memory(aiowsync.MemoryChannelFactory())
+    local.init_on_sender(model=m, num_workers=2)  # leaf 1 never comes
+    upstream.relay_to(local)
+    leaf, leaf_model = _receiver_of(local, 0, 2)
+    async with root, local, leaf, upstream:
+        leaf_joined = asyncio.create_task(leaf.connect(timeout=20))
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(aiowsync.ConnectError) as info:
+            await upstream.connect(timeout=20)
+        assert asyncio.get_running_loop().time() - started < 10
+        text = str(info.value)
+        assert "relay (worker 0): leaves [1] do not hold version 0" in text, text
+        assert "leaf 1: never connected" in text, text
+        await leaf_joined  # the leaf that came holds the root's version 0 all the same
+        assert leaf.version == 0 and same(leaf_model, src)

@@ -40,10 +40,13 @@ class Relay:
         self.local = local
         self._lock: anyio.Lock | None = None
 
-    async def start_local(self, *, guarded: bool) -> SenderCore | None:
-        """``local``'s engine, started at the upstream's version if it is not yet and the
-        upstream holds one; None while it cannot start. ``guarded``: hold the upstream's
-        read guard while the model is staged (the upstream may switch meanwhile)."""
+    async def start_local(self, at: int | None = None) -> SenderCore | None:
+        """``local``'s engine, started if it is not yet; None while it cannot start.
+
+        ``at``: the version the model holds, from the upstream's hook (no switch can happen
+        meanwhile). Without it, the upstream's version, if it holds one, staged under the
+        upstream's read guard (the upstream may switch meanwhile).
+        """
         local = self.local
         if self._lock is None:
             self._lock = anyio.Lock()
@@ -51,15 +54,16 @@ class Relay:
             if local._sender is not None:
                 return local._sender
             deferred = local._deferred
-            if deferred is None or self.upstream.version < 0 or local._tg is None:
+            upstream = self.upstream
+            if deferred is None or local._tg is None or (at is None and upstream.version < 0):
                 return None
             sender, initial, channel = deferred
             local._deferred = None  # start() closes the channel if it fails
-            if guarded:
-                async with self.upstream.read_guard():
-                    await sender.start(initial, channel, first_version=self.upstream.version)
+            if at is not None:
+                await sender.start(initial, channel, first_version=at)
             else:
-                await sender.start(initial, channel, first_version=self.upstream.version)
+                async with upstream.read_guard():
+                    await sender.start(initial, channel, first_version=upstream.version)
             local._sender = sender
             await local._start_background(local._tg, sender.serve)
             return sender
@@ -75,7 +79,7 @@ class Relay:
                     "it; the leaves' versions are the root's)",
                     list(range(self.local.num_workers)),
                 )
-            await self.start_local(guarded=True)
+            await self.start_local()
             if self.local._sender is None:
                 await anyio.sleep(_POLL_S)
         return time.monotonic() - started
@@ -85,27 +89,31 @@ class Relay:
         do not hold it (the upstream then nacks with that text)."""
         if self.local._tg is None:
             return  # ``local`` is not entered: it starts at the upstream's version when it is
-        core = await self.start_local(guarded=False)
+        core = await self.start_local(at=version)
         if core is None:
             return
         timeouts = self.local.timeouts
+        # Hooks may run for the upstream's ack timeout: the relay is done a second before,
+        # so that the upstream's nack carries its explanation rather than a timeout.
+        end = time.monotonic() + max(1.0, self.upstream.timeouts.ack - 1.0)
         # ``local`` started at this version: its leaves are joining, and may take as long as
         # a handshake; a version sent to leaves already there takes as long as an ack.
         wait = timeouts.handshake if version <= core.version else timeouts.ack
+        end = min(end, time.monotonic() + wait)
         failure = ""
         if version > core.version:
             try:
                 await core.send(
                     self.local._source_of(None),
                     sorted(core.ready_workers()),
-                    stage_limit=timeouts.transfer,
+                    stage_limit=max(0.001, min(timeouts.transfer, end - time.monotonic())),
                     ack_limit=timeouts.ack,
-                    deadline=None,
+                    deadline=end,
                     version=version,
                 )
             except WeightSyncError as exc:
                 failure = error_text(exc)
-        missing = await self._leaves_short_of(core, version, wait)
+        missing = await self._leaves_short_of(core, version, end - time.monotonic())
         if missing or failure:
             raise WeightSyncError(self._explain(version, missing, failure))
 

@@ -187,7 +187,7 @@ class SenderSide(SchemeState):
             # (now, if it does already).
             self._deferred = (sender, initial, channel)
             self._served = channel.address
-            await self._relay.start_local(guarded=True)
+            await self._relay.start_local()
             return
         await sender.start(initial, channel)  # closes the channel if it fails
         self._sender = sender
