@@ -167,7 +167,7 @@ async def _leaf_reports(events: Any, want: dict[int, int], timeout: float = 60) 
 
 async def test_a_root_sends_through_two_relays_to_four_shared_memory_leaves() -> None:
     # The root sends over gloo to two relay processes; each relays over shared memory to two
-    # leaf processes of its own.
+    # leaf processes of its own. Then a leaf, and later a relay, are killed and restarted.
     from _workers import SPAWN, digest, leaf_main, make_model, randomize, relay_main
 
     src = make_model("small")
@@ -219,6 +219,25 @@ async def test_a_root_sends_through_two_relays_to_four_shared_memory_leaves() ->
             randomize(src, 12)
             assert (await root.send(timeout=60)).worker_ids == (0, 1)
             got = await _leaf_reports(events, dict.fromkeys(range(4), 12))
+            assert set(got.values()) == {digest(src)}
+            # Relay 0 is killed, with its leaves; the root goes on with relay 1 meanwhile.
+            for name in ("relay 0", "leaf 0", "leaf 1"):
+                procs.pop(name).kill()
+            randomize(src, 13)
+            await root.send(worker_ids=[1], timeout=60)
+            # A new relay 0 joins at the latest version, and new leaves behind it.
+            start("relay 0", relay_main, root, 0, 2)
+            while True:
+                event = await asyncio.to_thread(events.get, True, 60)
+                if event[0] == "address" and event[1] == 0:
+                    break
+            for tag in (0, 1):
+                start(f"leaf {tag}", leaf_main, event[2], tag, tag)
+            got = await _leaf_reports(events, {0: 13, 1: 13})
+            assert set(got.values()) == {digest(src)}
+            randomize(src, 14)
+            assert (await root.send(timeout=60)).worker_ids == (0, 1)
+            got = await _leaf_reports(events, dict.fromkeys(range(4), 14))
             assert set(got.values()) == {digest(src)}
     finally:
         stop.set()
