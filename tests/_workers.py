@@ -354,16 +354,16 @@ async def exact_bytes_then_no_mixed_reads(
 
 @contextlib.asynccontextmanager
 async def on_version_1(
-    scheme: aiowsync.WeightSyncScheme, n: int
+    scheme: aiowsync.WeightSyncScheme, n: int, kind: str = "small"
 ) -> AsyncIterator[tuple[nn.Module, Workers]]:
-    """``n`` spawned receivers of ``scheme``, connected and holding its version 1 of a "small"
-    model: (the sender's model, the workers)."""
-    model = make_model("small")
+    """``n`` spawned receivers of ``scheme``, connected and holding its version 1 of a
+    ``kind`` model: (the sender's model, the workers)."""
+    model = make_model(kind)
     scheme.init_on_sender(model=model, num_workers=n)
     with workers() as w:
         async with scheme:
             for i in range(n):
-                w.start(i, "small", scheme=scheme)
+                w.start(i, kind, scheme=scheme)
             await connect_all(scheme, w, n)
             randomize(model, 1)
             await scheme.send(timeout=20)

@@ -112,8 +112,11 @@ def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, pla
 # -- the scheme -------------------------------------------------------------------------------
 
 
-async def test_receivers_hold_the_senders_bytes_after_each_send_and_subsets() -> None:
-    async with system(3) as (sender, src, receivers):
+@pytest.mark.parametrize("topology", ["star", "chain"])
+async def test_receivers_hold_the_senders_bytes_after_each_send_and_subsets(
+    topology: str,
+) -> None:
+    async with system(3, topology=topology) as (sender, src, receivers):
         for _, m in receivers:
             assert same(m, src)
         for step in range(1, 4):

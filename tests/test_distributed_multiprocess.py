@@ -177,3 +177,56 @@ async def test_receivers_keep_their_weights_when_the_distributed_sender_dies() -
         with pytest.raises(aiowsync.SenderGoneError, match=r"^the sender was lost"):
             await r.wait_for_version(1, timeout=60)
         assert all(bool((t == 7).all()) for t in model.state_dict().values())
+
+
+async def test_a_receiver_killed_mid_chain_leaves_no_survivor_on_a_mix() -> None:
+    # A chain of four receivers; the second is SIGKILLed while the version travels along it.
+    # The send either completes for the others or fails naming it; every survivor runs the
+    # version before or the new one, with its exact bytes; the next send reaches them all.
+    beats = aiowsync.Heartbeats(interval=0.2, missed=10)
+    scheme = aiowsync.DistributedWeightSyncScheme(
+        backend="gloo", bucket_bytes=16 << 10, topology="chain", heartbeats=beats
+    )
+    async with on_version_1(scheme, 4, kind="big") as (model, w):
+        before = digest(model)
+        randomize(model, 2)
+        after = digest(model)
+        deadline = 20.0
+        started = time.monotonic()
+        send = asyncio.create_task(scheme.send(timeout=deadline))
+        await asyncio.sleep(0.05)
+        w.kill(1)
+        try:
+            result = await send
+            outcome = f"completed for {result.worker_ids}"
+        except aiowsync.WeightSyncError as exc:
+            assert 1 in getattr(exc, "worker_ids", ()), repr(exc)
+            outcome = f"failed naming worker 1 ({type(exc).__name__}), acked {exc.acked}"
+        took = time.monotonic() - started
+        assert took < deadline + beats.timeout, took
+        # Each survivor's latest report: the version before or the new one, exact either way.
+        await asyncio.sleep(1.0)
+        latest: dict[int, tuple[int, str]] = {}
+        for event in [*w.other, *iter_events(w)]:
+            if event[0] == "version" and event[2] >= 1:  # earlier reports were set aside
+                latest[event[1]] = (event[2], event[3])
+        for worker in (0, 2, 3):
+            version, got = latest.get(worker, (1, before))
+            assert (version, got) in {(1, before), (2, after)}, (worker, version)
+        print(f"mid-chain kill: {outcome} in {took:.2f} s; survivors {latest}")
+        randomize(model, 3)
+        result = await scheme.send(worker_ids=[0, 2, 3], timeout=30)
+        assert result.worker_ids == (0, 2, 3)
+        await _latest(w, {k: (3, digest(model)) for k in (0, 2, 3)})
+
+
+def iter_events(w: Workers) -> list[tuple[Any, ...]]:
+    """Every event already queued, without waiting."""
+    import queue
+
+    out = []
+    while True:
+        try:
+            out.append(w.events.get_nowait())
+        except queue.Empty:
+            return out

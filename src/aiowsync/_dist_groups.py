@@ -41,6 +41,7 @@ __all__ = [
     "Member",
     "ReceiverGroups",
     "SenderGroups",
+    "Topology",
     "finish",
     "host_of",
     "local_ip_towards",
@@ -51,6 +52,9 @@ __all__ = [
 log = logging.getLogger("aiowsync.dist")
 
 Backend: TypeAlias = Literal["gloo", "nccl"]
+Topology: TypeAlias = Literal["star", "chain"]
+"""How a version travels to a group's members: from the sender to each (star), or from each
+member to the next (chain)."""
 Member: TypeAlias = tuple[int, str]
 """A receiver as a group member: (worker index, session)."""
 
@@ -330,9 +334,13 @@ class ReceiverGroups:
             while len(self._table) > _MAX_GROUPS:
                 self._discard(min(self._table, key=lambda n: self._table[n][1]))
 
-    def discard(self, name: str) -> None:
+    def discard(self, name: str, *also: Any) -> None:
+        """Forget group ``name`` for good; its process group (and ``also``: the failed
+        transfer's own references to it) is let go in a thread of its own, since tearing it
+        down can take a while and the caller's failure must be reported now."""
         with self._lock:
-            self._discard(name)
+            entry = self._discard(name)
+        reap(entry, *also)
 
     def close(self) -> None:
         with self._lock:
@@ -353,14 +361,27 @@ class ReceiverGroups:
                 self._store = store = StoreClient(host, port, secret, _STORE_TIMEOUT)
             return store
 
-    def _discard(self, name: str) -> None:
-        """Forget group ``name`` for good (call with the lock held).
+    def _discard(self, name: str) -> Any:
+        """Forget group ``name`` for good (call with the lock held); its cache entry.
 
         Its connections close, and its name is remembered as dead: a group's rendezvous keys
         stay in the store, so joining a second group under the same name would hang. An
         update naming it fails at once instead, and the sender retries on a fresh group.
         """
-        self._table.pop(name, None)
+        entry = self._table.pop(name, None)
         self._dead[name] = None
         while len(self._dead) > _DEAD_NAMES:
             self._dead.pop(next(iter(self._dead)))
+        return entry
+
+
+def reap(*objects: Any) -> None:
+    """Drop the last references to ``objects`` (process groups, their pending work) in a
+    daemon thread: a group torn down closes its connections, so that its other members fail
+    at once, but the teardown itself may wait on them."""
+    if any(o is not None for o in objects):
+        threading.Thread(target=_hold, args=objects, name="aiowsync-reap", daemon=True).start()
+
+
+def _hold(*objects: Any) -> None:
+    """Nothing: the thread's arguments go when it ends, and with them the objects."""

@@ -30,6 +30,7 @@ from ._dist_groups import (
     Group,
     Member,
     SenderGroups,
+    Topology,
     finish,
     host_of,
     local_ip_towards,
@@ -82,8 +83,10 @@ class DistSenderPlane(SenderPlane):
         form_timeout: float = FORM_TIMEOUT,
         announce_host: bool = False,
         chain_wait: float,
+        topology: Topology = "star",
     ) -> None:
         self.backend: Backend = backend
+        self.topology: Topology = topology
         self.form_timeout = form_timeout
         self.bucket_bytes = bucket_bytes
         self.host = host
@@ -264,7 +267,10 @@ class DistSenderPlane(SenderPlane):
         return self._groups.route(members, purpose)
 
     def route_params(self, route: Group, timeout: float) -> Params:
-        return self._groups.params(route, timeout)
+        params = self._groups.params(route, timeout)
+        if self.topology == "chain":
+            params["topology"] = "chain"  # each member forwards to the next
+        return params
 
     def forget(self, worker: int) -> None:
         """Drop every group that counts ``worker`` (lost, replaced or gone)."""
@@ -330,7 +336,8 @@ class DistSenderPlane(SenderPlane):
         deadline: float,
     ) -> None:
         """Send the buckets of the models ``moved`` (each from ``images[model]``, the slot
-        holding it) to every member, point to point from rank 0.
+        holding it) to every member, point to point from rank 0 (in a chain, to the first
+        member only: each member forwards to the next).
 
         Not a broadcast: gloo relays a broadcast through a tree of receivers, so one dead
         receiver would hold up the others behind it until the deadline. Here each member
@@ -338,6 +345,8 @@ class DistSenderPlane(SenderPlane):
         the others get the whole version, and the failure is raised at the end.
         """
         alive = dict(enumerate(group.workers, start=1))  # rank -> worker index
+        if self.topology == "chain":
+            alive = dict(list(alive.items())[:1])  # the first member; it forwards the rest
         failed: dict[int, str] = {}
 
         def fail(rank: int, exc: BaseException) -> None:

@@ -9,6 +9,7 @@ of the version arrived.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -33,6 +34,8 @@ from ._protocol import ParamValue
 from ._text import first_line
 
 __all__ = ["DistReceiverPlane"]
+
+log = logging.getLogger("aiowsync.dist")
 
 
 class DistReceiverPlane(ReceiverPlane):
@@ -136,14 +139,24 @@ class DistReceiverPlane(ReceiverPlane):
             if span in moved
         ]
         cached = self._groups.cached(name)
+        chain = params.get("topology") == "chain"
+        held: list[Any] = []
+        """The transfer's references to its group and pending work, let go on failure."""
         failure = None
         try:
-            self._receive(name, cached, workers, targets, deadline, form_ms / 1000)
+            self._receive(name, cached, workers, targets, deadline, form_ms / 1000, chain, held)
         except (RuntimeError, ValueError, TransportError) as exc:
             failure = first_line(exc)
         if failure is not None:
             # Outside the handler, so that no traceback keeps the failed group alive.
-            self._groups.discard(name)
+            if chain:
+                # Let go now (in a thread): its connections close, so that the member after
+                # this one fails at once instead of at the deadline.
+                cached = None
+                self._groups.discard(name, *held)
+                held.clear()
+            else:
+                self._groups.discard(name)
             raise TransportError(f"receiving the version failed: {failure}")
         for number in moved:
             self._newest[number] = choice[number]
@@ -188,19 +201,57 @@ class DistReceiverPlane(ReceiverPlane):
         targets: list[tuple[int, torch.Tensor]],
         deadline: float,
         form: float,
+        chain: bool,
+        held: list[Any],
     ) -> None:
+        rank = workers.index(self._worker_idx) + 1
         if cached is None:
-            rank = workers.index(self._worker_idx) + 1
             store_at = (self.sender_host, self._port, self._store_key)
             pg = self._groups.join(
                 store_at, name, rank, len(workers) + 1, self._hostname, deadline, form
             )
         else:
             pg = cached
-        works = [pg.recv([dst], 0, index) for index, dst in targets]
-        for work in works:
+        held.append(pg)
+        if not chain:
+            works = [pg.recv([dst], 0, index) for index, dst in targets]
+            held.append(works)
+            for work in works:
+                finish(work, self.backend, seconds_left(deadline), self.device)
+            self._groups.keep(name, pg)
+            return
+        # A chain: every bucket comes from the member before, and goes on to the member after
+        # as soon as it is here, while the next bucket is on its way in.
+        after = rank + 1 if rank < len(workers) else None
+        works = [pg.recv([dst], rank - 1, index) for index, dst in targets]
+        sends: list[Any] = []
+        broken = ""
+        held += [works, sends]
+        for (index, dst), work in zip(targets, works, strict=True):
             finish(work, self.backend, seconds_left(deadline), self.device)
-        self._groups.keep(name, pg)
+            if after is not None and not broken:
+                try:
+                    sends.append(pg.send([dst], after, index))
+                except RuntimeError as exc:
+                    broken = first_line(exc)
+        for work in sends:
+            try:
+                finish(work, self.backend, seconds_left(deadline), self.device)
+            except (RuntimeError, TransportError) as exc:
+                broken = broken or first_line(exc)
+        if broken:
+            # This member has the whole version; the one after it fails and says so. The
+            # group is not kept: its link to the member after is broken.
+            log.warning(
+                "worker %d: forwarding to the next member failed: %s", self._worker_idx, broken
+            )
+            # The references ``held`` hands over must be the last ones.
+            pg = cached = work = None
+            works, sends = [], []
+            self._groups.discard(name, *held)
+            held.clear()
+        else:
+            self._groups.keep(name, pg)
 
     def show(self, staged: Staged) -> Staged:
         for halves, index in zip(self._halves, map(int, staged.source.split(",")), strict=True):

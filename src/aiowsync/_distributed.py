@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from ._dist_groups import Topology
 from ._dist_plane import Backend, DistSenderPlane, host_of
 from ._dist_receiver import DistReceiverPlane
 from ._exceptions import ExperimentalWarning
@@ -37,12 +38,16 @@ class DistributedPlane(DataPlane):
             the host of the scheme's ``bind``. Needed when ``bind`` is a wildcard.
         max_slots: the most version copies the sender keeps (two are made up front; more
             only while a stalled transfer still reads an old one).
+        topology: ``"star"`` (the sender sends every bucket to every receiver) or
+            ``"chain"`` (the sender sends to the first receiver, and each receiver forwards
+            every bucket to the next as soon as it has it).
     """
 
     backend: Backend = "gloo"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     data_host: str | None = None
     max_slots: int = 4
+    topology: Topology = "star"
 
     integrity_by_default = True  # bytes cross a network: digests are on unless turned off
 
@@ -54,6 +59,8 @@ class DistributedPlane(DataPlane):
             raise ValueError(f"bucket_bytes must be a positive integer, got {size!r}")
         if self.max_slots < 2:
             raise ValueError(f"max_slots must be at least 2, got {self.max_slots}")
+        if self.topology not in ("star", "chain"):
+            raise ValueError(f"topology must be 'star' or 'chain', got {self.topology!r}")
         if self.backend == "nccl":
             warnings.warn(
                 "backend='nccl' is experimental: written for GPU hosts, it has not yet been "
@@ -107,6 +114,7 @@ class DistributedPlane(DataPlane):
             max_slots=self.max_slots,
             announce_host=bool(self.data_host),
             chain_wait=context.timeouts.transfer,
+            topology=self.topology,
         )
 
     def receiver(self, context: ReceiverContext) -> ReceiverPlane:
@@ -138,13 +146,23 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             the host of ``bind``. Needed when ``bind`` is a wildcard such as ``0.0.0.0``.
         max_slots: the most version copies the sender keeps (two are made up front; more
             only while a stalled transfer still reads an old one).
+        topology: ``"star"`` (default: the sender sends every bucket to every receiver) or
+            ``"chain"`` (each link carries the model about once: the sender sends to the
+            first receiver, which forwards each bucket to the next as soon as it has it).
         plane: another data plane instead of the one built from the arguments above.
 
     See :class:`WeightSyncScheme` for the other arguments. Receivers built from an address take
     the same arguments; ``backend`` must match the sender's.
     """
 
-    _CONFIG = (*WeightSyncScheme._CONFIG, "backend", "bucket_bytes", "data_host", "max_slots")
+    _CONFIG = (
+        *WeightSyncScheme._CONFIG,
+        "backend",
+        "bucket_bytes",
+        "data_host",
+        "max_slots",
+        "topology",
+    )
 
     def __init__(
         self,
@@ -154,6 +172,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         data_host: str | None = None,
         max_slots: int = 4,
+        topology: Topology = "star",
         plane: DataPlane | None = None,
         **options: Unpack[SchemeOptions],
     ) -> None:
@@ -162,6 +181,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         self.bucket_bytes = bucket_bytes
         self.data_host = data_host
         self.max_slots = max_slots
+        self.topology: Topology = topology
         super().__init__(
             address,
             plane=plane
@@ -170,6 +190,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
                 bucket_bytes=bucket_bytes,
                 data_host=data_host,
                 max_slots=max_slots,
+                topology=topology,
             ),
             **options,
         )
