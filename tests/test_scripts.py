@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,25 @@ def test_the_switch_benchmark_runs(tmp_path: Path) -> None:
         tmp_path,
     )  # fmt: skip
     assert json.loads(out.read_text())
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None,
+    reason="network namespaces and tc need root and iproute2",
+)
+def test_the_network_benchmark_runs_and_removes_what_it_made(tmp_path: Path) -> None:
+    def ours() -> set[str]:
+        names = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return {w for w in (names + spaces).replace(":", " ").split() if w.startswith("aw")}
+
+    before = ours()
+    out = tmp_path / "network.json"
+    _run(
+        [str(ROOT / "benchmarks" / "bench_network.py"), "--hosts", "2", "--mib", "4",
+         "--samples", "1", "--modes", "star,chain", "--out", str(out)],
+        tmp_path,
+    )  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["hosts"] == 2 and row["raw_s"] > 0 and row["star_s"] and row["chain_s"]
+    assert ours() == before  # namespaces, veths and the bridge are gone
