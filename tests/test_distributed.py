@@ -443,3 +443,39 @@ def test_a_wait_shorter_than_a_millisecond_still_has_a_limit() -> None:
     finish(Work(), "gloo", 0.0004, torch.device("cpu"))
     # c10d reads a zero span as "no limit": the smallest it keeps is one millisecond.
     assert seen and seen[0].total_seconds() >= 0.001
+
+
+async def test_a_worker_slow_to_join_is_still_brought_up_to_date(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker starting beside many others on a busy host may reach its first group late. A
+    # send's group gives up forming after a while (its retry needs the time), but the group
+    # that brings a joining worker up to date has no retry: it waits out the handshake.
+    from aiowsync._dist_groups import ReceiverGroups
+
+    src = model(0)
+    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=4096, heartbeats=FAST)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        core = sender._sender
+        assert core is not None
+        core.plane._groups.form_timeout = 0.5  # type: ignore[attr-defined]
+        join = ReceiverGroups.join
+
+        def late_join(self: ReceiverGroups, *args: Any) -> Any:
+            import time
+
+            time.sleep(2.0)  # four times the limit a send's group would allow
+            return join(self, *args)
+
+        monkeypatch.setattr(ReceiverGroups, "join", late_join)
+        r = pickle.loads(pickle.dumps(sender))
+        mirror = model(1)
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
+            assert r.version == 0 and same(mirror, src)
+            monkeypatch.undo()
+            bump(src)
+            assert (await sender.send(timeout=20)).worker_ids == (0,)
+            assert same(mirror, src)

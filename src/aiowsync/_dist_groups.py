@@ -59,8 +59,10 @@ Member: TypeAlias = tuple[int, str]
 """A receiver as a group member: (worker index, session)."""
 
 FORM_TIMEOUT = 10.0
-"""The longest a new group may take to form, whatever the transfer's deadline: a member that
-never joins fails the transfer early, so that its retry on a fresh group still has time."""
+"""The longest a new group of a send may take to form, whatever the transfer's deadline: a
+member that never joins fails the transfer early, so that its retry on a fresh group still has
+time. A group that brings a joining worker up to date has no retry, and may take its whole
+deadline (a worker starting beside many others on a busy host may be slow to join)."""
 
 _STORE_TIMEOUT = 60.0
 """The sender's limit on one store request; every wait that matters has its own deadline."""
@@ -150,6 +152,9 @@ class Group:
     users: int = 0  # routes handed out whose transfer has not ended
     pg: Any = None
     last_used: float = 0.0
+    patient: bool = False
+    """It brings a joining worker up to date: it may take the transfer's whole deadline to
+    form (there is no second attempt to leave time for)."""
 
     @property
     def workers(self) -> list[int]:
@@ -188,7 +193,7 @@ class SenderGroups:
         with self._lock:
             group = self._table.get(key)
             if group is None:
-                group = Group(secrets.token_hex(8), key)
+                group = Group(secrets.token_hex(8), key, patient=purpose == "join")
                 self._table[key] = group
                 self.store.allow(group.name, len(group.workers) + 1)
             group.last_used = time.monotonic()
@@ -202,8 +207,12 @@ class SenderGroups:
             "group": group.name,
             "members": ",".join(str(w) for w in group.workers),
             "timeout_ms": max(1, int(timeout * 1000)),
-            "form_ms": max(1, int(min(timeout, self.form_timeout) * 1000)),
+            "form_ms": max(1, int(self._form_within(group, timeout) * 1000)),
         }
+
+    def _form_within(self, group: Group, left: float) -> float:
+        """How long ``group`` may take to form when ``left`` seconds of its deadline remain."""
+        return left if group.patient else min(left, self.form_timeout)
 
     def run(self, group: Group, deadline: float, send: Callable[[Any], None]) -> None:
         """``send(pg)`` on ``group``'s process group, formed first if it is new; one transfer
@@ -216,7 +225,7 @@ class SenderGroups:
                     raise TransportError("its group was torn down after an earlier failure")
                 pg = group.pg
             if pg is None:
-                form = min(seconds_left(deadline), self.form_timeout)
+                form = self._form_within(group, seconds_left(deadline))
                 size = len(group.workers) + 1
                 pg = new_group(
                     self.backend, self._need_store(), group.name, 0, size, self.host, form
