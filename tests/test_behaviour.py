@@ -1176,3 +1176,23 @@ async def test_readers_of_workers_that_lag_never_see_two_versions(kind: Kind, mo
         last = rig.sender.version + 1
         await rig.sender.send(weights=weights(float(last)))
         assert all(values(m) == {float(last)} for _, m in rig.receivers) and keys
+
+
+def test_a_timed_out_send_also_names_the_workers_lost_during_it() -> None:
+    # In a chain, a lost member is often why the members after it did not answer: the error
+    # names both, and ``acked`` says who runs the version.
+    from aiowsync._outcome import Answers
+
+    answers = Answers(version=4, waiting={0, 1, 2, 3})
+    answers.acked.add(0)
+    answers.settle(0)
+    answers.lost.add(1)
+    answers.settle(1)
+    with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+        answers.result(0, 0.0, 0.0)
+    assert not isinstance(info.value, aiowsync.WorkerLostError)
+    assert info.value.worker_ids == (2, 3) and info.value.acked == (0,)
+    assert str(info.value) == (
+        "version 4 was not acknowledged in time, and workers [1] were lost during the send "
+        "(workers [2, 3])"
+    )

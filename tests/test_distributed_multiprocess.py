@@ -220,6 +220,38 @@ async def test_a_receiver_killed_mid_chain_leaves_no_survivor_on_a_mix() -> None
         await _latest(w, {k: (3, digest(model)) for k in (0, 2, 3)})
 
 
+async def test_a_chain_member_stopped_before_the_version_reached_it_is_named_the_rest_get_it() -> (
+    None
+):
+    # Worker 1 is stopped (SIGSTOP) before the send: its connections stay open, so nothing
+    # fails on its own, and the members after it wait on a link that moves nothing. They give
+    # up on it after the chain's stall limit (seconds, far below the deadline) and are sent
+    # the version again on a chain without it; the send names worker 1, lost by its beats.
+    beats = aiowsync.Heartbeats(interval=0.2, missed=10)
+    scheme = aiowsync.DistributedWeightSyncScheme(
+        backend="gloo", bucket_bytes=16 << 10, topology="chain", heartbeats=beats
+    )
+    async with on_version_1(scheme, 4, kind="big") as (model, w):
+        stopped = w.procs[1]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+            randomize(model, 2)
+            started = time.monotonic()
+            with pytest.raises(aiowsync.LostDuringSendError) as info:
+                await scheme.send(timeout=90)
+            took = time.monotonic() - started
+            # Every other member answered before the deadline, and runs the new version.
+            assert info.value.worker_ids == (1,) and info.value.acked == (0, 2, 3)
+            await _latest(w, {k: (2, digest(model)) for k in (0, 2, 3)})
+            print(f"stopped chain member: {info.value} in {took:.2f} s")
+            randomize(model, 3)
+            result = await scheme.send(worker_ids=[0, 2, 3], timeout=30)
+            assert result.worker_ids == (0, 2, 3)
+            await _latest(w, {k: (3, digest(model)) for k in (0, 2, 3)})
+        finally:
+            w.kill(1)  # a stopped process takes SIGKILL too
+
+
 def iter_events(w: Workers) -> list[tuple[Any, ...]]:
     """Every event already queued, without waiting."""
     import queue

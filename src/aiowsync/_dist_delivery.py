@@ -122,9 +122,11 @@ class DistDelivery(Delivery):
                     log.warning("version %d, attempt %d: %s", version, attempt, exc)
                     failed = True
                 else:
-                    if not failed:
-                        return
-                    route = None  # a retry went through; others may still report failures
+                    if not failed and plane.topology == "star":
+                        return  # a star: every member had its bytes from the sender
+                    # A retry went through, or a chain's first link did: others may still
+                    # report failed receives, to be retried.
+                    route = None
                 if route is not None:
                     # Give this attempt's members a moment to report their failed receive.
                     grace = min(RETRY_GRACE_S, max(0.0, move_by - time.monotonic()))

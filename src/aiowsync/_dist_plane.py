@@ -16,13 +16,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import torch
 
 from ._copy import CopyPolicy
 from ._dist_buckets import Image, Packer
+from ._dist_chain import SLOW_LINK, ChainLimits
 from ._dist_delivery import DistDelivery, TransferChain
 from ._dist_groups import (
     FORM_TIMEOUT,
@@ -31,11 +31,10 @@ from ._dist_groups import (
     Member,
     SenderGroups,
     Topology,
-    finish,
     host_of,
     local_ip_towards,
-    seconds_left,
 )
+from ._dist_send import send_buckets
 from ._exceptions import TransportError, WeightSyncError
 from ._layout import Layout
 from ._plane import Delivery, Params, SenderPlane, WeightSource
@@ -87,6 +86,9 @@ class DistSenderPlane(SenderPlane):
     ) -> None:
         self.backend: Backend = backend
         self.topology: Topology = topology
+        self._bucket_seconds = bucket_bytes / SLOW_LINK
+        """In a chain, how long the latest transfer took per bucket (at first, as if on a
+        slow link): the members' limits on their links scale with it."""
         self.form_timeout = form_timeout
         self.bucket_bytes = bucket_bytes
         self.host = host
@@ -268,9 +270,17 @@ class DistSenderPlane(SenderPlane):
 
     def route_params(self, route: Group, timeout: float) -> Params:
         params = self._groups.params(route, timeout)
-        if self.topology == "chain":
+        limits = self.chain_limits()
+        if limits is not None:
             params["topology"] = "chain"  # each member forwards to the next
+            params.update(limits.params())
         return params
+
+    def chain_limits(self) -> ChainLimits | None:
+        """How long a chain's links may stall now (None for a star: the deadline alone)."""
+        if self.topology != "chain":
+            return None
+        return ChainLimits.for_pace(self._bucket_seconds)
 
     def forget(self, worker: int) -> None:
         """Drop every group that counts ``worker`` (lost, replaced or gone)."""
@@ -303,9 +313,27 @@ class DistSenderPlane(SenderPlane):
                 for name in self.layout.sections
             ]
             numbers = range(len(images)) if moved is None else moved
+            wanted = set(numbers)
+            indices = [i for i, span in enumerate(self.buckets.span_of) if span in wanted]
+            limits = self.chain_limits()
+            started = time.monotonic()
             self._groups.run(
-                route, deadline, lambda pg: self._send_all(pg, images, numbers, route, deadline)
+                route,
+                deadline,
+                lambda pg: send_buckets(
+                    pg,
+                    self._packer,
+                    images,
+                    indices,
+                    route.workers,
+                    deadline,
+                    limits=limits,
+                    backend=self.backend,
+                    device=self.device,
+                ),
             )
+            if limits is not None and len(indices) > 1:
+                self._bucket_seconds = (time.monotonic() - started) / len(indices)
         except Exception as exc:  # every failure, whatever raised it, ends in a dropped group
             failure = first_line(exc)
         finally:
@@ -326,66 +354,6 @@ class DistSenderPlane(SenderPlane):
         taking a later version's bytes for this one) and the route's hold on the slot."""
         with contextlib.suppress(WeightSyncError):
             self.transfer(version, route, 0.0)
-
-    def _send_all(
-        self,
-        pg: Any,
-        images: Sequence[Image],
-        moved: Sequence[int],
-        group: Group,
-        deadline: float,
-    ) -> None:
-        """Send the buckets of the models ``moved`` (each from ``images[model]``, the slot
-        holding it) to every member, point to point from rank 0 (in a chain, to the first
-        member only: each member forwards to the next).
-
-        Not a broadcast: gloo relays a broadcast through a tree of receivers, so one dead
-        receiver would hold up the others behind it until the deadline. Here each member
-        depends on the sender alone; a member that fails is left out of the later buckets,
-        the others get the whole version, and the failure is raised at the end.
-        """
-        alive = dict(enumerate(group.workers, start=1))  # rank -> worker index
-        if self.topology == "chain":
-            alive = dict(list(alive.items())[:1])  # the first member; it forwards the rest
-        failed: dict[int, str] = {}
-
-        def fail(rank: int, exc: BaseException) -> None:
-            worker = alive.pop(rank, None)
-            if worker is not None:
-                failed[worker] = first_line(exc)
-
-        def post(index: int) -> list[tuple[int, Any]]:
-            lo, hi = self.buckets.ranges[index]
-            image = images[self.buckets.span_of[index]]
-            works = []
-            for rank in list(alive):
-                try:
-                    works.append((rank, pg.send([image.flat[lo:hi]], rank, index)))
-                except RuntimeError as exc:
-                    fail(rank, exc)
-            return works
-
-        def wait(works: list[tuple[int, Any]]) -> None:
-            for rank, work in works:
-                try:
-                    finish(work, self.backend, seconds_left(deadline), self.device)
-                except (RuntimeError, TransportError) as exc:
-                    fail(rank, exc)
-
-        # Bucket i+1 is packed and posted while bucket i is still on the wire.
-        wanted = set(moved)
-        indices = [i for i, span in enumerate(self.buckets.span_of) if span in wanted]
-        in_flight: list[tuple[int, Any]] = []
-        for number, index in enumerate(indices):
-            self._packer.pack(images[self.buckets.span_of[index]], index)
-            posted = post(index) if alive else []
-            if number:
-                wait(in_flight)
-            in_flight = posted
-        wait(in_flight)
-        if failed:
-            detail = "; ".join(f"worker {w}: {text}" for w, text in sorted(failed.items()))
-            raise TransportError(detail)
 
     def close(self) -> None:
         self._closed = True

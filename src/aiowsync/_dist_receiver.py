@@ -18,6 +18,7 @@ import anyio
 import torch
 
 from ._dist_buckets import Buckets, section_spans
+from ._dist_chain import ChainLimits, receive_and_forward
 from ._dist_groups import (
     Backend,
     ReceiverGroups,
@@ -140,11 +141,14 @@ class DistReceiverPlane(ReceiverPlane):
         ]
         cached = self._groups.cached(name)
         chain = params.get("topology") == "chain"
+        limits = ChainLimits.from_params(params) if chain else None
         held: list[Any] = []
         """The transfer's references to its group and pending work, let go on failure."""
         failure = None
         try:
-            self._receive(name, cached, workers, targets, deadline, form_ms / 1000, chain, held)
+            self._receive(
+                name, cached, workers, targets, deadline, form_ms / 1000, chain, limits, held
+            )
         except (RuntimeError, ValueError, TransportError) as exc:
             failure = first_line(exc)
         if failure is not None:
@@ -202,6 +206,7 @@ class DistReceiverPlane(ReceiverPlane):
         deadline: float,
         form: float,
         chain: bool,
+        limits: ChainLimits | None,
         held: list[Any],
     ) -> None:
         rank = workers.index(self._worker_idx) + 1
@@ -220,25 +225,18 @@ class DistReceiverPlane(ReceiverPlane):
                 finish(work, self.backend, seconds_left(deadline), self.device)
             self._groups.keep(name, pg)
             return
-        # A chain: every bucket comes from the member before, and goes on to the member after
-        # as soon as it is here, while the next bucket is on its way in.
-        after = rank + 1 if rank < len(workers) else None
-        works = [pg.recv([dst], rank - 1, index) for index, dst in targets]
-        sends: list[Any] = []
-        broken = ""
-        held += [works, sends]
-        for (index, dst), work in zip(targets, works, strict=True):
-            finish(work, self.backend, seconds_left(deadline), self.device)
-            if after is not None and not broken:
-                try:
-                    sends.append(pg.send([dst], after, index))
-                except RuntimeError as exc:
-                    broken = first_line(exc)
-        for work in sends:
-            try:
-                finish(work, self.backend, seconds_left(deadline), self.device)
-            except (RuntimeError, TransportError) as exc:
-                broken = broken or first_line(exc)
+        # A chain: every bucket comes from the member before, and goes on to the member after.
+        broken = receive_and_forward(
+            pg,
+            rank,
+            workers,
+            targets,
+            deadline=deadline,
+            limits=limits,
+            backend=self.backend,
+            device=self.device,
+            held=held,
+        )
         if broken:
             # This member has the whole version; the one after it fails and says so. The
             # group is not kept: its link to the member after is broken.
@@ -246,8 +244,7 @@ class DistReceiverPlane(ReceiverPlane):
                 "worker %d: forwarding to the next member failed: %s", self._worker_idx, broken
             )
             # The references ``held`` hands over must be the last ones.
-            pg = cached = work = None
-            works, sends = [], []
+            pg = cached = None
             self._groups.discard(name, *held)
             held.clear()
         else:

@@ -115,14 +115,16 @@ class Answers:
 
     def result(self, nbytes: int, seconds: float, stage_seconds: float) -> SendResult:
         """What the send gives once it stopped waiting: its result, or the error that says
-        who did not answer, was lost or failed (in that order of precedence)."""
+        who did not answer, was lost or failed (in that order of precedence; a timeout's text
+        also names those lost)."""
         version = self.version
         if missing := sorted(self.waiting):
-            raise with_outcome(
-                WeightSyncTimeout(f"version {version} was not acknowledged in time", missing),
-                version,
-                self,
-            )
+            message = f"version {version} was not acknowledged in time"
+            if self.lost:
+                # Those lost are named too: in a chain, their loss is often why the others
+                # after them did not answer.
+                message += f", and workers {sorted(self.lost)} were lost during the send"
+            raise with_outcome(WeightSyncTimeout(message, missing), version, self)
         if self.lost:
             raise with_outcome(
                 LostDuringSendError(
