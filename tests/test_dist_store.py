@@ -183,6 +183,117 @@ def test_closing_a_receivers_groups_never_waits_for_the_store() -> None:
         assert not thread.is_alive() and errors
 
 
+def test_a_group_dropped_while_it_forms_fails_its_waiting_members_at_once(
+    server: StoreServer,
+) -> None:
+    # The sender drops a forming group when one of its members is lost: the members already
+    # waiting for the others' addresses learn it then, not at their forming limit.
+    server.allow(NAME, 3)
+    errors: list[str] = []
+
+    def member(rank: int) -> None:
+        store = client(server)
+        try:
+            new_group("gloo", store, NAME, rank, 3, "127.0.0.1", 60)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)  # both wait for rank 2, which never comes
+    started = time.monotonic()
+    server.forget(NAME)
+    for thread in threads:
+        thread.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert time.monotonic() - started < 30  # against the 60 s limit they were given
+    assert len(errors) == 2 and all("was dropped while it formed" in e for e in errors)
+
+
+_STOPS_AFTER_PUBLISHING = """
+import os, signal, sys
+sys.path[:0] = sys.argv[4:]
+from aiowsync._dist_groups import new_group
+from aiowsync._dist_store_client import StoreClient
+
+class Client(StoreClient):
+    def set(self, key, value):
+        super().set(key, value)
+        if key.endswith("/1/2"):  # its last address is out: it stops before anyone connects
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+port, secret, name = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), sys.argv[3]
+new_group("gloo", Client("127.0.0.1", port, secret, 30), name, 2, 3, "127.0.0.1", 20)
+"""
+
+
+def test_a_member_that_stops_after_publishing_its_address_holds_the_group_briefly(
+    server: StoreServer,
+) -> None:
+    # gloo's timeout bounds each of its attempts to connect to a member, and it tries several
+    # times: given the group's whole forming limit (20 s here) it held the others for about
+    # five times that (100 s). It gets a short one; the forming limit still bounds the wait
+    # for members that are slow to publish (rank 1 publishes 3 s late here).
+    server.allow(NAME, 3)
+    errors: list[str] = []
+
+    def member(rank: int) -> None:
+        if rank == 1:
+            time.sleep(3.0)
+        store = client(server)
+        try:
+            new_group("gloo", store, NAME, rank, 3, "127.0.0.1", 20)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        finally:
+            store.close()
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    args = [str(server.port), server.secret.hex(), NAME, *sys.path]
+    stopping = subprocess.Popen([sys.executable, "-c", _STOPS_AFTER_PUBLISHING, *args])
+    try:
+        for thread in threads:
+            thread.join(90)
+        took = time.monotonic() - started
+    finally:
+        stopping.kill()
+        stopping.wait(10)
+    # Whoever waits for the stopped member to connect fails; one that connects to it itself
+    # may finish (the stopped process's kernel still accepts), since gloo picks the side by
+    # comparing addresses. Either way nobody waits long.
+    assert not any(t.is_alive() for t in threads)
+    assert all("connectFullMesh" in e for e in errors), errors
+    assert took < 40, took  # about 15 s; before: about 100 s when a member waited
+
+
+def test_a_member_slow_to_publish_its_address_still_joins(server: StoreServer) -> None:
+    # gloo's short timeout does not cut the wait for members that are slow to join.
+    server.allow(NAME, 2)
+    groups: list[object] = [None, None]
+
+    def member(rank: int) -> None:
+        if rank == 1:
+            time.sleep(3.0)
+        store = client(server)
+        try:
+            groups[rank] = new_group("gloo", store, NAME, rank, 2, "127.0.0.1", 20)
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(g is not None for g in groups)
+
+
 _INTRUDER = """
 import datetime, os, socket, sys, time
 from torch._C._distributed_c10d import TCPStore

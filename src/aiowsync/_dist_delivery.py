@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from ._exceptions import TransportError, WeightSyncError
 from ._plane import Delivery, Params, Retries
 
@@ -25,6 +27,10 @@ log = logging.getLogger("aiowsync.dist")
 
 MAX_ATTEMPTS = 4
 """Retries of one version within one send (the wire allows far more)."""
+OVERRUN_S = 1.0
+"""How long past its deadline a send waits for its transfer thread. Each wait of a transfer
+ends by the deadline, but gloo may overrun it while a group forms; the send then ends, and the
+thread ends by itself (the next transfer waits for it)."""
 RETRY_GRACE_S = 0.5
 """After a failed transfer, how long the sender waits for the members' answers before it
 retries those that reported a failed receive."""
@@ -89,11 +95,12 @@ class DistDelivery(Delivery):
         if retries is None:
             # Bringing one worker up to date: one attempt, not chained after the sends.
             try:
-                await in_thread(
-                    functools.partial(
-                        plane.transfer, version, route, self._deadline, moved=self._moved
+                with anyio.move_on_after(max(0.0, self._deadline - time.monotonic()) + OVERRUN_S):
+                    await in_thread(
+                        functools.partial(
+                            plane.transfer, version, route, self._deadline, moved=self._moved
+                        )
                     )
-                )
             except _NotStarted as exc:
                 plane.give_back(version, route)
                 raise TransportError(f"could not start a transfer thread: {exc}") from None
@@ -112,16 +119,22 @@ class DistDelivery(Delivery):
         while True:
             if route is not None:
                 try:
-                    await plane.chain.run(
-                        functools.partial(
-                            plane.transfer, version, route, move_by, moved=self._moved
-                        ),
-                        functools.partial(plane.give_back, version, route),
-                    )
+                    late_by = max(0.0, move_by - time.monotonic()) + OVERRUN_S
+                    with anyio.move_on_after(late_by) as late:
+                        await plane.chain.run(
+                            functools.partial(
+                                plane.transfer, version, route, move_by, moved=self._moved
+                            ),
+                            functools.partial(plane.give_back, version, route),
+                        )
                 except WeightSyncError as exc:
                     log.warning("version %d, attempt %d: %s", version, attempt, exc)
                     failed = True
                 else:
+                    if late.cancelled_caught:
+                        # Stuck in a wait gloo does not cut short (see OVERRUN_S).
+                        log.warning("version %d: the transfer outlived the deadline", version)
+                        return
                     if not failed and plane.topology == "star":
                         return  # a star: every member had its bytes from the sender
                     # A retry went through, or a chain's first link did: others may still

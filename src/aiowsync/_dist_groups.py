@@ -64,6 +64,9 @@ member that never joins fails the transfer early, so that its retry on a fresh g
 time. A group that brings a joining worker up to date has no retry, and may take its whole
 deadline (a worker starting beside many others on a busy host may be slow to join)."""
 
+_CONNECT_TIMEOUT = 2.0
+"""gloo's own limit while a group forms (see :func:`new_group`)."""
+
 _STORE_TIMEOUT = 60.0
 """The sender's limit on one store request; every wait that matters has its own deadline."""
 
@@ -111,8 +114,14 @@ def new_group(
     timeout: float,
 ) -> dist.ProcessGroup:
     """A process group of ``size`` ranks under prefix ``name``: blocks until all have joined."""
-    prefixed = PrefixStore(group_prefix(name), store)
-    span = datetime.timedelta(seconds=timeout)
+    # gloo's own timeout also bounds connecting to the members once they have published
+    # their addresses, which it tries several times over: a member that died just after
+    # publishing held the others for about five times that timeout. So gloo gets a short
+    # one, and waiting for members that are slow to join keeps the whole ``timeout``.
+    # (The view must outlive the constructor: torch keeps only its C++ half.)
+    view = _KeyWaits(store, timeout)
+    prefixed = PrefixStore(group_prefix(name), view)
+    span = datetime.timedelta(seconds=min(timeout, _CONNECT_TIMEOUT))
     pg: Any
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -130,7 +139,30 @@ def new_group(
     set_default = getattr(pg, "_set_default_timeout", None)
     if set_default is not None:
         set_default(_OP_TIMEOUT)
+    del view  # the group formed: its members are connected, and the store is not used again
     return pg  # type: ignore[no-any-return]
+
+
+class _KeyWaits(Store):
+    """``store`` whose waits for keys take ``limit`` seconds, whatever limit the caller gives."""
+
+    def __init__(self, store: Store, limit: float) -> None:
+        super().__init__()
+        self._store = store
+        self._limit = datetime.timedelta(seconds=limit)
+
+    def set(self, key: str, value: Any) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        del timeout
+        self._store.wait(keys, self._limit)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
 
 
 def finish(work: Any, backend: Backend, timeout: float, device: torch.device) -> None:

@@ -96,8 +96,17 @@ class DistReceiverPlane(ReceiverPlane):
         self._port = port
 
     async def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
-        # On shutdown the wait is abandoned; the receive ends by its own deadline.
-        return await anyio.to_thread.run_sync(self.fetch_blocking, params, abandon_on_cancel=True)
+        # On shutdown the wait is abandoned, and a second past the receive's deadline too:
+        # gloo may overrun it while a group forms (connecting to a member that died in the
+        # meantime takes it several times its limit). The thread ends by itself, and
+        # receives nothing once past its deadline.
+        timeout_ms = params.get("timeout_ms")
+        limit = timeout_ms / 1000 + 1.0 if isinstance(timeout_ms, int) else None
+        with anyio.move_on_after(limit):
+            return await anyio.to_thread.run_sync(
+                self.fetch_blocking, params, abandon_on_cancel=True
+            )
+        raise TransportError("receiving the version failed: its group did not form in time")
 
     def fetch_blocking(self, params: Mapping[str, ParamValue]) -> Staged:
         """Receive the announced version into the idle halves of the models it moves
@@ -218,6 +227,7 @@ class DistReceiverPlane(ReceiverPlane):
         else:
             pg = cached
         held.append(pg)
+        seconds_left(deadline)  # a group that formed too late receives nothing
         if not chain:
             works = [pg.recv([dst], 0, index) for index, dst in targets]
             held.append(works)

@@ -318,10 +318,15 @@ class StoreServer:
     async def _until(self, keys: list[str], seconds: float) -> None:
         deadline = time.monotonic() + seconds
         loop = asyncio.get_running_loop()
+        groups = {key.split("/")[1] for key in keys}
         while True:
             with self._lock:
                 if all(k in self._values for k in keys):
                     return
+                if dropped := sorted(groups - self._groups.keys()):
+                    # A member was lost while the group formed: its other members learn it
+                    # now, not at their forming limit, and their retry forms a fresh group.
+                    raise _StoreError(f"group {dropped[0]} was dropped while it formed")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"timed out after {seconds:.1f} s waiting for keys {keys}")
