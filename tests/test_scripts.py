@@ -78,6 +78,18 @@ def test_the_switch_benchmark_runs(tmp_path: Path) -> None:
     assert json.loads(out.read_text())
 
 
+def test_the_chain_failure_benchmark_names_the_stopped_receiver(tmp_path: Path) -> None:
+    out = tmp_path / "chain.json"
+    _run(
+        [str(ROOT / "benchmarks" / "bench_chain_failures.py"), "--mib", "8", "--receivers",
+         "3", "--cases", "stopped", "--out", str(out)],
+        tmp_path,
+    )  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["case"] == "stopped before the send" and row["raised"] == "LostDuringSendError"
+    assert row["names"] == [1] and row["acked"] == [0, 2] and row["exact"]
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None,
     reason="network namespaces and tc need root and iproute2",

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import torch
@@ -316,11 +317,10 @@ class DistSenderPlane(SenderPlane):
             wanted = set(numbers)
             indices = [i for i, span in enumerate(self.buckets.span_of) if span in wanted]
             limits = self.chain_limits()
-            started = time.monotonic()
-            self._groups.run(
-                route,
-                deadline,
-                lambda pg: send_buckets(
+
+            def send(pg: Any) -> None:
+                started = time.monotonic()
+                send_buckets(
                     pg,
                     self._packer,
                     images,
@@ -330,10 +330,12 @@ class DistSenderPlane(SenderPlane):
                     limits=limits,
                     backend=self.backend,
                     device=self.device,
-                ),
-            )
-            if limits is not None and len(indices) > 1:
-                self._bucket_seconds = (time.monotonic() - started) / len(indices)
+                )
+                if limits is not None and len(indices) > 1:
+                    # The pace of the chain's links, for the limits of the next transfers.
+                    self._bucket_seconds = (time.monotonic() - started) / len(indices)
+
+            self._groups.run(route, deadline, send)
         except Exception as exc:  # every failure, whatever raised it, ends in a dropped group
             failure = first_line(exc)
         finally:

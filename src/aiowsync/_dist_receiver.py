@@ -106,7 +106,7 @@ class DistReceiverPlane(ReceiverPlane):
             return await anyio.to_thread.run_sync(
                 self.fetch_blocking, params, abandon_on_cancel=True
             )
-        raise TransportError("receiving the version failed: its group did not form in time")
+        raise TransportError("receiving the version failed: it ran past its deadline")
 
     def fetch_blocking(self, params: Mapping[str, ParamValue]) -> Staged:
         """Receive the announced version into the idle halves of the models it moves
