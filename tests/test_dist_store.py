@@ -183,26 +183,43 @@ def test_closing_a_receivers_groups_never_waits_for_the_store() -> None:
         assert not thread.is_alive() and errors
 
 
+def _members(
+    server: StoreServer,
+    size: int,
+    limit: float,
+    ranks: list[int],
+    *,
+    late: dict[int, float] | None = None,
+) -> tuple[list[threading.Thread], list[str], dict[int, object]]:
+    """Threads that form group ``NAME`` of ``size`` as ``ranks`` within ``limit`` seconds,
+    rank r starting ``late[r]`` seconds late: the threads, the errors of those that failed,
+    and the groups of those that formed."""
+    errors: list[str] = []
+    groups: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        time.sleep((late or {}).get(rank, 0.0))
+        store = client(server)
+        try:
+            groups[rank] = new_group("gloo", store, NAME, rank, size, "127.0.0.1", limit)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in ranks]
+    for thread in threads:
+        thread.start()
+    return threads, errors, groups
+
+
 def test_a_group_dropped_while_it_forms_fails_its_waiting_members_at_once(
     server: StoreServer,
 ) -> None:
     # The sender drops a forming group when one of its members is lost: the members already
     # waiting for the others' addresses learn it then, not at their forming limit.
     server.allow(NAME, 3)
-    errors: list[str] = []
-
-    def member(rank: int) -> None:
-        store = client(server)
-        try:
-            new_group("gloo", store, NAME, rank, 3, "127.0.0.1", 60)
-        except RuntimeError as exc:
-            errors.append(str(exc))
-        finally:
-            store.close()
-
-    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(2)]
-    for thread in threads:
-        thread.start()
+    threads, errors, _ = _members(server, 3, 60, [0, 1])
     time.sleep(0.5)  # both wait for rank 2, which never comes
     started = time.monotonic()
     server.forget(NAME)
@@ -238,23 +255,8 @@ def test_a_member_that_stops_after_publishing_its_address_holds_the_group_briefl
     # five times that (100 s). It gets a short one; the forming limit still bounds the wait
     # for members that are slow to publish (rank 1 publishes 3 s late here).
     server.allow(NAME, 3)
-    errors: list[str] = []
-
-    def member(rank: int) -> None:
-        if rank == 1:
-            time.sleep(3.0)
-        store = client(server)
-        try:
-            new_group("gloo", store, NAME, rank, 3, "127.0.0.1", 20)
-        except RuntimeError as exc:
-            errors.append(str(exc))
-        finally:
-            store.close()
-
     started = time.monotonic()
-    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(2)]
-    for thread in threads:
-        thread.start()
+    threads, errors, _ = _members(server, 3, 20, [0, 1], late={1: 3.0})
     args = [str(server.port), server.secret.hex(), NAME, *sys.path]
     stopping = subprocess.Popen([sys.executable, "-c", _STOPS_AFTER_PUBLISHING, *args])
     try:
@@ -275,23 +277,10 @@ def test_a_member_that_stops_after_publishing_its_address_holds_the_group_briefl
 def test_a_member_slow_to_publish_its_address_still_joins(server: StoreServer) -> None:
     # gloo's short timeout does not cut the wait for members that are slow to join.
     server.allow(NAME, 2)
-    groups: list[object] = [None, None]
-
-    def member(rank: int) -> None:
-        if rank == 1:
-            time.sleep(3.0)
-        store = client(server)
-        try:
-            groups[rank] = new_group("gloo", store, NAME, rank, 2, "127.0.0.1", 20)
-        finally:
-            store.close()
-
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
+    threads, errors, groups = _members(server, 2, 20, [0, 1], late={1: 3.0})
     for thread in threads:
         thread.join(60)
-    assert all(g is not None for g in groups)
+    assert not errors and sorted(groups) == [0, 1]
 
 
 _INTRUDER = """
