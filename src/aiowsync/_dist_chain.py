@@ -88,8 +88,8 @@ def wait_link(
         if time.monotonic() - started < 0.95 * allowed:
             raise  # failed on its own, not for lack of time
         raise TransportError(
-            f"nothing moved on the link to {peer} for {allowed:.1f} s: it, or a member "
-            "before it, died or stalled"
+            f"nothing moved on the link to {peer} for {allowed:.1f} s: {peer} died or "
+            "stalled, or waits on a member that did"
         ) from exc
 
 
