@@ -47,7 +47,7 @@ package: $(BIN)/python
 	$(BIN)/python -m build -q --outdir dist .
 	$(PY) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/pip install -q torch==2.13.0 dist/aiowsync-*.whl
-	cd / && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import aiowsync, aiowsync._stream; \
+	cd / && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import aiowsync, aiowsync._copy._stream; \
 		print('wheel imports:', aiowsync.__version__, aiowsync.__file__)"
 	$(WHEEL_VENV)/bin/aiowsync --version
 

@@ -8,6 +8,6 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("aiowsync._stream", ["src/aiowsync/_stream.c"], optional=True),
+        Extension("aiowsync._copy._stream", ["src/aiowsync/_copy/_stream.c"], optional=True),
     ]
 )

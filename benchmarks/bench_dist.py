@@ -86,7 +86,7 @@ from torch._C._distributed_c10d import TCPStore
 
 import _workers as w
 import aiowsync
-from aiowsync._bench._pool import WorkerError, WorkerPool
+from aiowsync._tools.bench._pool import WorkerError, WorkerPool
 from bench_shm import summarize
 
 MIB = 1 << 20

@@ -13,9 +13,9 @@ this shared VM changes its memory bandwidth within seconds, hits all of them ali
 * ``raw copy_``: the baseline, ``dst.copy_(src)`` of one contiguous tensor of exactly the
   model's payload bytes (a plain memcpy as fast as torch does it);
 * ``pack (fused)``: ``Layout.pack(tensors, views)`` of the module's own tensors into the views of
-  freshly allocated layout buffers (``aiowsync._copy.fused_copy``: memmoves, or non-temporal
+  freshly allocated layout buffers (``aiowsync._copy.engine.fused_copy``: memmoves, or non-temporal
   stores, shared among a few threads, under the process's default copy policy);
-* ``re-homed snapshot``: the module was re-homed with ``aiowsync._binding.rehome``, so its
+* ``re-homed snapshot``: the module was re-homed with ``aiowsync._weights.binding.rehome``, so its
   tensors already live in the layout's flat buffers; a snapshot is one ``copy_`` per flat buffer
   into a second set of buffers of the same sizes (this copies the alignment padding too);
 * ``pack (fused, 1 thread)`` (informational): the same fused pack with
@@ -65,9 +65,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from aiowsync._binding import is_homed, module_targets, rehome
-from aiowsync._layout import Layout
-from aiowsync._weights import flatten_weights
+from aiowsync._weights.binding import is_homed, module_targets, rehome
+from aiowsync._weights.flatten import flatten_weights
+from aiowsync._weights.layout import Layout
 
 MIB = 1 << 20
 MODEL_BYTES = 64 * MIB

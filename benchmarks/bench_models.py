@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 import aiowsync
-from aiowsync._bench._models import build_model, many_tensors_spec, random_init
+from aiowsync._tools.bench._models import build_model, many_tensors_spec, random_init
 
 MIB = 1 << 20
 SPAWN = mp.get_context("spawn")

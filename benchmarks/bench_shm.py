@@ -93,10 +93,10 @@ from torch import nn
 
 import _workers as w
 import aiowsync
-from aiowsync._bench._contenders import RawZmq
-from aiowsync._bench._pool import WorkerPool
-from aiowsync._bench._probe import host_steal_ms as steal_ms
-from aiowsync._bench._run import GAP_RETAKES, GAP_STEAL_MS  # the rule of `aiowsync bench`
+from aiowsync._tools.bench._contenders import RawZmq
+from aiowsync._tools.bench._pool import WorkerPool
+from aiowsync._tools.bench._probe import host_steal_ms as steal_ms
+from aiowsync._tools.bench._run import GAP_RETAKES, GAP_STEAL_MS  # the rule of `aiowsync bench`
 
 MIB = 1 << 20
 MODELS: dict[str, Callable[[], w.Spec]] = {

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 import aiowsync
-from aiowsync import _apply
-from aiowsync._bench._models import build_model, model_spec, random_init
+from aiowsync._receiving import apply as _apply
+from aiowsync._tools.bench._models import build_model, model_spec, random_init
 
 
 async def one_case(model: str, switch: str, read: bool, sends: int) -> dict[str, Any]:

@@ -42,35 +42,35 @@ MUTANTS = [
     Mutant(
         "pins",
         "the sender pins only its latest version, not the versions lagging workers still read",
-        "src/aiowsync/_peers.py",
+        "src/aiowsync/_sending/peers.py",
         "            pinned |= peer.inflight\n        return pinned\n",
         "            pinned |= peer.inflight\n        return {current}\n",
     ),
     Mutant(
         "guard",
         "a switch does not wait for readers to leave the read guard",
-        "src/aiowsync/_guard.py",
+        "src/aiowsync/_receiving/guard.py",
         "            if self._readers:\n                return False\n",
         "            if False:\n                return False\n",
     ),
     Mutant(
         "one-bucket",
         "a distributed receiver switches once the first bucket arrived, not all of them",
-        "src/aiowsync/_dist_plane.py",
+        "src/aiowsync/_planes/dist/plane.py",
         "        for work in works:\n",
         "        for work in works[:1]:\n",
     ),
     Mutant(
         "layout-check",
         "the handshake skips the layout check (any model is welcomed)",
-        "src/aiowsync/_handshake.py",
+        "src/aiowsync/_sending/handshake.py",
         "    if hello.fingerprint != layout.fingerprint:\n",
         "    if False:\n",
     ),
     Mutant(
         "no-hooks",
         "a receiver acks a version without running its hooks",
-        "src/aiowsync/_updates.py",
+        "src/aiowsync/_receiving/updates.py",
         "            if self._core.hooks:\n"
         "                await self._core.applier.run_hooks(version)\n"
         "            answer = Ack(",

@@ -444,7 +444,7 @@ def knock(address: str, uid: int) -> tuple[str, int]:
 
 
 def test_the_peer_uid_is_read_from_unix_socket_credentials_only() -> None:
-    from aiowsync._auth import _peer_uid
+    from aiowsync._channel._auth import _peer_uid
 
     assert _peer_uid(b"localhost:1000:100:4242") == 1000
     assert _peer_uid(b"localhost:0:0:1") == 0

@@ -29,7 +29,7 @@ from tensordict import TensorDict
 from torch import nn
 
 import aiowsync
-import aiowsync._copy
+import aiowsync._copy.engine
 from aiowsync._channel import LOCAL_BIND
 from helpers import eventually, model, same
 
@@ -261,7 +261,7 @@ _POOL_THREADS = ("AnyIO worker thread", "asyncio_")
 def _lasting_threads() -> tuple[str, ...]:
     """Helper threads of the process's default copy policy, which copies made without a
     policy of their own use; it is never closed, by design (see ``default_policy``)."""
-    policy = aiowsync._copy._default
+    policy = aiowsync._copy.engine._default
     if policy is None:
         return ()
     return (f"{policy._copy_name}_", f"{policy._gather_name}_")
@@ -1182,7 +1182,7 @@ async def test_readers_of_workers_that_lag_never_see_two_versions(kind: Kind, mo
 def test_a_timed_out_send_also_names_the_workers_lost_during_it() -> None:
     # In a chain, a lost member is often why the members after it did not answer: the error
     # names both, and ``acked`` says who runs the version.
-    from aiowsync._outcome import Answers
+    from aiowsync._sending.outcome import Answers
 
     answers = Answers(version=4, waiting={0, 1, 2, 3})
     answers.acked.add(0)

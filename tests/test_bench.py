@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from aiowsync._bench import _parse, main
-from aiowsync._bench._models import MIB, Reader, fill, model_spec, spec_bytes
-from aiowsync._bench._report import checks, markdown, plot
-from aiowsync._bench._run import QUICK_CELLS, _plan_batches, footprint, matrix
+from aiowsync._tools.bench import _parse, main
+from aiowsync._tools.bench._models import MIB, Reader, fill, model_spec, spec_bytes
+from aiowsync._tools.bench._report import checks, markdown, plot
+from aiowsync._tools.bench._run import QUICK_CELLS, _plan_batches, footprint, matrix
 from helpers import run_cli
 
 HAS_TORCHRL = importlib.util.find_spec("torchrl") is not None
@@ -122,8 +122,8 @@ def test_models_are_the_advertised_sizes() -> None:
 async def test_the_raw_copy_moves_whole_pages_of_at_least_the_models_bytes() -> None:
     """The 1000-tensor model's 64 MiB less 70 bytes is rounded up to a page: torch's copy of
     that odd length runs slower than the same bytes can move (docs/benchmarks.md)."""
-    from aiowsync._bench._contenders import RawCopy
-    from aiowsync._bench._models import raw_copy_bytes
+    from aiowsync._tools.bench._contenders import RawCopy
+    from aiowsync._tools.bench._models import raw_copy_bytes
 
     assert [raw_copy_bytes(n) for n in (0, 1, 4096, 4097)] == [0, 4096, 4096, 8192]
     odd = spec_bytes(model_spec("1000t-64MiB"))
@@ -257,7 +257,7 @@ def test_report_from_an_earlier_run(tmp_path: Path) -> None:
     reason="torchrl is not installed (the bench extra; `make test` runs this in .venv-bench)",
 )
 async def test_torchrl_tree_sends_and_counts_reads() -> None:
-    from aiowsync._bench._torchrl import TorchRLTree
+    from aiowsync._tools.bench._torchrl import TorchRLTree
 
     tree = TorchRLTree("shared", "1MiB", 2, timeout=60)
     try:
@@ -278,7 +278,7 @@ async def test_torchrl_tree_sends_and_counts_reads() -> None:
 
 
 def test_p90_lies_between_the_median_and_the_largest_sample() -> None:
-    from aiowsync._bench._report import _percentile
+    from aiowsync._tools.bench._report import _percentile
 
     assert _percentile([2.0, 1.0], 0.9) == pytest.approx(1.9)
     assert _percentile([5.0], 0.9) == 5.0
@@ -289,8 +289,8 @@ async def test_gap_windows_the_host_stole_from_are_measured_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A real contender (the raw copy) measures its gaps; the steal counter is the test's."""
-    from aiowsync._bench import _run
-    from aiowsync._bench._contenders import RawCopy
+    from aiowsync._tools.bench import _run
+    from aiowsync._tools.bench._contenders import RawCopy
 
     stolen = iter([0.0, 60.0, 60.0, 60.0, 60.0, 70.0])  # 60, 0, 10 ms per attempt
     monkeypatch.setattr(_run, "host_steal_ms", lambda: next(stolen))
@@ -336,8 +336,8 @@ async def test_rounds_shuffle_who_goes_after_whom() -> None:
     """Every contender samples once per round; the order changes from round to round, so a
     contender does not always follow the same one, and the orders are the same in every run
     of a cell."""
-    from aiowsync._bench import _run
-    from aiowsync._bench._contenders import Contender
+    from aiowsync._tools.bench import _run
+    from aiowsync._tools.bench._contenders import Contender
 
     def contenders() -> list[Contender]:
         out = []
@@ -379,8 +379,8 @@ async def test_the_raw_gloo_limit_has_rounds_for_every_retaken_gap_window(
     """The raw gloo receivers are told their number of rounds up front. A cell whose gap
     windows were all measured again (the host kept stealing) then two batches of TorchRL
     trees must not run out of them, as full run 12 did in its 64MiB x8 dist cell."""
-    from aiowsync._bench import _run
-    from aiowsync._bench._contenders import Contender
+    from aiowsync._tools.bench import _run
+    from aiowsync._tools.bench._contenders import Contender
 
     calls = 0
 
@@ -425,7 +425,7 @@ def _readings(*counts: int | None) -> Callable[[], int | None]:
 
 
 async def test_the_quiet_wait_finds_quiet_only_after_enough_quiet_reads_in_a_row() -> None:
-    from aiowsync._bench._probe import QUIET_READS, wait_quiet
+    from aiowsync._tools.bench._probe import QUIET_READS, wait_quiet
 
     waited, quiet = await wait_quiet(most=30.0, read=_readings(3, 1, 1, 2, *[1] * QUIET_READS))
     assert quiet and waited < 30.0
@@ -441,7 +441,7 @@ async def test_the_quiet_wait_finds_quiet_only_after_enough_quiet_reads_in_a_row
 
 
 async def test_the_quiet_wait_gives_up_after_its_limit_on_a_machine_that_stays_busy() -> None:
-    from aiowsync._bench._probe import wait_quiet
+    from aiowsync._tools.bench._probe import wait_quiet
 
     started = time.perf_counter()
     waited, quiet = await wait_quiet(most=0.3, read=_readings(1, 1, 4))
@@ -454,7 +454,7 @@ async def test_real_busy_processes_keep_the_machine_from_being_quiet_and_the_wai
 ):
     """Two processes spinning are always runnable, beside the reader, however many CPUs the
     machine has and whatever else runs on it."""
-    from aiowsync._bench._probe import runnable_tasks, wait_quiet
+    from aiowsync._tools.bench._probe import runnable_tasks, wait_quiet
 
     if runnable_tasks() is None:
         pytest.skip("Linux does not say how many tasks are runnable here")
@@ -475,7 +475,7 @@ async def test_real_busy_processes_keep_the_machine_from_being_quiet_and_the_wai
 
 
 def test_the_report_says_how_long_samples_waited_for_quiet() -> None:
-    from aiowsync._bench._report import _quiet_text
+    from aiowsync._tools.bench._report import _quiet_text
 
     def report(waits: list[float], found: list[bool]) -> dict[str, object]:
         row = {"quiet_wait_s": waits, "quiet_found": found}

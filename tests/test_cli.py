@@ -70,7 +70,7 @@ def test_demo_help_gives_every_option_a_text_and_its_default(
 def test_doctor_judges_shared_memory_against_the_model_size(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from aiowsync._doctor import findings
+    from aiowsync._tools.doctor import findings
 
     small = findings(1 << 20, workers=2, shm=Path("/dev/shm"))
     assert next(f.what for f in small) == "shared memory (/dev/shm)"

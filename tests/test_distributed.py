@@ -22,9 +22,9 @@ from torch import nn
 
 import aiowsync
 import helpers
-from aiowsync._dist_buckets import Buckets
-from aiowsync._dist_receiver import DistReceiverPlane
-from aiowsync._plane import Source
+from aiowsync._planes.base import Source
+from aiowsync._planes.dist.buckets import Buckets
+from aiowsync._planes.dist.receiver import DistReceiverPlane
 from helpers import bump, same
 
 pytestmark = pytest.mark.timeout(90)
@@ -79,8 +79,8 @@ def test_bucket_plans_cover_every_byte_once_and_split_straddling_tensors() -> No
 @pytest.mark.parametrize("plain", [True, False])
 @pytest.mark.parametrize("bucket_bytes", [1, 64, 1000, 1 << 20])
 def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, plain: bool) -> None:
-    from aiowsync._dist_plane import DistSenderPlane
-    from aiowsync._layout import Layout
+    from aiowsync._planes.dist.plane import DistSenderPlane
+    from aiowsync._weights.layout import Layout
 
     m = model(3)
     weights = {k: v.detach() for k, v in m.state_dict().items()}
@@ -432,7 +432,7 @@ async def test_receivers_reach_the_store_on_the_data_host_not_the_control_host()
 
 
 def test_a_wait_shorter_than_a_millisecond_still_has_a_limit() -> None:
-    from aiowsync._dist_groups import finish
+    from aiowsync._planes.dist.groups import finish
 
     seen: list[Any] = []
 
@@ -451,7 +451,7 @@ async def test_a_worker_slow_to_join_is_still_brought_up_to_date(
     # A worker starting beside many others on a busy host may reach its first group late. A
     # send's group gives up forming after a while (its retry needs the time), but the group
     # that brings a joining worker up to date has no retry: it waits out the handshake.
-    from aiowsync._dist_groups import ReceiverGroups
+    from aiowsync._planes.dist.groups import ReceiverGroups
 
     src = model(0)
     sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=4096, heartbeats=FAST)

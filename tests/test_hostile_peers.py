@@ -21,10 +21,10 @@ from torch import nn
 
 import aiowsync
 from aiowsync import ProtocolError
-from aiowsync._layout import Layout, _dtype_from_name
+from aiowsync._planes.shm.plane import SharedMemReceiverPlane, SwitchMode
+from aiowsync._planes.shm.slots import SHM_DIR, SlotFile, open_slot, pid_alive, remove_stale_slots
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, Refuse, TensorDesc, decode, encode
-from aiowsync._shm_plane import SharedMemReceiverPlane, SwitchMode
-from aiowsync._shm_slots import SHM_DIR, SlotFile, open_slot, pid_alive, remove_stale_slots
+from aiowsync._weights.layout import Layout, _dtype_from_name
 from helpers import rss
 
 pytestmark = pytest.mark.timeout(120)
@@ -216,7 +216,7 @@ async def test_a_hello_larger_than_any_receiver_of_the_model_sends_is_never_read
     # trainer's loop (20 of them stalled it 20.6 s), and each connection could queue 1000
     # frames of 8 MiB. Now the socket cuts off a peer whose message is larger than this
     # model's receivers ever send, before it is read.
-    from aiowsync._handshake import hello_limit
+    from aiowsync._sending.handshake import hello_limit
 
     descs = [TensorDesc(f"t{i}", "float32", [1]) for i in range(200_000)]
     frame = encode(_hello(descs))

@@ -13,11 +13,11 @@ from torch import nn
 
 import aiowsync
 import helpers
-from aiowsync._digest import DigestMismatch, bucket_bytes, check_digest, digest
-from aiowsync._dist_receiver import DistReceiverPlane
-from aiowsync._layout import Layout
-from aiowsync._plane import Staged
-from aiowsync._shm_sender import SharedMemSenderPlane
+from aiowsync._planes.base import Staged
+from aiowsync._planes.digest import DigestMismatch, bucket_bytes, check_digest, digest
+from aiowsync._planes.dist.receiver import DistReceiverPlane
+from aiowsync._planes.shm.sender import SharedMemSenderPlane
+from aiowsync._weights.layout import Layout
 from helpers import bump, same
 
 pytestmark = pytest.mark.timeout(120)

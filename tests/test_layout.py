@@ -14,9 +14,9 @@ from torch import nn
 
 import aiowsync
 from aiowsync import Layout, TensorSpec, _copy
-from aiowsync._binding import bind_views, is_homed, module_targets, rehome
-from aiowsync._copy import CopyPolicy, fused_copy, streams_available
-from aiowsync._copy_job import (
+from aiowsync._copy.engine import CopyPolicy, fused_copy, streams_available
+from aiowsync._copy.gather import GatherCopy
+from aiowsync._copy.job import (
     EARLY_TAILS,
     MAX_MOVE,
     TAIL,
@@ -25,11 +25,11 @@ from aiowsync._copy_job import (
     early_share,
     split_sizes,
 )
-from aiowsync._gather import GatherCopy
-from aiowsync._plane import Source, WeightSource
+from aiowsync._planes.base import Source, WeightSource
+from aiowsync._planes.shm.sender import SharedMemSenderPlane
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, TensorDesc, decode, encode
-from aiowsync._shm_sender import SharedMemSenderPlane
-from aiowsync._weights import flatten_weights
+from aiowsync._weights.binding import bind_views, is_homed, module_targets, rehome
+from aiowsync._weights.flatten import flatten_weights
 
 
 class Mixed(nn.Module):
@@ -921,7 +921,7 @@ def test_a_plane_keeps_an_early_copy_only_of_the_same_buffers(policy: CopyPolicy
 def test_flattening_a_tensordict_walks_its_entries_and_falls_back_for_other_kinds() -> None:
     from tensordict import LazyStackedTensorDict
 
-    from aiowsync._weights import _walk_plain
+    from aiowsync._weights.flatten import _walk_plain
 
     inner = TensorDict({"w": torch.randn(3, 2), "deep": {"b": torch.arange(4)}}, [])
     td = TensorDict({"a": inner, "s": torch.tensor(1.5), "p": nn.Parameter(torch.ones(2))}, [])

@@ -112,7 +112,7 @@ def test_a_receiver_on_the_meta_device_is_refused() -> None:
 
 
 def test_distributed_packing_reads_odd_strides_and_lazy_views() -> None:
-    from aiowsync._dist_buckets import as_bytes as _as_bytes
+    from aiowsync._planes.dist.buckets import as_bytes as _as_bytes
 
     odd = torch.randn(3, 3).t()[0, :1]
     z = torch.randn(4, dtype=torch.complex64)
@@ -164,8 +164,8 @@ async def test_a_rehomed_model_is_rehomed_again_in_a_later_session() -> None:
 
 
 def test_rehoming_refuses_overlapping_memory_only() -> None:
-    from aiowsync._binding import rehome
-    from aiowsync._layout import Layout
+    from aiowsync._weights.binding import rehome
+    from aiowsync._weights.layout import Layout
 
     class SideBySide(nn.Module):
         def __init__(self) -> None:
@@ -196,7 +196,7 @@ async def test_sending_the_bound_model_by_name_is_the_same_as_send(
     and detach every parameter again (about a millisecond for 1000 of them), and what the
     model holds, even a replaced parameter, still arrives. Another module of the same layout
     is still walked, and sent."""
-    from aiowsync import _source as _scheme
+    from aiowsync._sending import source as _scheme
 
     torch.manual_seed(0)
     src, mirror, other = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(8, 4)

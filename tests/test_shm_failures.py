@@ -592,7 +592,7 @@ async def test_sender_shutdown_while_a_send_is_staging() -> None:
 async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(
     layers: int, switch: Any
 ) -> None:
-    from aiowsync._shm_window import windows_supported
+    from aiowsync._planes.shm.window import windows_supported
 
     def many(seed: int) -> nn.Module:
         torch.manual_seed(seed)
@@ -1022,7 +1022,7 @@ import asyncio, sys
 import torch
 from torch import nn
 import aiowsync
-from aiowsync import _shm_slots
+from aiowsync._planes.shm import slots as _shm_slots
 from pathlib import Path
 _shm_slots.SHM_DIR = Path(sys.argv[1])
 
@@ -1281,7 +1281,7 @@ def test_a_worker_that_waits_minutes_for_its_trainer_still_joins() -> None:
 
 
 def test_a_switch_that_timed_out_leaves_nothing_behind_for_later_releases() -> None:
-    from aiowsync._guard import ReadGuard
+    from aiowsync._receiving.guard import ReadGuard
 
     guard = ReadGuard()
     guard.acquire()  # a reader (this thread) holds the guard past the switch's deadline

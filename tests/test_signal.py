@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from aiowsync._signal import Flag, Signal
+from aiowsync._util.signal import Flag, Signal
 
 
 async def test_notify_wakes_every_task_waiting_at_that_moment() -> None:

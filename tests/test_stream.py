@@ -1,4 +1,4 @@
-"""Non-temporal copies (``aiowsync._stream``): every byte lands, nothing else is touched."""
+"""Non-temporal copies (``aiowsync._copy._stream``): every byte lands, nothing else is touched."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from aiowsync._copy import CopyPolicy, default_policy, fused_copy, pack_moves
+from aiowsync._copy.engine import CopyPolicy, default_policy, fused_copy, pack_moves
 
-stream = pytest.importorskip("aiowsync._stream")
+stream = pytest.importorskip("aiowsync._copy._stream")
 
 _X86 = platform.machine().lower() in {"x86_64", "amd64"}
 
@@ -104,9 +104,9 @@ def test_without_the_module_copies_are_plain_and_cannot_be_turned_on() -> None:
 
     code = """
 import sys
-sys.modules["aiowsync._stream"] = None  # as if it had not been built
+sys.modules["aiowsync._copy._stream"] = None  # as if it had not been built
 import torch
-from aiowsync import _copy
+from aiowsync._copy import engine as _copy
 assert _copy._stream is None and not _copy.default_policy().streaming
 try:
     _copy.CopyPolicy(streaming=True)

@@ -1,11 +1,8 @@
 """aiowsync: versioned, tear-free async broadcast of PyTorch weights."""
 
-from ._auth import CurveKeys
-from ._blocking import BlockingScheme, blocking
 from ._channel import ChannelFactory, MemoryChannelFactory, ZmqChannelFactory
+from ._channel._auth import CurveKeys
 from ._config import Heartbeats, Timeouts
-from ._dist_plane import Backend
-from ._distributed import DistributedPlane, DistributedWeightSyncScheme
 from ._exceptions import (
     ConnectError,
     ExperimentalWarning,
@@ -21,19 +18,22 @@ from ._exceptions import (
     WeightSyncTimeout,
     WorkerLostError,
 )
-from ._guard import ReadGuard
-from ._layout import Layout, TensorSpec
-from ._lease import Lease
-from ._memory_plane import MemoryPlane
-from ._outcome import PendingSend, SendResult
-from ._plane import DataPlane
-from ._receiver import Hook
-from ._scheme import SchemeOptions, WeightSyncScheme
-from ._shared_mem import SharedMemWeightSyncScheme
-from ._shm_plane import SharedMemPlane, SwitchMode
-from ._strategy import StrategyName, WeightStrategy
-from ._weights import WeightsLike
-from ._workers import WorkerState, WorkerStatus, WorkerTable
+from ._planes.base import DataPlane
+from ._planes.dist.plane import Backend
+from ._planes.memory import MemoryPlane
+from ._planes.shm.plane import SharedMemPlane, SwitchMode
+from ._receiving.engine import Hook
+from ._receiving.guard import ReadGuard
+from ._receiving.lease import Lease
+from ._scheme.blocking import BlockingScheme, blocking
+from ._scheme.distributed import DistributedPlane, DistributedWeightSyncScheme
+from ._scheme.scheme import SchemeOptions, WeightSyncScheme
+from ._scheme.shared_mem import SharedMemWeightSyncScheme
+from ._sending.outcome import PendingSend, SendResult
+from ._sending.workers import WorkerState, WorkerStatus, WorkerTable
+from ._weights.flatten import WeightsLike
+from ._weights.layout import Layout, TensorSpec
+from ._weights.strategy import StrategyName, WeightStrategy
 
 __version__ = "0.1.0"
 

@@ -25,20 +25,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aiowsync {__version__}")
         return 0
     if args[0] == "demo":
-        from ._demo import main as demo
+        from ._tools.demo import main as demo
 
         return demo(args[1:])
     if args[0] == "bench":
-        from ._bench import main as bench
+        from ._tools.bench import main as bench
 
         # The console script passes nothing: bench may then restart itself with its settings.
         return bench(None if argv is None else args[1:])
     if args[0] == "doctor":
-        from ._doctor import doctor_main
+        from ._tools.doctor import doctor_main
 
         return doctor_main(args[1:])
     if args[0] == "clean":
-        from ._doctor import clean_main
+        from ._tools.doctor import clean_main
 
         return clean_main(args[1:])
     print(

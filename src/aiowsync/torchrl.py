@@ -45,12 +45,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "(with torch==2.13.0 pinned in the same pip call)"
     ) from exc
 
-from ._blocking import BlockingScheme, blocking
-from ._distributed import DistributedWeightSyncScheme as _DistScheme
-from ._scheme import WeightSyncScheme as _Scheme
-from ._scheme_base import resolve_model
-from ._sender import SendResult
-from ._shared_mem import SharedMemWeightSyncScheme as _ShmScheme
+from ._scheme.base import resolve_model
+from ._scheme.blocking import BlockingScheme, blocking
+from ._scheme.distributed import DistributedWeightSyncScheme as _DistScheme
+from ._scheme.scheme import WeightSyncScheme as _Scheme
+from ._scheme.shared_mem import SharedMemWeightSyncScheme as _ShmScheme
+from ._sending.engine import SendResult
 
 __all__ = ["DistributedWeightSyncScheme", "SharedMemWeightSyncScheme"]
 

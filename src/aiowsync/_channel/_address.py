@@ -13,7 +13,7 @@ import sys
 import tempfile
 from urllib.parse import urlsplit
 
-from .._pids import pid_alive
+from .._util.pids import pid_alive
 
 __all__ = [
     "FRESH_ABSTRACT",

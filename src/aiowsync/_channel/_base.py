@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from .._exceptions import ProtocolError, WeightSyncTimeout
 from .._protocol import Heartbeat, Message, Refuse, decode, encode
-from .._text import worth_logging
+from .._util.text import worth_logging
 
 __all__ = ["ChannelFactory", "PeerId", "ReceiverChannel", "SenderChannel"]
 

@@ -15,7 +15,7 @@ import time
 import zmq
 
 from .._exceptions import TransportError, WeightSyncTimeout
-from .._signal import Signal
+from .._util.signal import Signal
 from ._base import timeout_error
 
 __all__ = ["POLLIN", "POLLOUT", "ZmqEnd", "deadline_after"]

@@ -13,16 +13,16 @@ from collections.abc import Callable
 
 import zmq
 
-from .._auth import CurveKeys, check_server_keys, client_options
 from .._exceptions import TransportError
 from .._protocol import MAX_FRAME, Heartbeat, Message, encode
-from .._signal import Signal
+from .._util.signal import Signal
 from ._address import (
     LOCAL_BIND,
     check_zmq_address,
     is_loopback_address,
     resolve_local,
 )
+from ._auth import CurveKeys, check_server_keys, client_options
 from ._base import ChannelFactory, ReceiverChannel, SenderChannel, timeout_error
 from ._fdwait import POLLIN, ZmqEnd, deadline_after
 from ._monitor import ConnectionWatch

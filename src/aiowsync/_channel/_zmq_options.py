@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from .._libc import libc
+from .._util.libc import libc
 
 __all__ = [
     "BEATS_QUEUED",

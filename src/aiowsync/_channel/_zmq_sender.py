@@ -9,10 +9,10 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from .._auth import CurveKeys, CurveServer, SameUserServer
 from .._exceptions import TransportError
 from .._protocol import MAX_FRAME, Message, encode
 from ._address import claim_socket_dir, remove_owned_socket_dir, resolve_local
+from ._auth import CurveKeys, CurveServer, SameUserServer
 from ._base import PeerId, SenderChannel, timeout_error
 from ._fdwait import POLLIN, ZmqEnd, deadline_after
 from ._zmq_options import (

@@ -1,0 +1,361 @@
+"""The gather copy: a layout's tensors, given one by one, copied into its flat buffers.
+
+A model of many tensors needs one copy per tensor, and each torch copy or ``memmove`` call pays
+a few microseconds of setup and, from Python, a turn of the interpreter lock, which adds up to
+more than the bytes themselves. :class:`GatherCopy` cuts the destination instead into a few
+contiguous byte ranges per thread and fills each with a single ``torch.cat(pieces, out=range)``
+(or, under non-temporal copies, a single ``_stream.copy_moves`` call), and keeps the views it
+needs while the same sources come back.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
+
+import torch
+
+from .engine import (
+    PARALLEL_COPY_BYTES,
+    CopyPolicy,
+    byte_view,
+    copy_packed,
+    default_policy,
+    pack_moves,
+)
+from .job import SETTLE_S, CopyJob, cut, early_share, split_sizes
+from .omp import serial_torch
+
+if TYPE_CHECKING:
+    from .._weights.layout import Layout
+    from .engine import Packed
+
+__all__ = ["EarlyCopy", "GatherCopy", "remember_hint"]
+
+KEPT_SOURCES = 2
+"""Source sets whose copy plans a :class:`GatherCopy` keeps."""
+KEPT_DESTINATIONS = 8
+"""Destinations whose output ranges a plan keeps, per kind of copy (a sender's slots; more are
+rare)."""
+KEPT_HINTS = 4
+"""Hints whose last source set a :class:`GatherCopy` (or a plane) remembers."""
+RECENT_CALLS = 4
+"""Calls whose source sets a :class:`GatherCopy` remembers, to tell sources that come back."""
+
+V = TypeVar("V")
+
+
+def remember_hint(table: collections.OrderedDict[Hashable, V], hint: Hashable, value: V) -> None:
+    """``table[hint] = value``, keeping only the :data:`KEPT_HINTS` hints set last."""
+    table[hint] = value
+    table.move_to_end(hint)
+    if len(table) > KEPT_HINTS:
+        table.popitem(last=False)
+
+
+class GatherCopy:
+    """Copies a layout's tensors, given one by one, into its flat buffers, under ``policy``.
+
+    The destination is cut into a few contiguous byte ranges per thread (threads take them
+    from one queue, see :class:`aiowsync._copy.job.CopyJob`), and each range is filled with
+    a single ``torch.cat(pieces, out=range)``: torch copies a contiguous concatenation with
+    one ``memcpy`` per piece and no per-piece setup, as long as the calling thread runs torch
+    single-threaded (see :mod:`aiowsync._copy.omp`). The gaps between tensors (alignment padding)
+    are filled from a small zero tensor. Under non-temporal copies, each thread's ranges go
+    instead to one ``copy_moves`` call, as packed (destination, piece, length) moves.
+
+    The pieces are views of the sources, slow enough to make that they are kept (a *plan*
+    per source set) while the same source tensors come back, as a model's do on every send,
+    and rebuilt when any source moved. A plan serves every destination (each slot of a
+    sender): only its few output ranges are cut per destination, and kept too. Plans are
+    kept only for source sets seen before among the last few calls, so weights passed once
+    are not kept alive by a plan, and for at most :data:`KEPT_SOURCES` source sets (a sender
+    that alternates its model and one copy of its weights keeps both).
+
+    A caller may name where its sources come from with a *hint* (any hashable: the sender
+    passes one for its own model and one per weights object it is given). :meth:`start` then
+    guesses the source set that the last call with the same hint copied, so a sender that
+    alternates two sources still gets its copy started early.
+    """
+
+    def __init__(self, layout: Layout, policy: CopyPolicy | None = None) -> None:
+        self.layout = layout
+        self.policy = policy or default_policy()
+        self._plans: dict[tuple[int, ...], _Plan] = {}
+        """Kept plans by source pointers."""
+        self._kept: list[tuple[int, ...]] = []
+        """Source pointers whose plans are kept, oldest first."""
+        self._recent: collections.deque[tuple[int, ...]] = collections.deque(maxlen=RECENT_CALLS)
+        """Source pointers of the last calls (no reference to the tensors is held)."""
+        self._last: tuple[int, ...] | None = None
+        """Source pointers of the last call that copied (what :meth:`start` copies again)."""
+        self._repeated = False
+        """The last call copied the same sources as the one before: without a hint,
+        :meth:`start` guesses that the next one will too (a sender alternating two source
+        sets would otherwise start, and throw away, a copy of the wrong one at every call)."""
+        self._hinted: collections.OrderedDict[Hashable, tuple[int, ...]] = collections.OrderedDict()
+        """Source pointers of the last call with each hint (the last few hints)."""
+        self._zeros = torch.zeros(layout.alignment, dtype=torch.uint8)
+        # Lazy conjugate and negative views exist only for complex tensors (sources match the
+        # layout's dtypes), so only complex layouts pay for that check on every call.
+        self._lazy_views = any(spec.dtype.is_complex for spec in layout.specs)
+        self._early = early_share(len(layout.specs), layout.total_bytes)
+        """How the copies that :meth:`start` begins are cut (see ``split_sizes``)."""
+
+    def start(self, dst: Sequence[torch.Tensor], hint: Hashable = None) -> EarlyCopy | None:
+        """Start copying a source set seen before into ``dst``, in helper threads, before the
+        caller has checked that the next sources are those tensors: the set last copied with
+        ``hint`` or, for a hint not seen lately, the last call's set if the two calls before
+        copied the same one. None when there is nothing to start (no such set, or no plan
+        kept for it). The result must be passed to :meth:`copy` (which finishes or abandons
+        it) or abandoned."""
+        key = self._hinted.get(hint) if hint is not None else None
+        if key is None and self._repeated:
+            key = self._last
+        plan = self._plans.get(key) if key is not None else None
+        pool = self.policy.gather_pool()
+        if plan is None or key is None or pool is None:
+            return None
+        self._check_buffers(dst)
+        job = plan.job(dst, self.policy.streaming, early=self._early)
+        job.start(pool.executor, settle=SETTLE_S, steer=self.policy.steer_helpers)
+        return EarlyCopy(job, key)
+
+    def copy(
+        self,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        *,
+        keep: bool = False,
+        early: EarlyCopy | None = None,
+        hint: Hashable = None,
+    ) -> bool:
+        """Copy ``src`` (one tensor per layout key, in layout order, already checked against
+        the layout) into the byte buffers ``dst``. Returns False, having copied nothing, when
+        this way does not apply: a small model, sources that are not plain contiguous CPU
+        tensors, or no single-threaded torch threads on this platform.
+
+        ``keep`` says the sources will come back (a model's own tensors): their plan is kept
+        from this first call on. ``early``, from :meth:`start` with the same ``dst``, is
+        finished when ``src`` are the tensors it copies, else abandoned (and ``src`` copied
+        as usual); either way, no helper thread writes into ``dst`` once this returns.
+        ``hint``: where ``src`` comes from (see :meth:`start`)."""
+        try:
+            return self._copy(dst, src, keep, early, hint)
+        except BaseException:
+            if early is not None:
+                early.job.abandon()
+            raise
+
+    def _copy(
+        self,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        keep: bool,
+        early: EarlyCopy | None,
+        hint: Hashable,
+    ) -> bool:
+        pool = self.policy.gather_pool()
+        if (
+            pool is None
+            or self.layout.total_bytes < PARALLEL_COPY_BYTES
+            or len(src) != len(self.layout.specs)
+            or not _all_plain(src, self._lazy_views)
+        ):
+            if early is not None:
+                early.job.abandon()
+            return False
+        self._check_buffers(dst)
+        key = tuple(map(_data_ptr, src))
+        if early is not None and early.key == key and key in self._plans:
+            job = early.job
+        else:
+            if early is not None:
+                early.job.abandon()
+            plan = self._plans.get(key)
+            if plan is None:
+                if not all(t.is_cpu for t in src):
+                    return False
+                try:
+                    plan = self._plan(src, pool.threads)
+                except RuntimeError:
+                    return False  # a source torch cannot view as bytes (a lazy negation)
+                if keep or key in self._kept or key in self._recent:
+                    self._keep(key, plan)
+            job = plan.job(dst, self.policy.streaming)
+            job.start(pool.executor, steer=self.policy.steer_helpers)
+        if not self._recent or self._recent[-1] != key:
+            self._recent.append(key)
+        self._repeated, self._last = key == self._last, key
+        if hint is not None:
+            remember_hint(self._hinted, hint, key)
+        with serial_torch(pool):
+            job.finish()
+        return True
+
+    def _check_buffers(self, dst: Sequence[torch.Tensor]) -> None:
+        if len(dst) != len(self.layout.buffer_sizes):
+            raise ValueError(f"expected {len(self.layout.buffer_sizes)} buffers, got {len(dst)}")
+
+    def _keep(self, key: tuple[int, ...], plan: _Plan) -> None:
+        if key not in self._kept:
+            self._kept.append(key)
+            if len(self._kept) > KEPT_SOURCES:
+                self._plans.pop(self._kept.pop(0), None)
+        self._plans[key] = plan
+
+    def clear(self) -> None:
+        """Drop every plan (and with them the views of sources and destinations they hold)."""
+        self._plans.clear()
+        self._kept.clear()
+        self._recent.clear()
+        self._hinted.clear()
+        self._last, self._repeated = None, False
+
+    def _plan(self, src: Sequence[torch.Tensor], threads: int) -> _Plan:
+        layout = self.layout
+        # (buffer, start, piece): the bytes of every buffer up to its last tensor, in order.
+        segments: list[tuple[int, int, torch.Tensor]] = []
+        ends = [0] * len(layout.buffer_sizes)
+        with torch.no_grad():
+            for spec, t in zip(layout.specs, src, strict=True):
+                if t.nbytes != spec.nbytes:
+                    raise ValueError(f"{spec.key}: {t.nbytes} bytes, the layout has {spec.nbytes}")
+                if not spec.nbytes:
+                    continue
+                b, end = spec.buffer, ends[spec.buffer]
+                if spec.offset > end:
+                    segments.append((b, end, self._zeros[: spec.offset - end]))
+                segments.append((b, spec.offset, byte_view(t)))
+                ends[b] = spec.offset + spec.nbytes
+        return _Plan(segments, sum(ends), threads)
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyCopy:
+    """A copy :meth:`GatherCopy.start` began before its sources were checked."""
+
+    job: _GatherJob
+    key: tuple[int, ...]
+    """Pointers of the sources it copies."""
+
+
+@dataclass(slots=True, eq=False)
+class _Run:
+    """A contiguous byte range ``[start, end)`` of one destination buffer and, in order, the
+    pieces that fill it."""
+
+    buffer: int
+    start: int
+    end: int
+    pieces: list[torch.Tensor]
+
+
+_Share = list[tuple[list[torch.Tensor], torch.Tensor]]
+"""One thread's work: (pieces, the output range they fill) pairs."""
+if TYPE_CHECKING:
+    _GatherJob: TypeAlias = CopyJob[_Share] | CopyJob[Packed]
+
+
+class _Plan:
+    """The pieces of one source set, cut into the head's pieces and the helpers' tails of a
+    :class:`CopyJob` (one cut for copies started after the check, one for those started
+    before it), and their output ranges per destination (by the destination buffers'
+    pointers; a sender has a few slots, each met again and again)."""
+
+    def __init__(self, segments: list[tuple[int, int, torch.Tensor]], total: int, threads: int):
+        self._segments = segments
+        """(buffer, start, piece): the bytes of every buffer up to its last tensor, in order."""
+        self._total = total
+        self._threads = threads
+        self._cuts: dict[float, tuple[list[list[_Run]], list[list[_Run]]]] = {}
+        self._destinations: dict[tuple[float, tuple[int, ...]], _Outputs] = {}
+        """Output ranges per (cut, destination pointers)."""
+
+    def _groups(self, early: float) -> tuple[list[list[_Run]], list[list[_Run]]]:
+        found = self._cuts.get(early)
+        if found is not None:
+            return found
+        heads, tails = split_sizes(self._total, self._threads, early)
+        segments = self._segments
+        groups: list[list[_Run]] = [[] for _ in heads + tails]
+        for k, i, done, take in cut([p.numel() for _, _, p in segments], heads + tails):
+            b, start, piece = segments[i]
+            part = piece if take == piece.numel() else piece[done : done + take]
+            runs = groups[k]
+            run = runs[-1] if runs else None
+            at = start + done
+            if run is not None and run.buffer == b and run.end == at:
+                run.pieces.append(part)
+                run.end = at + take
+            else:
+                runs.append(_Run(b, at, at + take, [part]))
+        made = ([g for g in groups[: len(heads)] if g], [g for g in groups[len(heads) :] if g])
+        self._cuts[early] = made
+        return made
+
+    def job(self, dst: Sequence[torch.Tensor], streaming: bool, early: float = 0.0) -> _GatherJob:
+        """A job (not started) that fills ``dst``, with non-temporal stores if ``streaming``;
+        ``early``: started before the check (see ``split_sizes``)."""
+        key = (early, tuple(map(_data_ptr, dst)))
+        out = self._destinations.get(key)
+        if out is None:
+            if len(self._destinations) >= KEPT_DESTINATIONS:
+                self._destinations.clear()
+
+            def outputs(groups: list[list[_Run]]) -> list[_Share]:
+                return [[(r.pieces, dst[r.buffer][r.start : r.end]) for r in g] for g in groups]
+
+            head, tails = self._groups(early)
+            out = self._destinations[key] = _Outputs(outputs(head), outputs(tails))
+        if streaming:
+            if out.packed is None:
+                out.packed = (
+                    [_share_moves(s) for s in out.head],
+                    [_share_moves(s) for s in out.tails],
+                )
+            return CopyJob(out.packed[0], out.packed[1], copy_packed)
+        return CopyJob(out.head, out.tails, _gather_share)
+
+
+@dataclass(slots=True, eq=False)
+class _Outputs:
+    """A plan's shares for one destination: the head's and the tails', and the same as
+    packed moves once a non-temporal copy asked for them (their addresses stay valid while
+    the shares hold the views)."""
+
+    head: list[_Share]
+    tails: list[_Share]
+    packed: tuple[list[Packed], list[Packed]] | None = None
+
+
+def _gather_share(share: _Share) -> None:
+    for pieces, out in share:
+        torch.cat(pieces, out=out)
+
+
+def _share_moves(share: _Share) -> Packed:
+    """The memmoves that fill ``share``'s output ranges with their pieces, packed."""
+    moves = []
+    for pieces, out in share:
+        at = out.data_ptr()
+        for piece in pieces:
+            n = piece.numel()
+            moves.append((at, piece.data_ptr(), n))
+            at += n
+    return pack_moves(moves)
+
+
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+_is_conj = torch.Tensor.is_conj
+_is_neg = torch.Tensor.is_neg
+
+
+def _all_plain(tensors: Sequence[torch.Tensor], lazy_views: bool = True) -> bool:
+    """Contiguous, and their memory holds their values (no lazy conjugate or negation)."""
+    return all(map(_is_contiguous, tensors)) and not (
+        lazy_views and (any(map(_is_conj, tensors)) or any(map(_is_neg, tensors)))
+    )

@@ -1,0 +1,215 @@
+"""A version's flat image in buckets, packed from its source one bucket at a time.
+
+The distributed sender packs each version into a private slot while it sends it: bucket i+1
+is packed while bucket i is on the wire, so the copy out of the user's weights overlaps the
+network instead of coming before it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from aiowsync._copy.engine import CopyPolicy, byte_view, copy_moves, fused_copy
+from aiowsync._weights.layout import Layout
+from ..base import Source
+
+__all__ = ["Buckets", "Image", "Packer", "as_bytes", "plain_pointers", "section_spans"]
+
+
+class Buckets:
+    """Byte ranges of a version's flat image, and which piece of each source lands in each.
+
+    A source is a list of segments ``(global offset, nbytes)`` (a tensor of the layout, or one
+    of its flat buffers); a bucket's plan lists ``(segment, start, stop)`` byte ranges within
+    segments, so that packing bucket i copies exactly bytes ``ranges[i]`` of the image.
+    """
+
+    def __init__(
+        self, total: int, bucket_bytes: int, spans: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """Buckets of at most about ``bucket_bytes`` over ``[0, total)``; with ``spans`` (the
+        byte ranges of the models of a layout of several), no bucket crosses from one span
+        into the next, so that each model's bytes travel in buckets of their own."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.ranges: list[tuple[int, int]] = []
+        self.span_of: list[int] = []
+        """The span (model) each bucket belongs to."""
+        for number, (start, stop) in enumerate(spans or [(0, total)]):
+            ranges = [(lo, min(lo + bucket_bytes, stop)) for lo in range(start, stop, bucket_bytes)]
+            if len(ranges) > 1 and ranges[-1][1] - ranges[-1][0] < bucket_bytes // 8:
+                # A sliver (often just alignment padding) rides with the bucket before it:
+                # one collective fewer, for a bucket at most 1/8 larger.
+                ranges[-2:] = [(ranges[-2][0], stop)]
+            self.ranges += ranges
+            self.span_of += [number] * len(ranges)
+
+    def plan(self, segments: Sequence[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
+        starts = [offset for offset, _ in segments]
+        plans: list[list[tuple[int, int, int]]] = []
+        for lo, hi in self.ranges:
+            pieces = []
+            index = max(0, bisect.bisect_right(starts, lo) - 1)
+            while index < len(segments) and segments[index][0] < hi:
+                offset, nbytes = segments[index]
+                a, b = max(lo, offset), min(hi, offset + nbytes)
+                if a < b:
+                    pieces.append((index, a - offset, b - offset))
+                index += 1
+            plans.append(pieces)
+        return plans
+
+
+def section_spans(layout: Layout) -> list[tuple[int, int]]:
+    """The byte range of each model of a layout of several, in the layout's flat image, in
+    the layout's section order (one range, all of it, for one model)."""
+    starts = [0]
+    for size in layout.buffer_sizes:
+        starts.append(starts[-1] + size)
+    return [(starts[first], starts[last]) for first, last in layout.sections.values()]
+
+
+def plain_pointers(tensors: Sequence[torch.Tensor], device: torch.device) -> list[int]:
+    """The tensors' addresses when every one is a plain contiguous CPU tensor (and the slots
+    are on the CPU too), else ``[]``: then packing goes through tensor views."""
+    if device.type != "cpu":
+        return []
+    pointers = []
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            return []
+        pointers.append(t.data_ptr())
+    return pointers
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as contiguous bytes (lazy conjugates and negations resolved)."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return byte_view(t)
+
+
+@dataclass(slots=True)
+class Image:
+    """A slot's flat bytes, and how far the version staged in it is packed."""
+
+    flat: torch.Tensor
+    source: Source | None = None
+    # The source's tensors (detached: they hold its storage while we read it) and addresses.
+    source_refs: list[torch.Tensor] | None = None
+    source_pointers: list[int] | None = None  # [] when not all plain CPU tensors
+    packed: int = 0  # buckets packed so far
+    complete: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Packer:
+    """Packs sources laid out by ``layout`` into images, bucket by bucket; thread-safe."""
+
+    def __init__(
+        self, layout: Layout, bucket_bytes: int, device: torch.device, policy: CopyPolicy
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        self._policy = policy
+        self.buckets = Buckets(layout.total_bytes, bucket_bytes, section_spans(layout))
+        starts = [0]
+        for size in layout.buffer_sizes[:-1]:
+            starts.append(starts[-1] + size)
+        self._buffer_starts = starts
+        self._tensor_starts = [starts[s.buffer] + s.offset for s in layout.specs]
+        self._tensor_plan = self.buckets.plan(
+            [(start, s.nbytes) for start, s in zip(self._tensor_starts, layout.specs, strict=True)]
+        )
+        self._buffer_plan = self.buckets.plan(list(zip(starts, layout.buffer_sizes, strict=True)))
+
+    def new_image(self) -> Image:
+        # Zeroed: the alignment gaps between tensors travel too, and must not carry whatever
+        # this process's memory held before.
+        return Image(torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device))
+
+    def start(self, image: Image, source: Source) -> None:
+        """Make ``source`` the next thing packed into ``image``; nothing is copied yet."""
+        if source.buffers is None and source.tensors is None:
+            raise ValueError("empty source")
+        image.source, image.packed, image.source_pointers, image.source_refs = source, 0, None, None
+        image.complete.clear()
+
+    def fill(self, image: Image, source: Source) -> None:
+        """Pack the tensors ``source`` gives now, one by one (casting where dtypes differ).
+        A send of some models gives only theirs: the image's other models are never sent
+        from it."""
+        assert source.tensors is not None
+        views = self.layout.views(self.layout.split(image.flat))
+        keys = [k for k in self.layout.keys if k in source.tensors]
+        fused_copy([views[k] for k in keys], [source.tensors[k] for k in keys], self._policy)
+        with image.lock:
+            image.source = image.source_refs = image.source_pointers = None
+            image.packed = len(self.buckets.ranges)
+            image.complete.set()
+
+    def pack(self, image: Image, index: int) -> None:
+        """Pack buckets up to ``index`` (a no-op for those already packed)."""
+        with image.lock:
+            while image.packed <= index and image.source is not None:
+                self._pack_one(image, image.packed, image.source)
+
+    def seal(self, image: Image) -> None:
+        """Pack whatever is not packed yet: after this the source is never read again."""
+        while image.source is not None and image.packed < len(self.buckets.ranges):
+            self.pack(image, image.packed)
+
+    def _pack_one(self, image: Image, index: int, source: Source) -> None:
+        if source.buffers is not None:
+            plan, starts = self._buffer_plan[index], self._buffer_starts
+        else:
+            plan, starts = self._tensor_plan[index], self._tensor_starts
+        if image.source_pointers is None:
+            image.source_refs = [t.detach() for t in self._segments(source)]
+            image.source_pointers = plain_pointers(image.source_refs, self.device)
+        pointers = image.source_pointers
+        if pointers:
+            # Plain memmoves between addresses: a tensor view per piece costs more than the
+            # copy itself when a model has many small tensors.
+            base = image.flat.data_ptr()
+            moves = [(base + starts[seg] + a, pointers[seg] + a, b - a) for seg, a, b in plan]
+            copy_moves(moves, self._policy)
+        else:
+            self._pack_views(image, source, plan, starts)
+        image.packed = index + 1
+        if image.packed == len(self.buckets.ranges):
+            image.source = image.source_refs = image.source_pointers = None
+            image.complete.set()
+
+    def _segments(self, source: Source) -> list[torch.Tensor]:
+        if source.buffers is not None:
+            return list(source.buffers)
+        assert source.tensors is not None
+        return [source.tensors[k] for k in self.layout.keys]
+
+    def _pack_views(
+        self,
+        image: Image,
+        source: Source,
+        plan: list[tuple[int, int, int]],
+        starts: list[int],
+    ) -> None:
+        pieces: Mapping[int, torch.Tensor]
+        if source.buffers is not None:
+            pieces = dict(enumerate(source.buffers))
+        else:
+            assert source.tensors is not None
+            tensors, keys = source.tensors, self.layout.keys
+            pieces = {seg: tensors[keys[seg]] for seg, _, _ in plan}
+        dsts, srcs = [], []
+        for seg, a, b in plan:
+            start = starts[seg] + a
+            srcs.append(as_bytes(pieces[seg])[a:b])
+            dsts.append(image.flat[start : start + (b - a)])
+        fused_copy(dsts, srcs, self._policy)

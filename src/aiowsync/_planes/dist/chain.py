@@ -1,0 +1,138 @@
+"""The chain topology of the distributed plane: each member receives every bucket from the
+member before it and forwards it to the member after, and waits on its links for a bounded
+time only.
+
+Why bounded: a gloo receive cannot be interrupted, and a connection that closes does not
+always fail the receives already posted on it (a member killed before the version reached it
+left the members after it waiting until the send's deadline). So a member that gets nothing
+from the member before it for :attr:`ChainLimits.stall` seconds fails its receive, which the
+sender retries on a fresh chain without the dead member, well within the deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .groups import Backend, finish, seconds_left
+from aiowsync._exceptions import TransportError
+from ..base import Params
+from aiowsync._util.text import first_line
+
+__all__ = ["CHAIN_STALL", "SLOW_LINK", "ChainLimits", "receive_and_forward", "wait_link"]
+
+CHAIN_STALL = 5.0
+"""How long a link may move nothing, beyond a few times what a bucket takes, before the member
+waiting on it takes the member at its other end for dead or stalled."""
+
+SLOW_LINK = 100e6 / 8
+"""The link speed, in bytes per second, that a chain's limits assume until a transfer has
+shown the real one (100 Mbit/s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChainLimits:
+    """How long a chain member waits on a link before taking it for broken."""
+
+    stall: float
+    """Seconds a link may go without delivering the next bucket."""
+    hop: float
+    """More seconds for the first bucket per member before this one (it passes through each)."""
+
+    @classmethod
+    def for_pace(cls, bucket_seconds: float) -> ChainLimits:
+        """The limits for links that move a bucket in ``bucket_seconds``, with room to spare
+        for a busy host."""
+        return cls(CHAIN_STALL + 4 * bucket_seconds, 2 * bucket_seconds + 0.05)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> ChainLimits | None:
+        """The limits an update gives; None when it gives none (the deadline alone counts)."""
+        stall, hop = params.get("stall_ms"), params.get("hop_ms")
+        if not isinstance(stall, int) or not isinstance(hop, int) or stall <= 0 or hop < 0:
+            return None
+        return cls(stall / 1000, hop / 1000)
+
+    def params(self) -> Params:
+        return {"stall_ms": max(1, round(self.stall * 1000)), "hop_ms": round(self.hop * 1000)}
+
+    def first(self, before: int) -> float:
+        """The wait for the first bucket of a member with ``before`` members before it."""
+        return self.stall + before * self.hop
+
+
+def wait_link(
+    work: Any,
+    backend: Backend,
+    device: torch.device,
+    *,
+    allowed: float,
+    deadline: float,
+    peer: str,
+) -> None:
+    """Wait for one send or receive on the link to ``peer``: at most ``allowed`` seconds, and
+    never past ``deadline``. A link that moved nothing for ``allowed`` seconds raises
+    :class:`TransportError` naming ``peer``."""
+    left = seconds_left(deadline)
+    if allowed >= left:
+        finish(work, backend, left, device)
+        return
+    started = time.monotonic()
+    try:
+        finish(work, backend, allowed, device)
+    except RuntimeError as exc:
+        if time.monotonic() - started < 0.95 * allowed:
+            raise  # failed on its own, not for lack of time
+        raise TransportError(
+            f"nothing moved on the link to {peer} for {allowed:.1f} s: {peer} died or "
+            "stalled, or waits on a member that did"
+        ) from exc
+
+
+def receive_and_forward(
+    pg: Any,
+    rank: int,
+    workers: list[int],
+    targets: list[tuple[int, torch.Tensor]],
+    *,
+    deadline: float,
+    limits: ChainLimits | None,
+    backend: Backend,
+    device: torch.device,
+    held: list[Any],
+) -> str:
+    """Receive each bucket of ``targets`` (index, destination) from rank ``rank - 1`` and send
+    it on to rank ``rank + 1`` as soon as it is here, while the next one comes in.
+
+    Raises :class:`TransportError` when a bucket does not arrive. Returns why forwarding
+    failed, or ``""``: this member holds the whole version either way. ``held`` receives the
+    pending work, so that the caller can let it go with the group.
+    """
+    before = "the sender" if rank == 1 else f"worker {workers[rank - 2]}"
+    after = rank + 1 if rank < len(workers) else None
+    following = f"worker {workers[rank]}" if after is not None else ""
+    stall = limits.stall if limits is not None else float("inf")
+    works = [pg.recv([dst], rank - 1, index) for index, dst in targets]
+    sends: list[Any] = []
+    held += [works, sends]
+    broken = ""
+    for number, ((index, dst), work) in enumerate(zip(targets, works, strict=True)):
+        allowed = limits.first(rank - 1) if limits is not None and number == 0 else stall
+        wait_link(work, backend, device, allowed=allowed, deadline=deadline, peer=before)
+        if after is not None and not broken:
+            try:
+                sends.append(pg.send([dst], after, index))
+            except RuntimeError as exc:
+                broken = first_line(exc)
+    for work in sends:
+        if broken:
+            break  # the rest go with the group
+        try:
+            wait_link(work, backend, device, allowed=stall, deadline=deadline, peer=following)
+        except (RuntimeError, TransportError) as exc:
+            broken = first_line(exc)
+    return broken

@@ -1,0 +1,428 @@
+"""Process groups of our own, and the store they form in.
+
+The sender runs a store (:mod:`aiowsync._planes.dist.store`, bound to the data host only and open only to
+holders of its secret) and creates one process group per set of receivers it sends to, with
+itself as rank 0. A group is named by a random token and used as a prefix in the store, so
+groups never collide and the user's default group is never touched. Groups are cached by
+their members (worker index and session, so a restarted worker gets new groups); a group whose
+collective failed is dropped at once, which closes its connections and makes every member's
+pending receive fail quickly instead of timing out. A dropped group's keys leave the store.
+
+Every blocking call here runs in a worker thread and has a deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
+
+from .store import StoreServer, group_prefix
+from .store_client import StoreClient
+from aiowsync._exceptions import TransportError
+from ..base import Params
+
+__all__ = [
+    "FORM_TIMEOUT",
+    "Backend",
+    "Group",
+    "Member",
+    "ReceiverGroups",
+    "SenderGroups",
+    "Topology",
+    "finish",
+    "host_of",
+    "local_ip_towards",
+    "new_group",
+    "seconds_left",
+]
+
+log = logging.getLogger("aiowsync.dist")
+
+Backend: TypeAlias = Literal["gloo", "nccl"]
+Topology: TypeAlias = Literal["star", "chain"]
+"""How a version travels to a group's members: from the sender to each (star), or from each
+member to the next (chain)."""
+Member: TypeAlias = tuple[int, str]
+"""A receiver as a group member: (worker index, session)."""
+
+FORM_TIMEOUT = 10.0
+"""The longest a new group of a send may take to form, whatever the transfer's deadline: a
+member that never joins fails the transfer early, so that its retry on a fresh group still has
+time. A group that brings a joining worker up to date has no retry, and may take its whole
+deadline (a worker starting beside many others on a busy host may be slow to join)."""
+
+_CONNECT_TIMEOUT = 2.0
+"""gloo's own limit while a group forms (see :func:`new_group`)."""
+
+_STORE_TIMEOUT = 60.0
+"""The sender's limit on one store request; every wait that matters has its own deadline."""
+
+_OP_TIMEOUT = datetime.timedelta(hours=1)
+"""The groups' own limit on one send or receive. Deadlines are enforced by each wait instead:
+a cached group outlives the deadline of the send that formed it."""
+
+_MAX_GROUPS = 8
+"""Idle groups each side keeps: each holds connections to all its members."""
+
+_DEAD_NAMES = 256
+"""Names of failed groups a receiver remembers, so that an update naming one fails at once."""
+
+
+def host_of(address: str) -> str:
+    """The host part of a ``tcp://host:port`` address."""
+    host = (urlsplit(address).hostname or "").strip("[]")
+    if not host:
+        raise ValueError(f"no host in address {address!r}")
+    return host
+
+
+def local_ip_towards(host: str) -> str:
+    """The local address this machine uses to reach ``host`` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
+
+
+def seconds_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransportError("the transfer ran out of time")
+    return left
+
+
+def new_group(
+    backend: Backend,
+    store: Store,
+    name: str,
+    rank: int,
+    size: int,
+    hostname: str,
+    timeout: float,
+) -> dist.ProcessGroup:
+    """A process group of ``size`` ranks under prefix ``name``: blocks until all have joined."""
+    # gloo's own timeout also bounds connecting to the members once they have published
+    # their addresses, which it tries several times over: a member that died just after
+    # publishing held the others for about five times that timeout. So gloo gets a short
+    # one, and waiting for members that are slow to join keeps the whole ``timeout``.
+    # (The view must outlive the constructor: torch keeps only its C++ half.)
+    view = _KeyWaits(store, timeout)
+    prefixed = PrefixStore(group_prefix(name), view)
+    span = datetime.timedelta(seconds=min(timeout, _CONNECT_TIMEOUT))
+    pg: Any
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = span
+        # Two devices, so two I/O threads: consecutive buckets (tags) alternate between them.
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)] * 2
+        pg = dist.ProcessGroupGloo(prefixed, rank, size, options)
+    elif backend == "nccl":  # pragma: no cover - needs GPUs
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = span
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, nccl_options)
+    else:
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    # ``timeout`` bounded the rendezvous above; from here on each wait has its own deadline.
+    set_default = getattr(pg, "_set_default_timeout", None)
+    if set_default is not None:
+        set_default(_OP_TIMEOUT)
+    del view  # the group formed: its members are connected, and the store is not used again
+    return pg  # type: ignore[no-any-return]
+
+
+class _KeyWaits(Store):
+    """``store`` whose waits for keys take ``limit`` seconds, whatever limit the caller gives."""
+
+    def __init__(self, store: Store, limit: float) -> None:
+        super().__init__()
+        self._store = store
+        self._limit = datetime.timedelta(seconds=limit)
+
+    def set(self, key: str, value: Any) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        del timeout
+        self._store.wait(keys, self._limit)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+
+def finish(work: Any, backend: Backend, timeout: float, device: torch.device) -> None:
+    """Wait for one send or receive for at most ``timeout`` seconds."""
+    # c10d keeps whole milliseconds and reads 0 as "no limit" (the group's own, far longer).
+    work.wait(datetime.timedelta(milliseconds=max(1, math.ceil(timeout * 1000))))
+    if backend == "nccl":  # pragma: no cover - needs GPUs
+        torch.cuda.synchronize(device)
+
+
+@dataclass(slots=True)
+class Group:
+    """One of the sender's groups: the route a transfer to its members takes."""
+
+    name: str
+    members: tuple[Member, ...]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dropped: bool = False
+    users: int = 0  # routes handed out whose transfer has not ended
+    pg: Any = None
+    last_used: float = 0.0
+    patient: bool = False
+    """It brings a joining worker up to date: it may take the transfer's whole deadline to
+    form (there is no second attempt to leave time for)."""
+
+    @property
+    def workers(self) -> list[int]:
+        return [w for w, _ in self.members if w >= 0]
+
+
+class SenderGroups:
+    """The sender's store and its cache of groups, with itself as rank 0 of each."""
+
+    def __init__(self, *, backend: Backend, host: str, form_timeout: float) -> None:
+        self.backend: Backend = backend
+        self.host = host
+        self.form_timeout = form_timeout
+        self.port = 0
+        self._table: dict[tuple[Member, ...], Group] = {}
+        self._lock = threading.Lock()
+        self.store = StoreServer(host)
+        self._client: StoreClient | None = None
+        self._closed = False
+
+    @property
+    def secret(self) -> bytes:
+        """What receivers answer the store's challenge with (it travels in the welcome)."""
+        return self.store.secret
+
+    def open(self) -> None:
+        """Start the store; :attr:`port` says where receivers reach it."""
+        self.store.open()
+        self.port = self.store.port
+        self._client = StoreClient(self.host, self.port, self.store.secret, _STORE_TIMEOUT)
+
+    def route(self, members: Sequence[Member], purpose: str = "") -> Group:
+        """The group for ``members``, created on first use and not evicted until :meth:`done`
+        was called for it (``purpose`` keeps groups of different uses apart)."""
+        key = (*sorted(members), (-1, purpose))
+        with self._lock:
+            group = self._table.get(key)
+            if group is None:
+                group = Group(secrets.token_hex(8), key, patient=purpose == "join")
+                self._table[key] = group
+                self.store.allow(group.name, len(group.workers) + 1)
+            group.last_used = time.monotonic()
+            group.users += 1
+            self._evict()
+        return group
+
+    def params(self, group: Group, timeout: float) -> Params:
+        """What the members of ``group`` need to take part in a transfer on it."""
+        return {
+            "group": group.name,
+            "members": ",".join(str(w) for w in group.workers),
+            "timeout_ms": max(1, int(timeout * 1000)),
+            "form_ms": max(1, int(self._form_within(group, timeout) * 1000)),
+        }
+
+    def _form_within(self, group: Group, left: float) -> float:
+        """How long ``group`` may take to form when ``left`` seconds of its deadline remain."""
+        return left if group.patient else min(left, self.form_timeout)
+
+    def run(self, group: Group, deadline: float, send: Callable[[Any], None]) -> None:
+        """``send(pg)`` on ``group``'s process group, formed first if it is new; one transfer
+        on a group at a time."""
+        if not group.lock.acquire(timeout=seconds_left(deadline)):
+            raise TransportError("another transfer on the same group did not finish in time")
+        try:
+            with self._lock:
+                if group.dropped:
+                    raise TransportError("its group was torn down after an earlier failure")
+                pg = group.pg
+            if pg is None:
+                form = self._form_within(group, seconds_left(deadline))
+                size = len(group.workers) + 1
+                pg = new_group(
+                    self.backend, self._need_store(), group.name, 0, size, self.host, form
+                )
+                with self._lock:
+                    if group.dropped:  # dropped while it formed: never reuse its name
+                        raise TransportError("its group was torn down while it formed")
+                    group.pg = pg
+            send(pg)
+        finally:
+            group.last_used = time.monotonic()
+            group.lock.release()
+
+    def done(self, group: Group, *, failed: bool) -> None:
+        """The transfer on a route from :meth:`route` ended; a failed one's group is no
+        longer handed out (call :meth:`drop` next, outside any exception handler)."""
+        with self._lock:
+            # Out of the table before it counts as unused: route() must not hand it out.
+            if failed and self._table.get(group.members) is group:
+                self._table.pop(group.members)
+            group.users -= 1
+
+    def drop(self, group: Group) -> None:
+        """Let ``group``'s connections go, so that its other members fail fast."""
+        with self._lock:
+            if self._table.get(group.members) is group:
+                self._table.pop(group.members)
+            pg = group.pg
+            self._retire(group)
+        # The last reference, let go outside the lock: its connections close, members fail fast.
+        del pg
+
+    def forget(self, worker: int) -> None:
+        """Drop every group that counts ``worker`` (lost, replaced or gone)."""
+        with self._lock:
+            for key in [k for k in self._table if any(w == worker for w, _ in k)]:
+                self._retire(self._table.pop(key))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            groups = list(self._table.values())
+            self._table.clear()
+            client, self._client = self._client, None
+        for group in groups:
+            group.pg = None
+        if client is not None:
+            client.close()
+        self.store.close()
+
+    def _need_store(self) -> Store:
+        client = self._client
+        if client is None or self._closed:
+            raise TransportError("the distributed plane is closed")
+        return client
+
+    def _evict(self) -> None:
+        idle = sorted((g for g in self._table.values() if g.users == 0), key=lambda g: g.last_used)
+        while len(self._table) > _MAX_GROUPS and idle:
+            group = idle.pop(0)
+            self._table.pop(group.members, None)
+            self._retire(group)
+
+    def _retire(self, group: Group) -> None:
+        """Mark ``group`` dropped, let its connections go and its keys leave the store (call
+        with the lock held). A dropped group's name is never used again."""
+        if not group.dropped:
+            self.store.forget(group.name)
+        group.dropped, group.pg = True, None
+
+
+class ReceiverGroups:
+    """A receiver's connection to the sender's store and the groups it joined, by name."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend: Backend = backend
+        self._store: StoreClient | None = None
+        self._table: dict[str, tuple[Any, float]] = {}
+        self._dead: dict[str, None] = {}  # names of groups that failed (oldest first)
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def is_dead(self, name: str) -> bool:
+        return name in self._dead
+
+    def cached(self, name: str) -> Any:
+        """The process group joined as ``name``, or None."""
+        with self._lock:
+            entry = self._table.get(name)
+        return None if entry is None else entry[0]
+
+    def join(
+        self,
+        store_at: tuple[str, int, bytes],
+        name: str,
+        rank: int,
+        size: int,
+        hostname: str,
+        deadline: float,
+        form: float,
+    ) -> Any:
+        """Join group ``name`` as ``rank``, blocking until all ``size`` ranks have, for at
+        most ``form`` seconds. ``store_at`` is the store's host, port and secret."""
+        store = self._need_store(*store_at)
+        return new_group(
+            self.backend, store, name, rank, size, hostname, min(seconds_left(deadline), form)
+        )
+
+    def keep(self, name: str, pg: Any) -> None:
+        """Cache ``pg`` after a transfer on it succeeded (unless closed meanwhile)."""
+        with self._lock:
+            if self._closed:
+                return  # the group goes with its caller, not into a cache
+            self._table[name] = (pg, time.monotonic())
+            while len(self._table) > _MAX_GROUPS:
+                self._discard(min(self._table, key=lambda n: self._table[n][1]))
+
+    def discard(self, name: str, *also: Any) -> None:
+        """Forget group ``name`` for good; its process group (and ``also``: the failed
+        transfer's own references to it) is let go in a thread of its own, since tearing it
+        down can take a while and the caller's failure must be reported now."""
+        with self._lock:
+            entry = self._discard(name)
+        reap(entry, *also)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._table.clear()
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+    def _need_store(self, host: str, port: int, secret: bytes) -> StoreClient:
+        """The client for the store at ``host:port``; it connects on its first request (and
+        again after its connection broke), outside any lock of ours."""
+        with self._lock:
+            if self._closed:
+                raise TransportError("the receiver is closed")
+            store = self._store
+            if store is None or (store.host, store.port, store.secret) != (host, port, secret):
+                self._store = store = StoreClient(host, port, secret, _STORE_TIMEOUT)
+            return store
+
+    def _discard(self, name: str) -> Any:
+        """Forget group ``name`` for good (call with the lock held); its cache entry.
+
+        Its connections close, and its name is remembered as dead: a group's rendezvous keys
+        stay in the store, so joining a second group under the same name would hang. An
+        update naming it fails at once instead, and the sender retries on a fresh group.
+        """
+        entry = self._table.pop(name, None)
+        self._dead[name] = None
+        while len(self._dead) > _DEAD_NAMES:
+            self._dead.pop(next(iter(self._dead)))
+        return entry
+
+
+def reap(*objects: Any) -> None:
+    """Drop the last references to ``objects`` (process groups, their pending work) in a
+    daemon thread: a group torn down closes its connections, so that its other members fail
+    at once, but the teardown itself may wait on them."""
+    if any(o is not None for o in objects):
+        threading.Thread(target=_hold, args=objects, name="aiowsync-reap", daemon=True).start()
+
+
+def _hold(*objects: Any) -> None:
+    """Nothing: the thread's arguments go when it ends, and with them the objects."""

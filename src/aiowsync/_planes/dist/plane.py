@@ -1,0 +1,363 @@
+"""The torch.distributed data plane: versions sent bucket by bucket on groups of our own.
+
+The sender plane holds private slots, a :class:`~aiowsync._planes.dist.buckets.Packer` that packs a version
+into its slot while it is sent, and the :class:`~aiowsync._planes.dist.groups.SenderGroups` it sends on (a
+TCP store and a cache of process groups, one per set of receivers). A receiver receives into
+whichever of its two slots the model does not run, and the scheme switches the model to it
+only once every bucket arrived.
+
+Every blocking call here runs in a worker thread and has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+
+from aiowsync._copy.engine import CopyPolicy
+from .buckets import Image, Packer
+from .chain import SLOW_LINK, ChainLimits
+from .delivery import DistDelivery, TransferChain
+from .groups import (
+    FORM_TIMEOUT,
+    Backend,
+    Group,
+    Member,
+    SenderGroups,
+    Topology,
+    host_of,
+    local_ip_towards,
+)
+from .send import send_buckets
+from aiowsync._exceptions import TransportError, WeightSyncError
+from aiowsync._weights.layout import Layout
+from ..base import Delivery, Params, SenderPlane, WeightSource
+from aiowsync._util.shield import to_the_end
+from ..slot_table import Slot, SlotTable
+from aiowsync._util.text import first_line
+
+__all__ = [
+    "Backend",
+    "DistSenderPlane",
+    "Member",
+    "host_of",
+    "local_ip_towards",
+]
+
+
+HELD_VERSIONS = 64
+"""Published versions whose models' slots the plane remembers (to move only what members
+lack); a member holding an older one gets every model."""
+
+
+def sections_param(moved: Sequence[int]) -> str:
+    """The models a delivery moves, as its update says them: their numbers, comma-separated."""
+    return ",".join(map(str, moved))
+
+
+@dataclass(slots=True)
+class _Image:
+    image: Image
+    readers: int = 0
+    """Routes handed out for the slot's version whose transfer has not ended."""
+
+
+class DistSenderPlane(SenderPlane):
+    """Private sender slots, packed on the way out, sent on a cache of process groups."""
+
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        bucket_bytes: int,
+        host: str,
+        device: torch.device,
+        max_slots: int = 4,
+        form_timeout: float = FORM_TIMEOUT,
+        announce_host: bool = False,
+        chain_wait: float,
+        topology: Topology = "star",
+    ) -> None:
+        self.backend: Backend = backend
+        self.topology: Topology = topology
+        self._bucket_seconds = bucket_bytes / SLOW_LINK
+        """In a chain, how long the latest transfer took per bucket (at first, as if on a
+        slow link): the members' limits on their links scale with it."""
+        self.form_timeout = form_timeout
+        self.bucket_bytes = bucket_bytes
+        self.host = host
+        self.announce_host = announce_host
+        """Tell receivers ``host`` (a ``data_host`` given): otherwise they reach the store on
+        the host they reach the control socket on, which may differ from ours (NAT)."""
+        self.device = device
+        self.max_slots = max_slots
+        self._slots = SlotTable(lambda _: _Image(self._packer.new_image()), max_slots=max_slots)
+        self.chain = TransferChain(chain_wait)
+        """Transfers of successive sends, one after another (a send waits ``chain_wait`` at
+        most for the one before it)."""
+        self._lock = threading.Lock()
+        self._policy = CopyPolicy()
+        """How packing copies (its threads are released at close)."""
+        self._groups = SenderGroups(backend=backend, host=host, form_timeout=form_timeout)
+        self._closed = False
+        self._held: dict[int, dict[str, int]] = {}
+        """By published version (the latest few), the version whose slot holds each model's
+        bytes: itself for the models it wrote, an earlier one for those it carried."""
+        self._latest: int | None = None
+        self._writes: dict[int, frozenset[str]] = {}
+        """By slot being staged, the models it writes."""
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def setup(self, layout: Layout) -> None:
+        self.layout = layout
+        self._packer = Packer(layout, self.bucket_bytes, self.device, self._policy)
+        self.buckets = self._packer.buckets
+        for _ in range(2):
+            self._slots.add()
+        self._groups.open()
+
+    def welcome_params(self) -> Params:
+        return {
+            **({"store_host": self.host} if self.announce_host else {}),
+            "store_port": self._groups.port,
+            "store_key": self._groups.secret.hex(),
+            "backend": self.backend,
+            "bucket_bytes": self.bucket_bytes,
+        }
+
+    # -- slots --------------------------------------------------------------------------------
+
+    def reserve(self, pinned: set[int]) -> int:
+        # Receivers copy each version into memory of their own: only the slots holding the
+        # latest version's models (what joining workers are brought up to) and slots still
+        # being sent must stay.
+        if self._closed:
+            raise WeightSyncError("the distributed plane is closed")
+        keep = self._holders(self._latest) if self._latest is not None else set()
+        with self._lock:
+            return self._slots.reserve(
+                lambda s: s.value.readers == 0 and s.version not in keep,
+                lambda: (
+                    f"all {len(self._slots)} sender slots are being transferred; "
+                    "a stalled transfer holds them"
+                ),
+            )
+
+    async def stage(self, slot: int, source: WeightSource) -> None:
+        image = self._slots[slot].value.image
+        snapshot = source.snapshot()
+        everything = frozenset(self.layout.sections)
+        self._writes[slot] = everything - snapshot.carry
+        if snapshot.carry or snapshot.cast:
+            # Some models (the others stay in the slots that hold them, and travel from
+            # there), or a cast to the wire dtype: packed now, tensor by tensor (the copy runs
+            # to its end even if cancelled).
+            await to_the_end(anyio.to_thread.run_sync(self._packer.fill, image, snapshot))
+        else:
+            # Only checked here: packing happens during the transfer, bucket by bucket,
+            # overlapping the wire.
+            self._packer.start(image, snapshot)
+
+    def _holders(self, version: int) -> set[int]:
+        """The versions whose slots hold ``version``'s models."""
+        return set(self._held[version].values())
+
+    def moved(self, version: int, since: int | None) -> list[int]:
+        """The models (by their number in the layout) a delivery of ``version`` moves to
+        members that hold ``since``: those whose bytes differ (all, when ``since`` is None
+        or forgotten)."""
+        held = self._held[version]
+        before = self._held.get(since) if since is not None else None
+        return [
+            number
+            for number, name in enumerate(self.layout.sections)
+            if before is None or before.get(name) != held[name]
+        ]
+
+    def publish(self, slot: int, version: int) -> None:
+        if self._closed:
+            raise WeightSyncError("the distributed plane is closed")
+        written = self._writes.pop(slot, frozenset(self.layout.sections))
+        before = self._held.get(self._latest) if self._latest is not None else None
+        held = {}
+        for name in self.layout.sections:
+            if name in written:
+                held[name] = version
+            else:
+                assert before is not None, "a version of some models needs one before it"
+                held[name] = before[name]
+        with self._lock:
+            self._slots.publish(slot, version)
+            self._held[version] = held
+            self._latest = version
+            for old in sorted(self._held)[:-HELD_VERSIONS]:
+                del self._held[old]
+
+    def staged_buffers(self, slot: int) -> list[torch.Tensor]:
+        written = self._writes.get(slot, frozenset(self.layout.sections))
+        before = self._held.get(self._latest) if self._latest is not None else None
+        out: list[torch.Tensor] = []
+        for name, (first, last) in self.layout.sections.items():
+            if name in written:
+                image = self._slots[slot].value.image
+            else:
+                assert before is not None, "a version of some models needs one before it"
+                image = self._slot_of(before[name]).value.image
+            self._packer.seal(image)  # the digest needs the bytes now, not during the transfer
+            out.extend(self.layout.split(image.flat)[first:last])
+        return out
+
+    def release(self, slot: int) -> None:
+        self._writes.pop(slot, None)
+        self._slots.release(slot).value.image.source = None
+
+    def deliver(
+        self,
+        version: int,
+        members: Sequence[Member],
+        deadline: float,
+        *,
+        purpose: str = "",
+        since: int | None = None,
+    ) -> Delivery:
+        self._slot_of(version)
+        moved = self.moved(version, None if purpose == "join" else since)
+        if not members:
+            return DistDelivery(self, version, None, deadline, {}, moved)
+        route = self.route(members, version, purpose)
+        left = max(0.001, deadline - time.monotonic())
+        params = {**self.route_params(route, left), "sections": sections_param(moved)}
+        return DistDelivery(self, version, route, deadline, params, moved)
+
+    async def seal(self, version: int) -> None:
+        await to_the_end(anyio.to_thread.run_sync(self.seal_now, version))
+
+    def seal_now(self, version: int) -> None:
+        """Pack whatever of ``version`` is not packed yet, now (blocking).
+
+        Called when a send stops waiting (done, failed or cancelled), and for version 0 at
+        start: after that the slot never reads the user's model again.
+        """
+        with self._lock:
+            slots = [s for s in self._slots if s.version == version]
+        for slot in slots:
+            self._packer.seal(slot.value.image)
+
+    def _slot_of(self, version: int) -> Slot[_Image]:
+        return self._slots[self._slots.index_of(version)]
+
+    # -- routes -------------------------------------------------------------------------------
+
+    def route(self, members: Sequence[Member], version: int, purpose: str = "") -> Group:
+        """The group for ``members`` (created on first use; ``purpose`` keeps e.g. the groups
+        that bring joining workers up to date apart from the groups of ``send()``).
+
+        Until the matching :meth:`transfer` ends, the group is not evicted and the slot of
+        ``version`` is not reused."""
+        with self._lock:
+            holders = self._holders(version)
+            for slot in self._slots:
+                if slot.version in holders:
+                    slot.value.readers += 1
+        return self._groups.route(members, purpose)
+
+    def route_params(self, route: Group, timeout: float) -> Params:
+        params = self._groups.params(route, timeout)
+        limits = self.chain_limits()
+        if limits is not None:
+            params["topology"] = "chain"  # each member forwards to the next
+            params.update(limits.params())
+        return params
+
+    def chain_limits(self) -> ChainLimits | None:
+        """How long a chain's links may stall now (None for a star: the deadline alone)."""
+        if self.topology != "chain":
+            return None
+        return ChainLimits.for_pace(self._bucket_seconds)
+
+    def forget(self, worker: int) -> None:
+        """Drop every group that counts ``worker`` (lost, replaced or gone)."""
+        self._groups.forget(worker)
+
+    # -- transfer (in a worker thread) --------------------------------------------------------
+
+    def transfer(
+        self,
+        version: int,
+        route: Group,
+        deadline: float,
+        after: threading.Event | None = None,
+        moved: Sequence[int] | None = None,
+    ) -> None:
+        """Send ``version`` to ``route``'s members, packing it on the way if not yet packed.
+
+        With ``after``, waits for that event first (the previous transfer's end). Any failure,
+        even before the first collective, drops the group (which makes its other members fail
+        fast, and keeps a later transfer from meeting receivers still waiting on this one) and
+        raises :class:`TransportError`, so a retry forms a fresh group.
+        """
+        failure = None
+        holders = self._holders(version)
+        try:
+            if after is not None and not after.wait(max(0.0, deadline - time.monotonic())):
+                raise TransportError("an earlier transfer did not finish in time")
+            images = [
+                self._slot_of(self._held[version][name]).value.image
+                for name in self.layout.sections
+            ]
+            numbers = range(len(images)) if moved is None else moved
+            wanted = set(numbers)
+            indices = [i for i, span in enumerate(self.buckets.span_of) if span in wanted]
+            limits = self.chain_limits()
+
+            def send(pg: Any) -> None:
+                started = time.monotonic()
+                send_buckets(
+                    pg,
+                    self._packer,
+                    images,
+                    indices,
+                    route.workers,
+                    deadline,
+                    limits=limits,
+                    backend=self.backend,
+                    device=self.device,
+                )
+                if limits is not None and len(indices) > 1:
+                    # The pace of the chain's links, for the limits of the next transfers.
+                    self._bucket_seconds = (time.monotonic() - started) / len(indices)
+
+            self._groups.run(route, deadline, send)
+        except Exception as exc:  # every failure, whatever raised it, ends in a dropped group
+            failure = first_line(exc)
+        finally:
+            self._groups.done(route, failed=failure is not None)
+            with self._lock:
+                for s in self._slots:
+                    if s.version in holders:
+                        s.value.readers -= 1
+        if failure is not None:
+            # Raised outside the handler: the failed collective's traceback must not keep the
+            # group alive, since dropping it is what releases the other members.
+            self._groups.drop(route)
+            raise TransportError(f"sending to workers {route.workers} failed: {failure}")
+
+    def give_back(self, version: int, route: Group) -> None:
+        """Give back a route whose transfer will never run: a transfer past its deadline
+        returns at once, dropping the group (so receivers waiting on it fail instead of
+        taking a later version's bytes for this one) and the route's hold on the slot."""
+        with contextlib.suppress(WeightSyncError):
+            self.transfer(version, route, 0.0)
+
+    def close(self) -> None:
+        self._closed = True
+        self._groups.close()
+        self._policy.close(wait=False)

@@ -1,0 +1,236 @@
+"""Leases: a reader keeps one version readable while the model moves on to newer ones.
+
+A lease is taken on the version the model runs at that instant. Where that version's bytes
+lie in the sender's memory (shared memory, the in-process plane, in swap mode), the lease reads
+them there, and the receiver reports the version to the sender, which rewrites no slot that a
+reported version is in. Elsewhere (copy mode, or a plane whose buffers are the receiver's own)
+the first lease of a version copies the model's tensors once; the other leases of that version
+share the copy, which goes when the last of them ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import anyio
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .._exceptions import NotConnectedError, WeightSyncError
+from .._protocol import MAX_LEASED
+from .._weights.binding import bind_views
+from .apply import Applier
+from .guard import ReadGuard
+
+__all__ = ["Lease", "LeaseTable"]
+
+
+@dataclass(slots=True, eq=False)
+class _Held:
+    """One leased version: its tensors by layout key, and how many leases hold it."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    shared: bool
+    """The tensors view the sender's memory (the version is reported to the sender)."""
+    count: int = 0
+    _weights: TensorDictBase | None = field(default=None, repr=False)
+
+    def weights(self) -> TensorDictBase:
+        if self._weights is None:  # built once per version, on first use
+            td = TensorDict(self.tensors, batch_size=[]).unflatten_keys(".")
+            self._weights = td.lock_()
+        return self._weights
+
+
+class LeaseTable:
+    """The leased versions of one receiver.
+
+    ``report()`` is called (from any thread) when a version in the sender's memory is no
+    longer leased, so that the sender hears of it before the next answer.
+    """
+
+    def __init__(self, applier: Applier, guard: ReadGuard, report: Callable[[], None]) -> None:
+        self._applier = applier
+        self._guard = guard
+        self._report = report
+        self._lock = threading.Lock()
+        self._copying = threading.Lock()
+        self._held: dict[int, _Held] = {}
+        self.closed = False
+
+    def pinned(self) -> tuple[int, ...]:
+        """The leased versions whose bytes the sender keeps for this receiver."""
+        with self._lock:
+            return tuple(sorted(v for v, h in self._held.items() if h.shared))
+
+    # -- taking and ending --------------------------------------------------------------------
+
+    def _take(self) -> _Held | None:
+        """A lease on the version the model runs, if that needs no copy; None otherwise.
+        Call where no switch can be under way (on the loop, or holding the guard)."""
+        version = self._check_open()
+        with self._lock:
+            if self.closed:  # closed meanwhile: detach() may have copied the others already
+                raise NotConnectedError("the receiver is closed: no lease can be taken")
+            held = self._held.get(version)
+            if held is None:
+                tensors = self._applier.lease_views()
+                if tensors is None:
+                    return None
+                if sum(h.shared for h in self._held.values()) >= MAX_LEASED:
+                    raise WeightSyncError(
+                        f"this worker's leases already hold {MAX_LEASED} versions in the "
+                        f"sender's memory (oldest {min(self._held)}); end some first"
+                    )
+                held = self._held[version] = _Held(version, tensors, shared=True)
+            held.count += 1
+            return held
+
+    def _take_copy(self) -> _Held:
+        """A lease on the version the model runs, copying it unless a lease already did.
+        Call holding the guard."""
+        with self._copying:  # one copy per version, even when leases come at once
+            held = self._take()
+            if held is not None:
+                return held
+            version = self._applier.version
+            tensors = self._applier.copy_live()
+            with self._lock:
+                held = self._held.setdefault(version, _Held(version, tensors, shared=False))
+                held.count += 1
+                return held
+
+    def take_blocking(self) -> _Held:
+        """From a thread (or the loop, where a copy then blocks it)."""
+        with self._guard:
+            return self._take() or self._take_copy()
+
+    async def take(self) -> _Held:
+        """On the receiver's loop: no switch is under way while this runs, since switches
+        are made on the loop; a copy, if needed, runs in a thread under the guard."""
+        held = self._take()
+        if held is not None:
+            return held
+        # Shielded: a lease taken in the thread must reach the caller, whose exit ends it.
+        with anyio.CancelScope(shield=True):
+            copied = await anyio.to_thread.run_sync(self.take_blocking)
+        return copied
+
+    def end(self, held: _Held) -> None:
+        with self._lock:
+            held.count -= 1
+            if held.count > 0:
+                return
+            if self._held.get(held.version) is held:
+                del self._held[held.version]
+        if held.shared and not self.closed:
+            self._report()
+
+    def _check_open(self) -> int:
+        if self.closed:
+            raise NotConnectedError("the receiver is closed: no lease can be taken")
+        version = self._applier.version
+        if version < 0:
+            raise NotConnectedError(
+                "no version has been applied yet: connect() (or wait_for_version(0)) first"
+            )
+        return version
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def detach(self) -> None:
+        """Before the receiver says goodbye: leases reading the sender's memory get a private
+        copy of the same bytes (the sender may reuse its slots after the goodbye). Call
+        holding the guard, or on the loop."""
+        with self._lock:
+            self.closed = True
+            shared = [h for h in self._held.values() if h.shared]
+        for held in shared:
+            own = {k: t.clone() for k, t in held.tensors.items()}
+            bind_views(held.tensors, own)  # the same values: a reader sees no change
+            held.shared = False
+
+
+class Lease:
+    """A version kept readable: ``async with scheme.lease() as held`` (``with`` in threads).
+
+    On entry the lease takes the version the model runs; until it ends, :attr:`weights`
+    holds that version's exact bytes, while the model itself goes on switching to newer
+    versions. Read the weights inside the block only: after it ends their memory may be
+    rewritten with a later version.
+    """
+
+    __slots__ = ("_held", "_table")
+
+    def __init__(self, table: LeaseTable) -> None:
+        self._table = table
+        self._held: _Held | None = None
+
+    def _need(self) -> _Held:
+        if self._held is None:
+            raise RuntimeError("this lease is not held: use it inside `with` / `async with`")
+        return self._held
+
+    @property
+    def version(self) -> int:
+        """The leased version."""
+        return self._need().version
+
+    @property
+    def weights(self) -> TensorDictBase:
+        """The leased version's tensors, read-only (locked), nested under the model's own
+        keys as ``TensorDict.from_module`` gives them; with ``models=``, under each model
+        id first (``held.weights["policy"]``)."""
+        return self._need().weights()
+
+    def params(self, model_id: str | None = None) -> dict[str, torch.Tensor]:
+        """The leased tensors under flat dotted keys, for
+        ``torch.func.functional_call(model, held.params(), args)``; with ``models=``, those
+        of model ``model_id`` (keys without the id)."""
+        tensors = self._need().tensors
+        if model_id is None:
+            return dict(tensors)
+        prefix = f"{model_id}."
+        out = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+        if not out:
+            raise KeyError(f"no model {model_id!r} in this lease")
+        return out
+
+    def _enter(self, held: _Held) -> Lease:
+        self._held = held
+        return self
+
+    def _exit(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._table.end(held)
+
+    def __enter__(self) -> Lease:
+        if self._held is not None:
+            raise RuntimeError("this lease is already held; take another with scheme.lease()")
+        return self._enter(self._table.take_blocking())
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._exit()
+
+    async def __aenter__(self) -> Lease:
+        if self._held is not None:
+            raise RuntimeError("this lease is already held; take another with scheme.lease()")
+        return self._enter(await self._table.take())
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._exit()

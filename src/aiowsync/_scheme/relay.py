@@ -1,0 +1,151 @@
+"""Relays: a receiver that forwards each version it applies to workers of its own.
+
+``upstream.relay_to(local)``: ``upstream`` receives a model from the root sender, ``local``
+is a sender initialised on the same model (typically shared memory for the workers of one
+host, its *leaves*). Each version ``upstream`` switches to is staged from the model into
+``local`` (one copy) and sent to the leaves under the root's number, from a hook of
+``upstream``'s: the upstream acknowledges only once the leaves hold it, so the root's
+``send()`` returning version v means every leaf runs v.
+
+``local`` serves nothing until ``upstream`` holds a version: its first version is the
+upstream's, so leaves never see bytes the root did not send. Both may be entered in either
+order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .._exceptions import WeightSyncError, WeightSyncTimeout
+from .._util.text import error_text
+
+if TYPE_CHECKING:
+    from .._sending.engine import SenderCore
+    from .scheme import WeightSyncScheme
+
+__all__ = ["Relay"]
+
+_POLL_S = 0.05
+"""How often the wait for leaves looks again, beside the sender's own wake-ups."""
+
+
+class Relay:
+    """What ``upstream.relay_to(local)`` sets up (see the module)."""
+
+    def __init__(self, upstream: WeightSyncScheme, local: WeightSyncScheme) -> None:
+        self.upstream = upstream
+        self.local = local
+        self._lock: anyio.Lock | None = None
+
+    async def start_local(self, at: int | None = None) -> SenderCore | None:
+        """``local``'s engine, started if it is not yet; None while it cannot start.
+
+        ``at``: the version the model holds, from the upstream's hook (no switch can happen
+        meanwhile). Without it, the upstream's version, if it holds one, staged under the
+        upstream's read guard (the upstream may switch meanwhile).
+        """
+        local = self.local
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:
+            if local._sender is not None:
+                return local._sender
+            deferred = local._deferred
+            upstream = self.upstream
+            if deferred is None or local._tg is None or (at is None and upstream.version < 0):
+                return None
+            sender, initial, channel = deferred
+            local._deferred = None  # start() closes the channel if it fails
+            if at is not None:
+                await sender.start(initial, channel, first_version=at)
+            else:
+                async with upstream.read_guard():
+                    await sender.start(initial, channel, first_version=upstream.version)
+            local._sender = sender
+            await local._start_background(local._tg, sender.serve)
+            return sender
+
+    async def wait_started(self, timeout: float) -> float:
+        """Wait (at most ``timeout`` s) until ``local`` serves; the seconds it took."""
+        started = time.monotonic()
+        while self.local._sender is None:
+            if time.monotonic() - started >= timeout:
+                raise WeightSyncTimeout(
+                    f"the relay's local sender did not start within {timeout:g} s: it starts "
+                    "once its upstream holds a version (enter the upstream scheme and connect "
+                    "it; the leaves' versions are the root's)",
+                    list(range(self.local.num_workers)),
+                )
+            await self.start_local()
+            if self.local._sender is None:
+                await anyio.sleep(_POLL_S)
+        return time.monotonic() - started
+
+    async def forward(self, version: int) -> None:
+        """The upstream's hook: bring every leaf to ``version``, or raise naming those that
+        do not hold it (the upstream then nacks with that text)."""
+        if self.local._tg is None:
+            return  # ``local`` is not entered: it starts at the upstream's version when it is
+        core = await self.start_local(at=version)
+        if core is None:
+            return
+        timeouts = self.local.timeouts
+        # Hooks may run for the upstream's ack timeout: the relay is done a second before,
+        # so that the upstream's nack carries its explanation rather than a timeout.
+        end = time.monotonic() + max(1.0, self.upstream.timeouts.ack - 1.0)
+        # ``local`` started at this version: its leaves are joining, and may take as long as
+        # a handshake; a version sent to leaves already there takes as long as an ack.
+        wait = timeouts.handshake if version <= core.version else timeouts.ack
+        end = min(end, time.monotonic() + wait)
+        failure = ""
+        if version > core.version:
+            try:
+                await core.send(
+                    self.local._source_of(None),
+                    sorted(core.ready_workers()),
+                    stage_limit=max(0.001, min(timeouts.transfer, end - time.monotonic())),
+                    ack_limit=timeouts.ack,
+                    deadline=end,
+                    version=version,
+                )
+            except WeightSyncError as exc:
+                failure = error_text(exc)
+        missing = await self._leaves_short_of(core, version, end - time.monotonic())
+        if missing or failure:
+            raise WeightSyncError(self._explain(version, missing, failure))
+
+    async def _leaves_short_of(
+        self, core: SenderCore, version: int, timeout: float
+    ) -> dict[int, str]:
+        """Wait (at most ``timeout`` s) until every leaf holds ``version`` or is lost or gone;
+        those that do not hold it, with what the sender knows of them."""
+        deadline = time.monotonic() + timeout
+
+        def short() -> dict[int, str]:
+            out = {}
+            for worker, status in self.local.workers.items():
+                held = -1 if status.version is None else status.version
+                if status.state != "ready" or held < version:
+                    note = f": {status.note}" if status.note else ""
+                    out[worker] = f"{status.state}, version {status.version}{note}"
+            return out
+
+        while (missing := short()) and time.monotonic() < deadline:
+            if all(s.startswith(("lost", "gone")) for s in missing.values()):
+                break  # nothing left to wait for
+            with anyio.move_on_after(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+                await core.changed()
+        return short()
+
+    def _explain(self, version: int, missing: dict[int, str], failure: str) -> str:
+        where = f"relay (worker {self.upstream.worker_idx})"
+        parts = []
+        if missing:
+            named = "; ".join(f"leaf {w}: {text}" for w, text in sorted(missing.items()))
+            parts.append(f"leaves {sorted(missing)} do not hold version {version} ({named})")
+        if failure:
+            parts.append(f"its send to the leaves failed: {failure}")
+        return f"{where}: " + "; ".join(parts)

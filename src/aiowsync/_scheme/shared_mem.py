@@ -1,0 +1,68 @@
+"""The shared-memory scheme: weights travel through slots in /dev/shm on one host."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._channel import LOCAL_BIND
+from .._planes.base import DataPlane
+from .._planes.shm.plane import SharedMemPlane, SwitchMode
+from .scheme import SchemeOptions, WeightSyncScheme
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["SharedMemWeightSyncScheme"]
+
+
+class SharedMemWeightSyncScheme(WeightSyncScheme):
+    """Versioned, tear-free weight broadcast to workers on this host through shared memory.
+
+    The sender copies each version into a free slot (one fused copy, off the event loop) and
+    tells the workers where it is; swap-mode workers re-point their model at the slot without
+    copying a byte. See :class:`WeightSyncScheme` for the common arguments.
+
+    Args:
+        bind: where the sender binds its control socket. By default (``"ipc://*"``) a fresh
+            Unix socket in a new directory of mode 0700 (removed at close): cheaper per
+            message than loopback TCP, and the kernel refuses processes of other users before
+            they cost the sender anything; a loopback TCP port where there are no Unix
+            sockets. ``"ipc://@*"`` binds a fresh abstract socket instead (Linux), which
+            workers in another mount namespace of the same network namespace can reach.
+        num_slots: slots created up front (at least 2).
+        max_slots: the most slots the sender creates when versions stay in use side by side
+            (sends to subsets of the workers, or workers that missed an ack).
+        switch: receivers in swap mode only: how the model is pointed at a new version.
+            ``"rebind"`` re-points every parameter and buffer (about a microsecond per tensor
+            on the event loop). ``"remap"`` binds the model once to a fixed window of address
+            space and maps each new slot over it (Linux): nearly free while the model was not
+            read since the last switch, but every page that was read is unmapped at the switch
+            (on the event loop) and faulted in again by the next read. ``"auto"`` (default)
+            remaps models of 64 or more tensors averaging under 1 MiB and re-binds the others.
+            Workers that run their model between every two updates of many small tensors may
+            prefer ``"rebind"``; see the shared-memory page of the docs.
+        plane: another data plane instead of the shared-memory one built from the three
+            arguments above (e.g. :class:`MemoryPlane` in tests).
+    """
+
+    _CONFIG = (*WeightSyncScheme._CONFIG, "num_slots", "max_slots", "switch")
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        num_slots: int = 2,
+        max_slots: int = 16,
+        switch: SwitchMode = "auto",
+        plane: DataPlane | None = None,
+        **options: Unpack[SchemeOptions],
+    ) -> None:
+        options.setdefault("bind", LOCAL_BIND)
+        self.num_slots = num_slots
+        self.max_slots = max_slots
+        self.switch: SwitchMode = switch
+        super().__init__(
+            address,
+            plane=plane or SharedMemPlane(num_slots=num_slots, max_slots=max_slots, switch=switch),
+            **options,
+        )

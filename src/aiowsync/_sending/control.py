@@ -1,0 +1,356 @@
+"""The sender's background task: reading the control channel, beating, handshakes, answers.
+
+:class:`ControlLoop` works on the tables of its :class:`SenderCore` (the peers, the pending
+sends, the version) and never sends a version itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .. import _protocol as wire
+from .._channel import PeerId, SenderChannel
+from .._exceptions import ProtocolError, TransportError, WeightSyncError, WeightSyncTimeout
+from .._planes.base import Delivery
+from .._util.text import excerpt, worth_logging
+from .handshake import probe_gone, refusal
+from .peers import DEAD_STATES, Peer, PeerTable
+
+if TYPE_CHECKING:
+    from .engine import SenderCore
+
+__all__ = ["ControlLoop"]
+
+log = logging.getLogger("aiowsync.sender")
+
+DISOWNED_KEPT = 256
+"""Routing ids :meth:`ControlLoop._disown` remembers having told."""
+MESSAGES_PER_TURN = 8
+"""Messages handled before the event loop gets a turn (see :meth:`ControlLoop._turn`)."""
+QUEUED_PER_BEAT = 256
+"""Queued messages read before each round of beats, at most (a flood must not delay them)."""
+REFUSAL_CHARS = 60000
+"""The longest refusal text sent (a layout mismatch lists its differences)."""
+NOTE_CHARS = 4000
+"""The longest refusal text kept for the worker table and ``connect()``'s error."""
+
+
+class ControlLoop:
+    def __init__(self, core: SenderCore) -> None:
+        self._core = core
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self._disowned: dict[PeerId, None] = {}
+        """Routing ids lately told that their session is not one of ours, oldest first."""
+        self.dropped = 0
+        self.refusals = 0
+        self.handled = 0
+
+    # -- background task ----------------------------------------------------------------------
+
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        channel = self._core.channel
+        assert channel is not None
+        async with anyio.create_task_group() as tasks:
+            self._tasks = tasks
+            task_status.started()
+            next_beat = time.monotonic()
+            while True:
+                try:
+                    peer_id, message = await channel.recv(timeout=self._core.beats.interval)
+                except WeightSyncTimeout:
+                    pass
+                else:
+                    await self._dispatch(peer_id, message)
+                    await self._turn()
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self._core.beats.interval
+                    # Read what is queued first: a goodbye waiting there must not be taken
+                    # for a lost connection when the beat finds the worker's socket gone.
+                    for _ in range(QUEUED_PER_BEAT):
+                        if (got := channel.recv_nowait()) is None:
+                            self._core.peers.check_liveness()
+                            break
+                        await self._dispatch(*got)
+                        await self._turn()
+                    # else: more is queued than one round reads; beats may be among it, so
+                    # nobody is judged silent until the queue has been read through.
+                    await self._beat(channel)
+
+    async def _turn(self) -> None:
+        """Give the event loop a turn every few messages, whatever they are: a receive that
+        finds a message waiting does not suspend, so a flood of valid messages would
+        otherwise keep the trainer's loop for as long as it lasts."""
+        self.handled += 1
+        if self.handled % MESSAGES_PER_TURN == 0:
+            await asyncio.sleep(0)
+
+    async def _beat(self, channel: SenderChannel) -> None:
+        for peer in self._core.peers.values():
+            if peer.lost or peer.conn.state is wire.State.ERROR:
+                continue
+            try:
+                # A beat that cannot be queued at once is skipped, never waited for.
+                await channel.send(peer.routing, self._beat_for(peer), timeout=0)
+            except TransportError:
+                self._core.peers.connection_closed(peer)
+                self._core.peers.mark_lost(peer, "its connection is closed")
+            except WeightSyncError:
+                pass
+
+    def _beat_for(self, peer: Peer) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            worker_idx=wire.SENDER_INDEX,
+            session=peer.session,
+            version=self._core.version,
+            proof=self._core.proof,
+        )
+
+    def _routable(self, peer: Peer) -> bool:
+        """Whether a beat to ``peer``'s main connection is taken at once.
+
+        A ROUTER refuses a message for a connection it does not have, so a beat taken means
+        that connection exists: never dropped (the worker's event loop and beat thread were
+        stalled while its ZeroMQ thread kept the connection up) or renewed since.
+        """
+        channel = self._core.channel
+        if channel is None:
+            return False
+        try:
+            return channel.send_nowait(peer.routing, self._beat_for(peer))
+        except WeightSyncError:
+            return False
+
+    # -- incoming messages --------------------------------------------------------------------
+
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        if worth_logging(self.dropped):
+            log.warning(
+                "dropped a control message: %s (%d dropped so far)", excerpt(why), self.dropped
+            )
+
+    def _disown(self, routing: PeerId) -> None:
+        """Say goodbye to a peer that beats for a session this sender never gave out.
+
+        That is a worker of an earlier sender on this address (its socket reconnected by
+        itself when this one bound) or a worker that another process replaced under its index.
+        Told, it stops its background task and its beats and reports that it is not
+        connected. Once per routing id among the last few hundred told (a worker has two: its
+        updates' and its beats', which never reads), and never waited for: junk cannot make
+        this sender answer more than once per message it reads.
+        """
+        if routing in self._disowned:
+            return
+        self._disowned[routing] = None
+        if len(self._disowned) > DISOWNED_KEPT:
+            del self._disowned[next(iter(self._disowned))]
+        channel = self._core.channel
+        if channel is None:
+            return
+        bye = wire.Bye(reason="this sender never welcomed this session (restarted on its address?)")
+        with contextlib.suppress(WeightSyncError):
+            channel.send_nowait(routing, bye)
+
+    async def _dispatch(self, routing: PeerId, message: wire.Message) -> None:
+        if isinstance(message, wire.Hello):
+            await self._on_hello(routing, message)
+            return
+        if isinstance(message, wire.Heartbeat):
+            self._on_beat(routing, message)
+            return
+        peer = self._core.peers.by_routing.get(routing)
+        if peer is None:
+            self._drop(f"{type(message).__name__} from a peer that did not say hello")
+            return
+        try:
+            peer.conn.receive(message)
+        except ProtocolError as exc:
+            self._drop(f"worker {peer.worker_idx}: {exc}")
+            self._core.peers.mark_lost(peer, f"protocol error: {exc}")
+            return
+        peer.last_seen = time.monotonic()
+        if isinstance(message, (wire.Ack, wire.Nack)):
+            # Before the answer is counted: the answer may unpin what a lease still reads.
+            peer.leased = frozenset(message.leased)
+        if isinstance(message, wire.Ack):
+            self._on_answer(peer, message.version, None)
+        elif isinstance(message, wire.Nack):
+            self._on_answer(
+                peer,
+                message.version,
+                message.error,
+                retryable=message.retryable,
+                running=message.running,
+            )
+        elif isinstance(message, wire.Bye):
+            self._core.peers.said_goodbye(peer, message.reason)
+
+    def _on_beat(self, routing: PeerId, message: wire.Heartbeat) -> None:
+        peer = self._core.peers.get(message.worker_idx)
+        if peer is None or not message.session or peer.session != message.session:
+            self._drop(f"heartbeat for an unknown session from worker {message.worker_idx}")
+            if message.session:
+                self._disown(routing)
+            return
+        peer.last_seen = time.monotonic()
+        if message.leased is not None and routing == peer.routing:
+            peer.leased = frozenset(message.leased)
+        # Beats from the receiver's beat thread keep it fresh and show that its process runs;
+        # updates reach it again only if its main connection is there too: a beat on that
+        # connection shows it, and so does a probe on it that the socket routes.
+        revivable = not peer.gone and peer.conn.state not in DEAD_STATES
+        if peer.lost and revivable and (routing == peer.routing or self._routable(peer)):
+            log.info("worker %d is back", peer.worker_idx)
+            peer.lost = False
+            self._core.notify()
+
+    def _on_answer(
+        self,
+        peer: Peer,
+        version: int,
+        error: str | None,
+        *,
+        retryable: bool = False,
+        running: int = -1,
+    ) -> None:
+        if PeerTable.answered(peer, version, ok=error is None, running=running):
+            self._core.notify()
+        pending = self._core.pending.get(version)
+        if pending is not None and peer.worker_idx in pending.waiting:
+            if error is None:
+                pending.acked.add(peer.worker_idx)
+            else:
+                pending.nacks[peer.worker_idx] = error
+                if retryable:
+                    pending.retryable.add(peer.worker_idx)
+            pending.settle(peer.worker_idx)
+        if error is not None:
+            log.warning(
+                "worker %d could not apply version %d: %s",
+                peer.worker_idx,
+                version,
+                excerpt(error),
+            )
+
+    async def _on_hello(self, routing: PeerId, hello: wire.Hello) -> None:
+        channel = self._core.channel
+        assert channel is not None
+        refused = refusal(hello, self._core.layout, self._core.model_id, self._core.num_workers)
+        reason, told = refused if refused is not None else (None, None)
+        if hello.problem and 0 <= hello.worker_idx < self._core.num_workers:
+            reason = told = f"it could not start its receiver: {hello.problem}"
+        if reason is None:
+            old = self._core.peers.get(hello.worker_idx)
+            gone = old is None or old.lost
+            if not gone and old is not None:
+                gone = await probe_gone(self._core.peers, channel, old, self._beat_for(old))
+            if not gone and old is not None:
+                reason = told = (
+                    f"worker index {hello.worker_idx} is already connected "
+                    f"(pid {old.pid}); a second claimant is refused"
+                )
+        if reason is not None:
+            self.refusals += 1
+            if worth_logging(self.refusals):  # a flood of hellos must not flood the log
+                log.warning(
+                    "refused worker %d: %s (%d refusal(s) so far)",
+                    hello.worker_idx,
+                    excerpt(reason, 2000),
+                    self.refusals,
+                )
+            self._note_refusal(hello.worker_idx, reason)
+            with contextlib.suppress(WeightSyncError):
+                await channel.refuse(
+                    routing,
+                    wire.Refuse(reason=(told or reason)[:REFUSAL_CHARS]),
+                    protocol=_answer_in(hello.protocol),
+                    timeout=self._core.timeouts.control,
+                )
+            return
+        # Where the kernel names the peer's process (a Unix socket), liveness follows that
+        # pid, not the one the hello gives (a peer could name a process that never ends).
+        pid = channel.peer_pid(routing) or hello.pid
+        self._core.peers.replace(hello.worker_idx, pid)
+        conn = wire.Connection(wire.Role.SENDER, hello.worker_idx)
+        conn.receive(hello)
+        session = secrets.token_hex(16)
+        join = self._core.plane.deliver(
+            self._core.version,
+            [(hello.worker_idx, session)],
+            time.monotonic() + self._core.timeouts.handshake,
+            purpose="join",
+        )
+        welcome = wire.Welcome(
+            model_id=self._core.model_id,
+            worker_idx=hello.worker_idx,
+            session=session,
+            version=self._core.version,
+            params=self._core.with_digest(
+                self._core.version, {**self._core.plane.welcome_params(), **join.params}
+            ),
+            heartbeat_interval=self._core.beats.interval,
+            proof=self._core.proof,
+        )
+        conn.send(welcome)
+        peer = Peer(
+            worker_idx=hello.worker_idx,
+            routing=routing,
+            conn=conn,
+            session=session,
+            pid=pid,
+            welcome_version=self._core.version,
+            last_seen=time.monotonic(),
+            inflight={self._core.version},
+            host=hello.host,
+        )
+        self._core.peers.add(peer)
+        try:
+            await channel.send(routing, welcome, timeout=self._core.timeouts.control)
+        except WeightSyncError as exc:
+            if isinstance(exc, TransportError):
+                self._core.peers.connection_closed(peer)
+            self._core.peers.mark_lost(peer, f"could not be welcomed: {exc}")
+            join.abandon()
+        else:
+            if self._tasks is not None:
+                self._tasks.start_soon(self._bring_up, peer, welcome.version, join)
+            else:
+                join.abandon()
+        self._core.notify()
+
+    def _note_refusal(self, worker: int, reason: str) -> None:
+        """Keep why ``worker`` was refused, for the worker table and ``connect()``'s error,
+        unless the index is held by a worker that takes updates (a refused second claimant
+        says nothing about it)."""
+        peers = self._core.peers
+        if not 0 <= worker < self._core.num_workers:
+            return
+        holder = peers.get(worker)
+        if holder is None or holder.lost:
+            peers.notes[worker] = f"refused: {reason[:NOTE_CHARS]}"
+
+    async def _bring_up(self, peer: Peer, version: int, join: Delivery) -> None:
+        """Move the welcome version to a joining worker, where the plane moves bytes."""
+        try:
+            await join.run(None)
+        except WeightSyncError as exc:
+            # The worker hears of it too (its receive fails) and its connect() raises.
+            log.warning(
+                "worker %d could not be brought up to version %d: %s", peer.worker_idx, version, exc
+            )
+
+
+def _answer_in(protocol: int) -> int:
+    """The version a refusal goes back in: the hello's own, which a peer of another version
+    reads, unless no frame header can carry it (a hello that names an impossible one)."""
+    return protocol if 0 <= protocol <= 255 else wire.PROTOCOL_VERSION

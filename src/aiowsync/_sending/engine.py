@@ -1,0 +1,396 @@
+"""The sender's engine: serving the control channel, staging versions and collecting acks.
+
+One background task (:meth:`SenderCore.serve`) reads the control channel, answers handshakes,
+records acks and declares peers lost; ``send()`` stages a version through the data plane,
+announces it, lets the plane deliver it and waits for the targeted workers' answers, which
+that task records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+import anyio
+
+from .._channel import SenderChannel
+from .._config import Heartbeats, Timeouts
+from .._exceptions import (
+    WeightSyncError,
+    WeightSyncTimeout,
+    WorkerLostError,
+)
+from .._planes.base import Delivery, Params, SenderPlane, WeightSource
+from .._planes.digest import Digests
+from .._planes.slot_table import SlotsFull
+from .._protocol import (
+    Bye,
+    Update,
+)
+from .._util.shield import to_the_end
+from .._util.signal import Signal
+from .._weights.layout import Layout
+from .announce import Announcer
+from .control import ControlLoop
+from .outcome import Answers, PendingSend, SendResult
+from .peers import Peer, PeerTable
+from .retries import AnswerRetries
+from .workers import explain_missing, unavailable_text
+
+__all__ = ["PendingSend", "SendResult", "SenderCore"]
+
+log = logging.getLogger("aiowsync.sender")
+
+BYE_WINDOW_S = 1.0
+"""How long closing spends telling connected workers goodbye, in all."""
+BYE_SEND_S = 0.2
+"""How long one goodbye may wait for room on its socket."""
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A version staged and announced, whose delivery and answers are still to come."""
+
+    version: int
+    pending: Answers
+    seconds: float
+    delivery: Delivery
+    members: list[Peer]
+
+
+class SenderCore:
+    def __init__(
+        self,
+        *,
+        plane: SenderPlane,
+        layout: Layout,
+        num_workers: int,
+        model_id: str,
+        timeouts: Timeouts,
+        heartbeats: Heartbeats,
+        integrity: bool = False,
+    ) -> None:
+        self.plane = plane
+        self.digests = Digests(layout, plane, enabled=integrity)
+        """Every update carries a digest of its version's bytes, which receivers check."""
+        self.layout = layout
+        self.num_workers = num_workers
+        self.model_id = model_id
+        self.timeouts = timeouts
+        self.beats = heartbeats
+        self._channel: SenderChannel | None = None
+        self.peers = PeerTable(plane, heartbeats, self._on_lost)
+        self.announcer = Announcer(self.peers, timeouts)
+        self.pending: dict[int, Answers] = {}
+        # FIFO; taken without a checkpoint when free (one loop pass less per send).
+        # Not a Lock: a published send's delivery, in a task of its own, gives it back.
+        self._send_lock = anyio.Semaphore(1, max_value=1, fast_acquire=True)
+        self._changed = Signal()
+        self.version = 0
+        self.proof = secrets.token_hex(16)
+        """Given to receivers in the welcome; every update and beat carries it."""
+        self._loop = ControlLoop(self)
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        if self._channel is None:
+            raise RuntimeError("the sender is not started")
+        return self._channel.address
+
+    @property
+    def channel(self) -> SenderChannel | None:
+        return self._channel
+
+    async def start(
+        self, initial: WeightSource, channel: SenderChannel, *, first_version: int = 0
+    ) -> None:
+        """Create the slots, stage the first version (0 unless a relay numbers it as its
+        upstream did) and serve on ``channel`` (bound by the scheme; closed, with the slots,
+        if this fails)."""
+        try:
+            self.plane.setup(self.layout)
+            slot = self.plane.reserve(set())
+            await self.plane.stage(slot, initial)
+            await self.digests.take(slot, first_version)
+            self.plane.publish(slot, first_version)
+            self.version = first_version
+            await self.plane.seal(first_version)
+        except BaseException:
+            self.plane.close()
+            channel.close()
+            raise
+        self._channel = channel
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            channel, self._channel = self._channel, None
+            if channel is not None:
+                with anyio.move_on_after(BYE_WINDOW_S):
+                    for peer in self.peers.values():
+                        if not peer.gone:
+                            with contextlib.suppress(WeightSyncError):
+                                await channel.send(
+                                    peer.routing,
+                                    Bye(reason="sender shutting down"),
+                                    timeout=BYE_SEND_S,
+                                )
+                channel.close()
+            for pending in self.pending.values():
+                pending.lost |= set(pending.waiting)
+                pending.waiting.clear()
+                pending.done.set()
+                pending.changed.notify()
+            self.plane.close()
+
+    # -- status -------------------------------------------------------------------------------
+
+    def ready_workers(self) -> set[int]:
+        return self.peers.ready_workers()
+
+    def lost_workers(self) -> set[int]:
+        return self.peers.lost_workers()
+
+    async def wait_ready(self, timeout: float) -> None:
+        everyone = set(range(self.num_workers))
+        try:
+            with anyio.fail_after(timeout):
+                while missing := everyone - self.ready_workers():
+                    await self._changed.wait()
+        except TimeoutError:
+            exc = WeightSyncTimeout(f"workers did not connect within {timeout:g} s", missing)
+            # Each missing worker's story: refused and why, never said hello, lost.
+            exc.args = (f"{exc}:\n  {explain_missing(self.peers, sorted(missing))}",)
+            raise exc from None
+
+    def notify(self) -> None:
+        self._changed.notify()
+
+    async def changed(self) -> None:
+        """Wait until a worker's state or version changes."""
+        await self._changed.wait()
+
+    def _on_lost(self, peer: Peer) -> None:
+        for pending in self.pending.values():
+            if peer.worker_idx in pending.waiting:
+                pending.lost.add(peer.worker_idx)
+                pending.settle(peer.worker_idx)
+        self.notify()
+
+    # -- background task ----------------------------------------------------------------------
+
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve the control channel until cancelled (see :class:`ControlLoop`)."""
+        await self._loop.serve(task_status=task_status)
+
+    @property
+    def dropped(self) -> int:
+        """Control messages the engine dropped (beside those its channel dropped)."""
+        return self._loop.dropped
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def check_targets(self, targets: list[int]) -> None:
+        if self._channel is None:
+            raise WeightSyncError("the sender is shut down")
+        if unavailable := self.peers.unavailable(targets):
+            raise WorkerLostError(unavailable_text(self.peers, unavailable), unavailable)
+
+    async def send(
+        self,
+        source: WeightSource,
+        targets: list[int],
+        *,
+        stage_limit: float,
+        ack_limit: float,
+        deadline: float | None,
+        version: int | None = None,
+    ) -> SendResult:
+        """Stage ``source`` as the next version (or as ``version``, a relay's upstream's
+        number, above the latest) and deliver it to ``targets``.
+
+        Staging (and delivery) must end within ``stage_limit`` seconds; the acks are awaited
+        until ``deadline`` (monotonic) if given, else for ``ack_limit`` seconds after delivery.
+        """
+        started = time.perf_counter()
+        staged = await self._stage_in_turn(source, targets, stage_limit, version)
+        return await self._complete(staged, ack_limit, deadline, started)
+
+    async def publish(
+        self,
+        source: WeightSource,
+        targets: list[int],
+        *,
+        stage_limit: float,
+        ack_limit: float,
+        deadline: float | None,
+        tasks: anyio.abc.TaskGroup,
+    ) -> PendingSend:
+        """As :meth:`send`, but return once the version is staged and announced and the
+        source will never be read again; the rest runs in ``tasks`` and the returned
+        :class:`PendingSend` gives its outcome."""
+        started = time.perf_counter()
+        staged = await self._stage_in_turn(source, targets, stage_limit)
+        pending = PendingSend(staged.version)
+        try:
+            # Planes that copy out of the source while they deliver (the distributed one
+            # packs bucket by bucket) copy the rest now: the caller may change it next.
+            await to_the_end(self.plane.seal(staged.version))
+        finally:
+            tasks.start_soon(pending.run, self._complete(staged, ack_limit, deadline, started))
+        return pending
+
+    async def _stage_in_turn(
+        self,
+        source: WeightSource,
+        targets: list[int],
+        stage_limit: float,
+        version: int | None = None,
+    ) -> _Staged:
+        """Wait for the send before (by ``stage_limit``), then stage and announce; returns
+        holding the send lock, which :meth:`_complete` releases."""
+        self.check_targets(targets)
+        move_by = time.monotonic() + stage_limit
+        late = WeightSyncTimeout(f"send did not stage within {stage_limit:g} s", targets)
+        if self._send_lock.value == 0:
+            # Only the wait for an earlier send can be cut short: a copy runs to its end, and
+            # its deadline is checked once it has (see _stage_and_announce).
+            try:
+                with anyio.fail_after(stage_limit):
+                    await self._send_lock.acquire()
+            except TimeoutError:
+                raise late from None
+        else:
+            # Free: taken without a checkpoint, so a small send never suspends before its
+            # announcements go out.
+            await self._send_lock.acquire()
+        try:
+            self.check_targets(targets)
+            return await self._stage_and_announce(source, targets, move_by, version)
+        except TimeoutError:
+            self._send_lock.release()
+            raise late from None
+        except BaseException:
+            self._send_lock.release()
+            raise
+
+    async def _complete(
+        self, staged: _Staged, ack_limit: float, deadline: float | None, started: float
+    ) -> SendResult:
+        """Deliver a staged version (then release the send lock) and wait for its answers."""
+        version, pending = staged.version, staged.pending
+        try:
+            try:
+                # Still under the lock: a retry must be announced before the next version.
+                await staged.delivery.run(AnswerRetries(self, pending, staged.members))
+            except WeightSyncError as exc:
+                # The members that failed say so themselves, or their deadline names them.
+                log.warning("version %d: %s", version, exc)
+            finally:
+                try:
+                    # However this ended (even cancelled), the version is read from the
+                    # caller's weights now, never after send() stopped waiting.
+                    await staged.delivery.finish()
+                finally:
+                    self._send_lock.release()
+            wait = ack_limit if deadline is None else max(0.0, deadline - time.monotonic())
+            await pending.done.wait(wait)
+        finally:
+            self.pending.pop(version, None)
+        return pending.result(
+            self.layout.total_bytes, time.perf_counter() - started, staged.seconds
+        )
+
+    def _slots_full(self, exc: SlotsFull) -> WeightSyncError:
+        """No slot is left: the error, naming the workers whose leases keep slots."""
+        leases = self.peers.leases_text()
+        if not leases:
+            return exc
+        return WeightSyncError(
+            f"{exc}; {leases}: a leased version keeps its slot until its last lease ends"
+        )
+
+    def with_digest(self, version: int, params: Params) -> Params:
+        """``params`` for an update of ``version``, with its digest when there is one."""
+        return self.digests.add_to(version, params)
+
+    async def _stage_and_announce(
+        self, source: WeightSource, targets: list[int], move_by: float, at: int | None = None
+    ) -> _Staged:
+        if at is not None and at <= self.version:
+            raise ValueError(f"version {at} does not follow the latest, {self.version}")
+        version = self.version + 1 if at is None else at
+        plane = self.plane
+        try:
+            slot = plane.reserve(self.peers.pinned_versions(self.version))
+        except SlotsFull as exc:
+            raise self._slots_full(exc) from None
+        t0 = time.perf_counter()
+        try:
+            # The source checks the weights against the layout before any byte is written.
+            await plane.stage(slot, source)
+            await self.digests.take(slot, version)
+            if time.monotonic() >= move_by:
+                # A copy cannot be interrupted, so its deadline is checked here: a version
+                # staged too late is never announced.
+                raise TimeoutError
+        except BaseException as exc:
+            plane.release(slot)
+            if isinstance(exc, SlotsFull):  # a plane that takes its slots when staging
+                raise self._slots_full(exc) from None
+            raise
+        stage_s = time.perf_counter() - t0
+        channel = self._channel
+        if channel is None:
+            raise WeightSyncError("the sender shut down while this version was being staged")
+        # From here on the version exists: announce it to every target even if cancelled.
+        # Nothing below suspends unless a socket cannot take an update at once, and those
+        # announcements are shielded.
+        plane.publish(slot, version)
+        self.version = version
+        pending = Answers(version, set(targets))
+        self.pending[version] = pending
+        delivery: Delivery | None = None
+        try:
+            peers = self.peers.by_index
+            members = [peers[w] for w in targets if not peers[w].lost]
+            since = min((p.conn.acked_version for p in members), default=-1)
+            delivery = plane.deliver(
+                version,
+                [(p.worker_idx, p.session) for p in members],
+                move_by,
+                since=since if since >= 0 else None,
+            )
+            update = Update(
+                version=version, params=self.with_digest(version, delivery.params), proof=self.proof
+            )
+            blocked: list[Peer] = []
+            for worker in targets:
+                peer = peers[worker]
+                if peer.lost:
+                    pending.lost.add(worker)
+                    pending.settle(worker)
+                elif not self.announcer.nowait(channel, peer, update):
+                    blocked.append(peer)
+            if blocked:
+                await to_the_end(self.announcer.all(channel, blocked, update, queued=True))
+            if not targets:
+                pending.done.set()
+        except BaseException:
+            # Cancelled or failed after the version was taken: nobody will wait for it. A
+            # delivery that will never run is given back, and the version is read from the
+            # caller's weights now, never after send() returned.
+            self.pending.pop(version, None)
+            if delivery is None:
+                await to_the_end(plane.seal(version))
+            else:
+                delivery.abandon()
+                await delivery.finish()
+            raise
+        return _Staged(version, pending, stage_s, delivery, members)

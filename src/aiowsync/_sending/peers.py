@@ -1,0 +1,190 @@
+"""The sender's table of receivers: who is connected, who is lost or gone, and which versions
+their processes may still read."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .._channel import PeerId
+from .._config import Heartbeats
+from .._planes.base import SenderPlane
+from .._protocol import Connection, State
+from .._util.text import excerpt
+
+__all__ = ["DEAD_STATES", "Peer", "PeerTable"]
+
+log = logging.getLogger("aiowsync.sender")
+
+DEAD_STATES = frozenset({State.ERROR, State.CLOSED})
+
+
+@dataclass(slots=True)
+class Peer:
+    worker_idx: int
+    routing: PeerId
+    conn: Connection
+    session: str
+    pid: int
+    welcome_version: int
+    last_seen: float
+    ready: bool = False
+    lost: bool = False
+    """No update reaches it now (silent, disconnected, failed, replaced or gone)."""
+    gone: bool = False
+    """It can read nothing of the sender's any more (goodbye, exited, or disconnected from
+    another host), so its versions need no pin."""
+    inflight: set[int] = field(default_factory=set)
+    """Versions announced to it and not yet answered."""
+    host: str = ""
+    leased: frozenset[int] = frozenset()
+    """Versions its leases read in the sender's memory, as it last reported them."""
+
+
+class PeerTable:
+    """Receivers by index and by routing id, with the rules of liveness.
+
+    ``on_lost(peer)`` is called each time a peer is marked lost (the engine settles its waits).
+    """
+
+    def __init__(
+        self, plane: SenderPlane, beats: Heartbeats, on_lost: Callable[[Peer], None]
+    ) -> None:
+        self._plane = plane
+        self._beats = beats
+        self._on_lost = on_lost
+        self.by_index: dict[int, Peer] = {}
+        self.by_routing: dict[PeerId, Peer] = {}
+        self._retired: list[Peer] = []
+        """Replaced peers whose process may still read the version it ran."""
+        self.notes: dict[int, str] = {}
+        """By worker index, the last thing known that explains its state (a refusal, a
+        loss, a goodbye), for the worker table and the sender's errors."""
+
+    def get(self, worker: int) -> Peer | None:
+        return self.by_index.get(worker)
+
+    def values(self) -> list[Peer]:
+        return list(self.by_index.values())
+
+    def ready_workers(self) -> set[int]:
+        return {w for w, p in self.by_index.items() if p.ready and not p.lost}
+
+    def lost_workers(self) -> set[int]:
+        return {w for w, p in self.by_index.items() if p.lost}
+
+    def unavailable(self, targets: list[int]) -> list[int]:
+        """Those of ``targets`` that an update cannot reach now."""
+        peers = self.by_index
+        return [
+            w
+            for w in targets
+            if w not in peers or peers[w].lost or peers[w].conn.state in DEAD_STATES
+        ]
+
+    # -- joining and leaving ------------------------------------------------------------------
+
+    def add(self, peer: Peer) -> None:
+        self.notes.pop(peer.worker_idx, None)
+        self.by_index[peer.worker_idx] = peer
+        self.by_routing[peer.routing] = peer
+
+    def replace(self, worker: int, pid: int) -> None:
+        """A new connection takes index ``worker``: its old holder is lost, and keeps its pins
+        while its process (another than ``pid``) may still read its version."""
+        old = self.by_index.pop(worker, None)
+        if old is None:
+            return
+        self.by_routing.pop(old.routing, None)
+        self.mark_lost(old, "replaced by a new connection under the same index")
+        if self.sees_processes(old) and not self.gone(old) and old.pid != pid:
+            self._retired.append(old)
+
+    def said_goodbye(self, peer: Peer, reason: str) -> None:
+        peer.gone = True
+        self.by_routing.pop(peer.routing, None)
+        self.mark_lost(peer, f"said goodbye ({reason or 'no reason'})", level=logging.INFO)
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    def mark_lost(self, peer: Peer, why: str, *, level: int = logging.WARNING) -> None:
+        if not peer.lost:
+            log.log(level, "worker %d lost: %s", peer.worker_idx, excerpt(why))
+            if self.by_index.get(peer.worker_idx) is peer:
+                self.notes[peer.worker_idx] = why
+        peer.lost = True
+        self._plane.forget(peer.worker_idx)
+        self._on_lost(peer)
+
+    def check_liveness(self) -> None:
+        for peer in self.values():
+            if not peer.lost and self.is_late(peer):
+                self.mark_lost(peer, f"no heartbeat for {self._beats.timeout:g} s")
+
+    def is_late(self, peer: Peer) -> bool:
+        return time.monotonic() - peer.last_seen > self._beats.timeout
+
+    def connection_closed(self, peer: Peer) -> None:
+        # Where the plane sees receiver processes, a closed connection proves nothing (a
+        # stopped process loses its connection but still maps its slot); only the process's
+        # exit or its goodbye does. Elsewhere the connection is all there is.
+        if not self.sees_processes(peer):
+            peer.gone = True
+
+    def sees_processes(self, peer: Peer) -> bool:
+        """Whether the plane can tell if ``peer``'s process still runs (same host)."""
+        return self._plane.process_gone(peer.pid) is not None
+
+    def gone(self, peer: Peer) -> bool:
+        """True once ``peer`` can no longer read any slot, so its versions need no pin."""
+        if not peer.gone and peer.pid and self._plane.process_gone(peer.pid):
+            peer.gone = True
+        return peer.gone
+
+    def pinned_versions(self, current: int) -> set[int]:
+        """``current`` and every version a receiver's process may still read."""
+        pinned = {current}
+        self._retired = [p for p in self._retired if not self.gone(p)]
+        for peer in [*self.by_index.values(), *self._retired]:
+            acked = peer.conn.acked_version
+            if acked in pinned and peer.inflight <= pinned and peer.leased <= pinned:
+                continue  # pins nothing more: no need to ask whether its process lives
+            if self.gone(peer):
+                continue
+            pinned.add(acked)
+            pinned |= peer.inflight
+            pinned |= peer.leased
+        return pinned
+
+    def leases_text(self) -> str:
+        """Who holds leases in the sender's memory, oldest lease first ('' if nobody)."""
+        held = [
+            (min(p.leased), p.worker_idx, sorted(p.leased))
+            for p in [*self.by_index.values(), *self._retired]
+            if p.leased and not self.gone(p)
+        ]
+        return "; ".join(
+            f"worker {worker} holds a lease on version {oldest}"
+            + (f" (its oldest; it leases versions {versions})" if len(versions) > 1 else "")
+            for oldest, worker, versions in sorted(held)
+        )
+
+    @staticmethod
+    def answered(peer: Peer, version: int, *, ok: bool, running: int = -1) -> bool:
+        """Record ``peer``'s answer for ``version`` in its pins; True when this ack made it
+        ready (it holds the version it was welcomed with)."""
+        if ok:
+            peer.inflight = {v for v in peer.inflight if v > version}
+            if version >= peer.welcome_version and not peer.ready:
+                peer.ready = True
+                return True
+        elif running >= 0:
+            # The worker answers in order and runs one version: ``running`` (this one, if it
+            # switched before a hook failed, else an earlier one). Versions up to this one that
+            # it does not run are done with; a worker that keeps failing must not pin a slot
+            # per failed version until none is left for anyone. A nack that does not say what
+            # runs keeps its version pinned: the worker may have switched to it.
+            peer.inflight = {v for v in peer.inflight if v > version or v == running}
+        return False

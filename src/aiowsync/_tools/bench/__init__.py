@@ -1,0 +1,210 @@
+"""``aiowsync bench``: aiowsync against the raw limits and TorchRL, in one run.
+
+For every model (1 MiB, 64 MiB, 256 MiB, 1 GiB, a 1000-tensor 64 MiB model) and worker count
+(1, 4, 8), and for each transport (``shm``: one host through shared memory; ``dist``:
+torch.distributed, gloo), one *cell* measures in the same run:
+
+* aiowsync's ``send()`` and (``shm``) ``send(weights)``, sender in this process, workers in
+  long-lived spawned processes;
+* the limit: one ``copy_`` of the same bytes as one flat tensor (``shm``), or one raw gloo
+  broadcast of a flat buffer to the same worker processes plus a one-byte confirmation
+  (``dist``);
+* when torchrl imports: TorchRL's SharedMemWeightSyncScheme (``send()`` and ``send(weights)``)
+  and MultiProcessWeightSyncScheme (``shm`` cells), DistributedWeightSyncScheme (``dist``
+  cells), each in a process tree of its own, driven through TorchRL's public API.
+
+Contenders take their samples in turn, one each per round, in an order shuffled every round, so
+drift of the machine, and whatever a contender leaves behind for the next, hits all of them
+alike. Afterwards each contender with workers measures
+its event-loop gaps (idle, then during a few sends) and its mixed reads (readers on every
+worker check each read during a few sends). Contenders that would not fit in memory beside the
+others are skipped and the report says so.
+
+Outputs, in ``--out`` (default ``./aiowsync-bench``): ``bench.json`` (every sample),
+``bench.md`` (medians, ratios, checks against the project's targets) and ``bench.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+from importlib import metadata
+from typing import Any
+
+__all__ = ["main"]
+
+ALL_MODELS = ("1MiB", "64MiB", "256MiB", "1GiB", "1000t-64MiB")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="aiowsync bench",
+        description="Send latency, event-loop gaps and mixed reads of aiowsync, the raw limits "
+        "and (when installed) TorchRL's weight-sync schemes, measured in one run.",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="64MiB and 1000t-64MiB to 4 workers on shm (TorchRL MultiProcess on 64MiB only), "
+        "64MiB on dist; few samples (< 3 min)",
+    )
+    p.add_argument("--models", help=f"comma-separated, among {','.join(ALL_MODELS)} (default: all)")
+    p.add_argument("--workers", help="comma-separated worker counts (default: 1,4,8)")
+    p.add_argument("--transports", help="comma-separated: shm, dist (default: both)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        help="samples per contender per round of a cell (default: by model, 4 to 30; "
+        "--quick: 2 to 10)",
+    )
+    p.add_argument("--no-torchrl", action="store_true", help="leave TorchRL out")
+    p.add_argument(
+        "--wire-dtype",
+        choices=["bfloat16", "float16"],
+        help="aiowsync's schemes send floats in this dtype; workers copy with a cast "
+        "(default: as they are)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="deadline of every wait, s (default: 120)"
+    )
+    p.add_argument(
+        "--out", default="aiowsync-bench", help="directory for the outputs (default: %(default)s)"
+    )
+    p.add_argument(
+        "--from-json", metavar="FILE", help="measure nothing: write the report of an earlier run"
+    )
+    args = p.parse_args(argv)
+    models = tuple(args.models.split(",")) if args.models else ALL_MODELS
+    bad = [m for m in models if m not in ALL_MODELS]
+    if bad:
+        p.error(f"unknown models {bad}; choose among {', '.join(ALL_MODELS)}")
+    workers: tuple[int, ...] = (1, 4, 8)
+    if args.workers:
+        try:
+            workers = tuple(int(w) for w in args.workers.split(","))
+        except ValueError:
+            p.error(f"--workers must be integers, got {args.workers!r}")
+    if any(w < 1 for w in workers):
+        p.error("worker counts must be at least 1")
+    transports = tuple(args.transports.split(",")) if args.transports else ("shm", "dist")
+    if not set(transports) <= {"shm", "dist"}:
+        p.error("--transports takes shm, dist or both")
+    if args.samples is not None and args.samples < 1:
+        p.error("--samples must be at least 1")
+    from ._run import QUICK_CELLS, matrix
+
+    chosen = args.models or args.workers or args.transports
+    args.cells = QUICK_CELLS if args.quick and not chosen else matrix(models, workers, transports)
+    return args
+
+
+def _version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _git_commit() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(
+            ["git", "-C", here, "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _environment(argv: list[str], torchrl_line: str) -> dict[str, Any]:
+    from aiowsync._copy.engine import default_policy  # imports torch: only when a run starts
+
+    with open("/proc/meminfo") as f:
+        mem_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+    return {
+        "command": " ".join(["aiowsync", "bench", *argv]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "mem_gib": mem_kb / 2**20,
+        "python": sys.version.split()[0],
+        "torch": _version("torch"),
+        "tensordict": _version("tensordict"),
+        "torchrl": _version("torchrl"),
+        "aiowsync": f"{_version('aiowsync')} ({_git_commit() or 'no git'})",
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "copies": "non-temporal stores" if default_policy().streaming else "ordinary stores",
+        "torchrl_status": torchrl_line,
+        "load_start": os.getloadavg(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``aiowsync bench [options]``; returns the exit status (1 when a cell failed)."""
+    args_list = sys.argv[2:] if argv is None else list(argv)
+    if argv is None and os.environ.get("OMP_WAIT_POLICY") is None:
+        # Idle OpenMP threads must sleep, not spin, or a small machine measures its own
+        # spinning; the policy is read when torch loads, so start again with it set.
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.execv(sys.executable, [sys.executable, "-m", "aiowsync", "bench", *args_list])
+    args = _parse(args_list)
+    if args.from_json:
+        with open(args.from_json) as f:
+            return _write(json.load(f), args.out)
+
+    from ._run import FULL_SAMPLES, QUICK_LEAVE_OUT, QUICK_SAMPLES, Settings, run_sync
+    from ._torchrl import torchrl_status
+
+    torchrl_version, torchrl_line = torchrl_status()
+    use_torchrl = torchrl_version is not None and not args.no_torchrl
+    if args.no_torchrl:
+        torchrl_line += " (left out: --no-torchrl)"
+    samples = dict(QUICK_SAMPLES if args.quick else FULL_SAMPLES)
+    if args.samples is not None:
+        samples = dict.fromkeys(samples, args.samples)
+    settings = Settings(
+        cells=args.cells,
+        samples=samples,
+        gap_sends=1 if args.quick else 3,
+        tear_sends=2 if args.quick else 5,
+        tear_max_s=6.0 if args.quick else 15.0,
+        idle_s=0.3 if args.quick else 0.5,
+        timeout=args.timeout,
+        torchrl=use_torchrl,
+        leave_out=QUICK_LEAVE_OUT if args.quick else (),
+        wire_dtype=args.wire_dtype,
+    )
+    print(f"aiowsync bench: {torchrl_line}", file=sys.stderr, flush=True)
+    report: dict[str, Any] = {
+        "env": _environment(args_list, torchrl_line),
+        "settings": dataclasses.asdict(settings),
+    }
+    report["run"] = run_sync(settings)
+    return _write(report, args.out)
+
+
+def _write(report: dict[str, Any], out: str) -> int:
+    from ._report import checks, markdown, plot
+
+    report["checks"] = checks(report)
+    os.makedirs(out, exist_ok=True)
+    paths = {k: os.path.join(out, f"bench.{k}") for k in ("json", "md", "png")}
+    with open(paths["json"], "w") as f:
+        json.dump(report, f, indent=1)
+    text = markdown(report)
+    why = plot(report, paths["png"])
+    if why:
+        text += f"\n{why}\n"
+        del paths["png"]
+    with open(paths["md"], "w") as f:
+        f.write(text)
+    print(text)
+    print(f"wrote {', '.join(paths.values())}", file=sys.stderr)
+    return 1 if any("failed" in c for c in report["run"]["cells"]) else 0

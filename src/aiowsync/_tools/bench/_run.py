@@ -1,0 +1,491 @@
+"""The benchmark's plan and its run: cells of (model, worker count, transport), contenders
+alternated sample by sample inside a cell, and memory kept within what the machine has."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import os
+import random
+import sys
+import time
+import traceback
+from typing import Any
+
+from ._contenders import (
+    DIGEST_MODE,
+    AiowsyncSend,
+    AiowsyncSession,
+    Contender,
+    RawCopy,
+    RawGloo,
+    RawZmq,
+    TorchRLContender,
+)
+from ._models import MIB, model_spec, spec_bytes
+from ._pool import WorkerPool
+from ._probe import QUIET_AGAIN_S, QUIET_MOST_S, host_steal_ms
+from ._torchrl import TorchRLError, TorchRLTree
+
+__all__ = [
+    "FULL_SAMPLES",
+    "QUICK_CELLS",
+    "QUICK_LEAVE_OUT",
+    "QUICK_SAMPLES",
+    "Settings",
+    "matrix",
+    "run",
+    "run_sync",
+]
+
+FULL_SAMPLES = {"1MiB": 30, "64MiB": 10, "256MiB": 6, "1GiB": 4, "1000t-64MiB": 10}
+QUICK_SAMPLES = {"1MiB": 10, "64MiB": 4, "256MiB": 3, "1GiB": 2, "1000t-64MiB": 4}
+TORCHRL_TREES = {"shm": ("shared", "mp"), "dist": ("distributed",)}
+TORCHRL_MODES = {
+    "shared": ("send()", "send(weights)"),
+    "mp": ("send()",),
+    "distributed": ("send()",),
+}
+PAIR_UP_TO = 4 * MIB
+"""Models up to this size are sampled in back-to-back pairs: each contender sends twice in a
+row and the second send is the sample. Such a send takes about a millisecond, and alone it
+mostly measures how fast the workers wake after the other contenders' turns (twice as long
+here as back to back); the first of each pair is kept too, as ``lead_samples_s``."""
+PROCESS_BYTES = 400 * MIB  # what a process that imported torch (and torchrl) holds
+
+
+Cell = tuple[str, int, str]  # (model, workers, transport)
+QUICK_CELLS: tuple[Cell, ...] = (
+    ("64MiB", 4, "shm"),
+    ("1000t-64MiB", 4, "shm"),
+    ("64MiB", 4, "dist"),
+)
+
+
+def matrix(
+    models: tuple[str, ...], workers: tuple[int, ...], transports: tuple[str, ...]
+) -> tuple[Cell, ...]:
+    """Every (model, workers, transport), models outermost."""
+    return tuple((m, n, t) for m in models for n in workers for t in transports)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    cells: tuple[Cell, ...]
+    samples: dict[str, int] = dataclasses.field(default_factory=lambda: dict(FULL_SAMPLES))
+    gap_sends: int = 3
+    tear_sends: int = 5
+    tear_max_s: float = 15.0
+    idle_s: float = 0.5
+    timeout: float = 120.0
+    torchrl: bool = True
+    memory_fraction: float = 0.8
+    pair_up_to: int = PAIR_UP_TO
+    leave_out: tuple[tuple[str, str], ...] = ()
+    """(model, TorchRL tree) pairs not run, e.g. ``("1000t-64MiB", "mp")``."""
+    wire_dtype: str | None = None
+    """aiowsync's schemes send floats in this dtype (the workers' models stay float32 and
+    copy each version with a cast)."""
+
+
+QUICK_LEAVE_OUT: tuple[tuple[str, str], ...] = (("1000t-64MiB", "mp"),)
+"""What ``--quick`` leaves out: TorchRL's MultiProcess scheme on the 1000-tensor model takes
+about 3 s a send here, and a minute of the quick run, for a contender no check uses."""
+
+
+def footprint(what: str, nbytes: int, n: int) -> int:
+    """Rough peak bytes one contender group holds (beyond the worker pool's processes)."""
+    per_model = {
+        "shm": 5,  # the sender's model, the weights clone, up to three slots
+        "raw copy_": 2,
+        "dist": 2 * n + 3,  # two slots per receiver, the sender's model and slot, the clone
+        "raw gloo broadcast": n + 1,
+        # workers build their own model before TorchRL rebinds (shared) or fills it
+        "shared": n + 2,
+        "mp": n + 2,
+        "distributed": n + 2,
+    }[what]
+    procs = n + 1 if what in TORCHRL_MODES else 0
+    return per_model * nbytes + procs * PROCESS_BYTES
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+async def settle_memory(step: float = 0.25, most: float = 10.0, slack: int = 64 * MIB) -> None:
+    """Wait (``most`` seconds at most) until the memory available stops growing: processes
+    that just ended are still handing theirs back."""
+    last = available_bytes()
+    deadline = time.monotonic() + most
+    while time.monotonic() < deadline:
+        await asyncio.sleep(step)
+        now = available_bytes()
+        if now - last < slack:
+            return
+        last = now
+
+
+class Progress:
+    """Lines on stderr: every phase change, and the running samples at most every few seconds."""
+
+    def __init__(self, total_cells: int, every: float = 3.0) -> None:
+        self.t0 = time.monotonic()
+        self.total = total_cells
+        self.cell = 0
+        self.every = every
+        self._last = 0.0
+
+    def say(self, text: str, force: bool = True) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= self.every:
+            self._last = now
+            m, s = divmod(int(now - self.t0), 60)
+            print(
+                f"[{m:3d}:{s:02d}] ({self.cell}/{self.total}) {text}", file=sys.stderr, flush=True
+            )
+
+
+def _plan_batches(
+    trees: tuple[str, ...], base: int, budget: int, nbytes: int, n: int
+) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """TorchRL trees packed into batches that fit beside the aiowsync session and the limit."""
+    batches: list[list[str]] = []
+    skipped: list[dict[str, Any]] = []
+    current: list[str] = []
+    used = base
+    for tree in trees:
+        need = footprint(tree, nbytes, n)
+        if base + need > budget:
+            skipped.append(
+                {
+                    "contender": tree,
+                    "reason": f"needs ~{(base + need) / 2**30:.1f} GiB "
+                    f"with the rest of its cell; the budget is {budget / 2**30:.1f} GiB",
+                }
+            )
+            continue
+        if used + need > budget and current:
+            batches.append(current)
+            current, used = [], base
+        current.append(tree)
+        used += need
+    if current:
+        batches.append(current)
+    return batches, skipped
+
+
+async def _cell(
+    transport: str,
+    model: str,
+    n: int,
+    pool: WorkerPool,
+    settings: Settings,
+    budget: int,
+    progress: Progress,
+) -> dict[str, Any]:
+    spec = model_spec(model)
+    nbytes = spec_bytes(spec)
+    samples = settings.samples[model]
+    limit_name = "raw copy_" if transport == "shm" else "raw gloo broadcast"
+    base = footprint(transport, nbytes, n) + footprint(limit_name, nbytes, n)
+    out: dict[str, Any] = {
+        "model": model,
+        "model_bytes": nbytes,
+        "tensors": len(spec),
+        "workers": n,
+        "transport": transport,
+        "samples_per_round": samples,
+        "contenders": [],
+        "skipped": [],
+        "errors": [],
+        "batches": [],
+    }
+    label = f"{model} x{n} {transport}"
+    if base > budget:
+        out["skipped"].append(
+            {
+                "contender": f"every {transport} contender",
+                "reason": f"needs ~{base / 2**30:.1f} GiB; the budget is {budget / 2**30:.1f} GiB",
+            }
+        )
+        progress.say(f"{label}: skipped ({out['skipped'][0]['reason']})")
+        return out
+    trees = TORCHRL_TREES[transport] if settings.torchrl else ()
+    left_out = [t for t in trees if (model, t) in settings.leave_out]
+    trees = tuple(t for t in trees if t not in left_out)
+    out["skipped"] += [
+        {
+            "contender": f"TorchRL {t}",
+            "reason": "left out of this run (--quick leaves out the slowest)",
+        }
+        for t in left_out
+    ]
+    batches, skipped = _plan_batches(trees, base, budget, nbytes, n)
+    out["skipped"] += skipped
+    out["batches"] = batches
+    progress.say(f"{label}: opening aiowsync {transport} session ({nbytes / MIB:.0f} MiB)")
+    session = AiowsyncSession(transport, pool, spec, n, settings.timeout, settings.wire_dtype)
+    ours: list[Contender] = [AiowsyncSend(session, "send()"), AiowsyncSend(session, "publish()")]
+    digested = AiowsyncSend(session, DIGEST_MODE)  # timed only: its reads are send()'s
+    limit: RawCopy | RawGloo
+    floors: list[RawZmq] = []
+    if transport == "shm":
+        ours.append(AiowsyncSend(session, "send(weights)"))
+        limit = RawCopy(nbytes)
+        floors.append(RawZmq(pool, session.ids, settings.timeout))
+    else:
+        limit = RawGloo(pool, session.ids, nbytes, settings.timeout)
+    theirs: list[Contender] = []
+    try:
+        await session.open()
+        paired = nbytes <= settings.pair_up_to
+        if isinstance(limit, RawGloo):
+            await limit.open(rounds=raw_gloo_rounds(samples, paired, len(batches), settings))
+        for floor in floors:
+            await floor.open()
+        # Gaps and mixed reads first, before any TorchRL tree of the cell: closing a tree hands
+        # gigabytes back at once, and every process of the machine then stalls for tens of ms
+        # (30 ms during the first 1 GiB gap phase after the trees closed, 6 ms later on).
+        for c in (*ours, limit):
+            await c.sample()  # first-send costs (pages, connections) are no gap
+        await settle_memory()  # the previous cell's trees may still be handing memory back
+        for c in (*ours, limit):
+            progress.say(f"{label}: {c.name}: loop gaps, then readers during sends")
+            await _measure_gap(c, settings, progress, label)
+            await c.measure_tear(settings.tear_sends, settings.tear_max_s)
+        for batch in batches or [[]]:
+            theirs += await _batch(
+                batch,
+                model,
+                n,
+                [*ours, digested, limit, *floors],
+                samples,
+                settings,
+                out,
+                progress,
+                label,
+                paired=paired,
+            )
+        await session.verify()
+    finally:
+        try:
+            for floor in floors:
+                await floor.close()
+            if isinstance(limit, RawGloo):
+                await limit.close()
+            else:
+                limit.close()
+        finally:
+            await session.close()
+    for c in ours:
+        if isinstance(c, AiowsyncSend) and c.mode == "publish()":
+            c.info = {"whole_send_s": session.totals}  # acks included, every publish() sent
+    out["contenders"] = [_row(c) for c in (*ours, digested, limit, *floors, *theirs)]
+    return out
+
+
+def raw_gloo_rounds(samples: int, paired: bool, batches: int, settings: Settings) -> int:
+    """How many rounds the raw gloo limit of a cell may take, at most (its receivers are told
+    the number up front; the rounds left over run untimed at the end): the warm-up and the gap
+    windows, each measured again up to :data:`GAP_RETAKES` times, then per batch of TorchRL
+    trees a warm-up and every sample."""
+    per_batch = 1 + samples * (2 if paired else 1)
+    return 1 + settings.gap_sends * (1 + GAP_RETAKES) + per_batch * max(1, batches)
+
+
+async def _batch(
+    batch: list[str],
+    model: str,
+    n: int,
+    standing: list[Contender],
+    samples: int,
+    settings: Settings,
+    out: dict[str, Any],
+    progress: Progress,
+    label: str,
+    *,
+    paired: bool = False,
+) -> list[TorchRLContender]:
+    """Open the batch's TorchRL trees, alternate every contender's samples, then measure the
+    trees' gaps and mixed reads and close them. Returns the TorchRL contenders.
+
+    ``paired``: each contender's turn is two samples back to back; the second is the sample
+    (see :data:`PAIR_UP_TO`)."""
+    trees: list[TorchRLTree] = []
+    theirs: list[TorchRLContender] = []
+    try:
+        for name in batch:
+            progress.say(f"{label}: starting TorchRL {name} with {n} workers")
+            tree = TorchRLTree(name, model, n, settings.timeout)
+            trees.append(tree)
+            info = await tree.open()
+            for mode in TORCHRL_MODES[name]:
+                contender = TorchRLContender(tree, mode)
+                contender.info = info
+                theirs.append(contender)
+        everyone = [*standing, *theirs]
+        for c in everyone:  # warm-up: first-send costs (pages, connections) are not samples
+            await c.sample()
+        await _rounds(everyone, samples, progress, label, paired)
+        for contender in theirs:
+            await contender.verify()
+            progress.say(f"{label}: {contender.name}: loop gaps, then readers during sends")
+            await _measure_gap(contender, settings, progress, label)
+            await contender.measure_tear(settings.tear_sends, settings.tear_max_s)
+    except TorchRLError as exc:
+        text = str(exc)
+        out["errors"].append({"batch": batch, "error": text})
+        progress.say(f"{label}: TorchRL {batch} failed: {text.splitlines()[-1] if text else ''}")
+    finally:
+        for tree in trees:
+            await tree.close()
+    return theirs
+
+
+async def _rounds(
+    everyone: list[Contender], samples: int, progress: Progress, label: str, paired: bool
+) -> None:
+    """``samples`` rounds, each contender's turn once per round, in an order shuffled anew
+    every round (seeded by ``label``, so a cell's orders are the same in every run).
+
+    A rotating order changed only who went first: every contender followed the same one in
+    every round, so whatever one turn left behind (TorchRL's MultiProcess ``send()`` of the
+    1000-tensor model is seconds of many busy processes) fell on the same next contender
+    (docs/adr/0018). Shuffled, each contender follows each other one about equally often;
+    ``Contender.after`` records, sample by sample, whose turn came just before.
+
+    Each sample's timed part starts once no other task of the machine is running or ready to
+    run (:func:`~aiowsync._tools.bench._probe.wait_quiet`). TorchRL's trees of the 1000-tensor
+    model keep their processes busy for a while after their ``send()`` returns, and
+    whichever contender came next paid for it (docs/adr/0050). The wait takes away what other
+    processes leave running, not whatever else slows a copy. Waits are usually a few
+    milliseconds; after one that gave up, the next waits at most
+    :data:`~aiowsync._tools.bench._probe.QUIET_AGAIN_S`.
+
+    Before each round the garbage is collected (untimed), so that a collection never lands
+    inside a sample; what exists before the first round (torch, the sessions, the trees) is
+    frozen out of those collections: a full collection walks every object of the heap and
+    slows the small sends right after it. bench_shm.py and bench_dist.py freeze the same way.
+    """
+    rng = random.Random(label)
+    most = QUIET_MOST_S
+    gc.collect()
+    gc.freeze()
+    try:
+        for r in range(samples):
+            gc.collect()  # only what the rounds made since
+            order = list(everyone)
+            rng.shuffle(order)
+            before = ROUND_START
+            for c in order:
+                c.after.append(before)
+                if paired:  # two sends back to back; the quiet wait comes before the first
+                    c.samples_lead.append(await c.sample_when_quiet(most))
+                    c.samples.append(await c.sample())
+                else:
+                    c.samples.append(await c.sample_when_quiet(most))
+                most = QUIET_MOST_S if c.quiet[-1][1] else QUIET_AGAIN_S
+                before = c.name
+            last = " | ".join(f"{c.name} {c.samples[-1] * 1e3:.1f}" for c in everyone)
+            progress.say(f"{label}: round {r + 1}/{samples} ms: {last}", force=False)
+    finally:
+        gc.unfreeze()
+
+
+ROUND_START = "(round start)"
+"""What :attr:`Contender.after` records for the first turn of a round (after the untimed
+garbage collection)."""
+
+
+GAP_STEAL_MS = 20.0
+"""Gap windows during which the host took this much CPU time from the machine are measured
+again (see :func:`_measure_gap`)."""
+GAP_RETAKES = 2
+
+
+async def _measure_gap(c: Contender, settings: Settings, progress: Progress, label: str) -> None:
+    """``c.measure_gap``, measured again (at most :data:`GAP_RETAKES` times) while the
+    hypervisor took :data:`GAP_STEAL_MS` or more of CPU time from the machine during the
+    windows: then every process stops at once, whatever it runs, and the gaps say nothing
+    about the contender. The same rule for every contender; the attempts set aside stay in
+    the gap's record."""
+    set_aside: list[dict[str, Any]] = []
+    for attempt in range(1 + GAP_RETAKES):
+        before = host_steal_ms()
+        await c.measure_gap(settings.gap_sends, settings.idle_s)
+        stolen = host_steal_ms() - before
+        gap = c.gap
+        if gap is None:
+            return
+        gap["host_steal_ms"] = stolen
+        gap["set_aside"] = set_aside
+        if stolen < GAP_STEAL_MS or attempt == GAP_RETAKES:
+            return
+        progress.say(f"{label}: {c.name}: the host took {stolen:.0f} ms of CPU; gaps again")
+        set_aside.append({k: v for k, v in gap.items() if k != "set_aside"})
+
+
+def _row(c: Contender) -> dict[str, Any]:
+    return {
+        "name": c.name,
+        "kind": c.kind,
+        "transport": c.transport,
+        "samples_s": c.samples,
+        "gap_samples_s": c.samples_outside,
+        "lead_samples_s": c.samples_lead,
+        "after": c.after,
+        "quiet_wait_s": [w for w, _ in c.quiet],
+        "quiet_found": [q for _, q in c.quiet],
+        "gap": c.gap,
+        "tear": c.tear,
+        "notes": c.notes,
+        "info": c.info,
+    }
+
+
+async def run(settings: Settings) -> dict[str, Any]:
+    """Every cell of the matrix; a JSON-able dict of every sample."""
+    cells = settings.cells
+    most = max(n for _, n, _ in cells)
+    progress = Progress(len(cells))
+    progress.say(f"starting {most} worker processes")
+    pool = WorkerPool(most, name="aiowsync-bench-worker")
+    results: list[dict[str, Any]] = []
+    started = time.time()
+    budget = 0
+    try:
+        await pool.start()
+        budget = int(available_bytes() * settings.memory_fraction)
+        for model, n, transport in cells:
+            progress.cell += 1
+            try:
+                results.append(await _cell(transport, model, n, pool, settings, budget, progress))
+            except Exception:
+                text = traceback.format_exc()
+                progress.say(f"{model} x{n} {transport} FAILED:\n{text}")
+                results.append(
+                    {"model": model, "workers": n, "transport": transport, "failed": text}
+                )
+                # A failed session may leave workers in it: start from a fresh pool.
+                await pool.close()
+                pool = WorkerPool(most, name="aiowsync-bench-worker")
+                await pool.start()
+    finally:
+        await pool.close()
+    return {
+        "started": started,
+        "seconds": time.time() - started,
+        "budget_bytes": budget,
+        "load_end": os.getloadavg(),
+        "cells": results,
+    }
+
+
+def run_sync(settings: Settings) -> dict[str, Any]:
+    return asyncio.run(run(settings))
