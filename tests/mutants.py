@@ -71,8 +71,8 @@ MUTANTS = [
         "no-hooks",
         "a receiver acks a version without running its hooks",
         "src/aiowsync/_receiving/updates.py",
-        "            if self._core.hooks:\n"
-        "                await self._core.applier.run_hooks(version)\n"
+        "            if self._applier.hooks:\n"
+        "                await self._applier.run_hooks(version)\n"
         "            answer = Ack(",
         "            answer = Ack(",
     ),

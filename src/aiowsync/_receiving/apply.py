@@ -90,9 +90,8 @@ class Applier:
             staged, failure = None, exc
         if staged is None and failure is None:
             return False  # the bytes are not in place: apply() waits for them
-        if not self.guard._try_begin_switch():
-            return False
-        try:
+
+        def switch() -> bool | Exception:
             check()
             if failure is not None:
                 return failure
@@ -102,8 +101,11 @@ class Applier:
             except Exception as exc:
                 return exc
             return True
-        finally:
-            self.guard._end_switch()
+
+        try:
+            return self.guard.switch_nowait(switch)
+        except anyio.WouldBlock:
+            return False
 
     async def apply(self, version: int, params: Mapping[str, ParamValue]) -> None:
         staged = self.plane.fetch_nowait(params)

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import socket
-import time
 from collections.abc import Mapping
 
 import anyio
@@ -17,7 +16,6 @@ from .._channel import ChannelFactory, ReceiverChannel
 from .._config import Heartbeats, Timeouts
 from .._exceptions import (
     ConnectError,
-    NotConnectedError,
     ProtocolError,
     RefusedError,
     SenderGoneError,
@@ -28,22 +26,20 @@ from .._planes.base import ReceiverPlane
 from .._protocol import (
     PROTOCOL_VERSION,
     Bye,
-    Connection,
     Heartbeat,
     Hello,
     Nack,
     Refuse,
-    Role,
     Welcome,
 )
 from .._util.libc import libc
 from .._util.shield import to_the_end
-from .._util.signal import Signal
 from .._util.text import error_text
 from .._weights.layout import Layout
 from .apply import Applier, ApplyMode, Hook
 from .guard import ReadGuard
 from .lease import LeaseTable
+from .state import ReceiverState
 from .updates import UpdateLoop
 
 __all__ = ["ApplyMode", "Hook", "ReceiverCore"]
@@ -89,26 +85,12 @@ class ReceiverCore:
         self.apply_mode = apply_mode
         self.timeouts = timeouts
         self.beats = heartbeats
-        self.channel: ReceiverChannel | None = None
-        self.conn = Connection(Role.RECEIVER, worker_idx)
         self.guard = guard
         self.hooks = hooks
-        self.shield_updates = False
-        self.protocol_errors = 0
-        self.bye: str | None = None
-        """Why this receiver takes nothing more from its sender (its goodbye, or a broken
-        protocol); None while it does."""
-        self.said_bye = False
-        """The sender ended it with a goodbye (rather than breaking the protocol)."""
-        self._unsure_since: float | None = None
-        """Since when the connection is down or renewed without the sender's confirmation
-        (None while it is confirmed)."""
-        self.session = ""
-        self.proof = ""
-        """The sender's secret from the welcome: updates and beats must carry it."""
-        self.impostors = 0
-        """Updates refused for not carrying it (see :meth:`UpdateLoop._from_sender`)."""
-        self._changed = Signal()
+        self._state = ReceiverState(
+            worker_idx=worker_idx, address=address, timeouts=timeouts, beats=heartbeats
+        )
+        """The link to the sender, shared with the update loop."""
         self.applier = Applier(
             plane=plane,
             layout=layout,
@@ -118,15 +100,11 @@ class ReceiverCore:
             guard=guard,
             hooks=hooks,
             timeouts=timeouts,
-            on_switch=self.notify,
+            on_switch=self._state.notify,
         )
         self.leases = LeaseTable(self.applier, guard, self._report_leases_soon)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._updates = UpdateLoop(self)
-        self.connections_seen = 0
-        self.confirmed = -1
-        """The count of connections to the sender when it last showed that it knows this
-        worker's session (see :attr:`connected`)."""
+        self._updates = UpdateLoop(self._state, self.applier, self.leases.pinned)
 
     @property
     def version(self) -> int:
@@ -143,57 +121,43 @@ class ReceiverCore:
         unconfirmed for the heartbeat timeout; a shorter drop or a renewal that the sender
         confirms with its next beat leaves it True.
         """
-        return self.channel is not None and self.gone() is None
+        return self._state.channel is not None and self.gone() is None
 
     def gone(self) -> SenderGoneError | None:
-        """Why this worker's sender is gone (said goodbye, or lost), or None while it is not.
-
-        Lost means the connection was not confirmed for the heartbeat timeout: down all that
-        time, or renewed by the transport without the sender's beat naming this worker's
-        session (a sender restarted on the same address never sends one). Shorter gaps, as
-        a renewal whose confirming beat is on its way, do not count, as on the sender's side
-        a worker is lost only after that much silence.
-        """
-        keeps = max(self.version, 0)
-        if self.bye is not None:
-            return SenderGoneError(self.worker_idx, keeps, self.bye, closed=self.said_bye)
-        channel = self.channel
-        if channel is None:
-            return None
-        alive = channel.peer_alive
-        if alive and channel.connections == self.confirmed:
-            self._unsure_since = None
-            return None
-        now = time.monotonic()
-        if self._unsure_since is None:
-            self._unsure_since = now
-        timeout = self.beats.timeout
-        if now - self._unsure_since <= timeout:
-            return None
-        why = (
-            f"the connection to {self.address} came back, but the sender has not recognised "
-            f"this worker for {timeout:g} s"
-            if alive
-            else f"no connection to {self.address} for {timeout:g} s"
-        )
-        return SenderGoneError(self.worker_idx, keeps, why, closed=False)
+        """Why this worker's sender is gone (said goodbye, or lost), or None while it is not
+        (see :meth:`ReceiverState.gone`)."""
+        return self._state.gone(self.version)
 
     def check_sender(self) -> None:
         """Raise :class:`SenderGoneError` if the sender is gone, :class:`NotConnectedError`
         if this receiver is closed."""
-        if self.channel is None:
-            raise NotConnectedError(f"worker {self.worker_idx}: this receiver is closed")
-        if (why := self.gone()) is not None:
-            raise why
+        self._state.check_sender(self.version)
+
+    @property
+    def channel(self) -> ReceiverChannel | None:
+        """The connection to the sender; None before ``connect()`` and once closed."""
+        return self._state.channel
 
     @property
     def dropped(self) -> int:
-        channel = self.channel
-        dropped = self.protocol_errors + self.impostors
-        return dropped + (0 if channel is None else channel.dropped)
+        return self._state.dropped
+
+    @property
+    def protocol_errors(self) -> int:
+        return self._state.protocol_errors
+
+    @property
+    def shield_updates(self) -> bool:
+        """Pull mode: apply and answer an update taken off the wire even if the caller's
+        deadline fires meanwhile."""
+        return self._updates.shield
+
+    @shield_updates.setter
+    def shield_updates(self, shield: bool) -> None:
+        self._updates.shield = shield
 
     def notify(self) -> None:
-        self._changed.notify()
+        self._state.notify()
 
     async def wait_for_version(self, version: int, timeout: float) -> int:
         try:
@@ -202,7 +166,7 @@ class ReceiverCore:
                     self.check_sender()
                     # A goodbye wakes this at once; a lost connection is seen at the next look.
                     with anyio.move_on_after(self.beats.interval):
-                        await self._changed.wait()
+                        await self._state.changed()
         except TimeoutError:
             raise WeightSyncTimeout(
                 f"worker {self.worker_idx} still runs version {self.version}, "
@@ -215,14 +179,14 @@ class ReceiverCore:
     async def connect(self, timeout: float) -> None:
         self._loop = asyncio.get_running_loop()
         channel = self._channels.connect(self.address, heartbeat_timeout=self.beats.timeout)
-        self.channel = channel
+        self._state.channel = channel
         try:
             with anyio.fail_after(timeout):
                 welcome = await self._handshake(channel)
                 # The sender judges this worker's liveness from the welcome on, and bringing
                 # a big model up to date can take longer than its patience: beat already.
                 channel.start_heartbeat(self.heartbeat, welcome.heartbeat_interval)
-                self.connections_seen = self.confirmed = channel.connections
+                self._state.connections_seen = self._state.confirmed = channel.connections
                 self._plane.setup(self.layout, welcome.params, swap=self.apply_mode == "swap")
                 answer = await self._updates.apply_and_answer(
                     welcome.version, welcome.params, must_send=True
@@ -247,12 +211,7 @@ class ReceiverCore:
             _return_freed_memory()
 
     def heartbeat(self, leased: tuple[int, ...] | None = None) -> Heartbeat:
-        return Heartbeat(
-            worker_idx=self.worker_idx,
-            session=self.session,
-            version=max(self.version, 0),
-            leased=leased,
-        )
+        return self._state.heartbeat(self.version, leased)
 
     def _report_leases_soon(self) -> None:
         """A leased version in the sender's memory is free again: tell the sender (from any
@@ -264,8 +223,8 @@ class ReceiverCore:
             loop.call_soon_threadsafe(self._report_leases)
 
     def _report_leases(self) -> None:
-        channel = self.channel
-        if channel is None or self.bye is not None or not self.session:
+        channel, state = self._state.channel, self._state
+        if channel is None or state.bye is not None or not state.session:
             return
         beat = self.heartbeat(leased=self.leases.pinned())
         # On the connection the answers take, so in order with them; a report that finds no
@@ -283,20 +242,20 @@ class ReceiverCore:
             pid=os.getpid(),
             host=_HOST,
         )
-        self.conn.send(hello)
+        self._state.conn.send(hello)
         await channel.send(hello, timeout=self.timeouts.control)
         while True:
             message = await channel.recv(timeout=None)
             if isinstance(message, Heartbeat):
                 continue
-            self.conn.receive(message)
+            self._state.conn.receive(message)
             if isinstance(message, Refuse):
                 raise RefusedError(message.reason)
             if isinstance(message, Welcome):
                 if message.worker_idx != self.worker_idx or message.model_id != self.model_id:
                     raise ProtocolError("welcome names another worker or model")
-                self.session = message.session
-                self.proof = message.proof
+                self._state.session = message.session
+                self._state.proof = message.proof
                 return message
             raise ProtocolError(f"unexpected {type(message).__name__} during the handshake")
 
@@ -315,7 +274,7 @@ class ReceiverCore:
     # -- shutdown -----------------------------------------------------------------------------
 
     async def close(self) -> None:
-        channel = self.channel
+        channel = self._state.channel
         if channel is None:
             return
         said_bye = False
@@ -332,9 +291,9 @@ class ReceiverCore:
 
     async def _say_bye(self, channel: ReceiverChannel) -> bool:
         with anyio.CancelScope(shield=True), anyio.move_on_after(BYE_WINDOW_S):
-            if self.bye is None and channel.peer_alive:
+            if self._state.bye is None and channel.peer_alive:
                 try:
-                    self.conn.send(Bye(reason="receiver closing"))
+                    self._state.conn.send(Bye(reason="receiver closing"))
                     await channel.send(Bye(reason="receiver closing"), timeout=BYE_SEND_S)
                     return True
                 except (WeightSyncError, ProtocolError):
@@ -363,7 +322,7 @@ class ReceiverCore:
             )
 
     def _close_channel(self, *, flush: float = 0.0) -> None:
-        channel, self.channel = self.channel, None
+        channel, self._state.channel = self._state.channel, None
         if channel is not None:
             channel.close(flush=flush)
         if self.applier.detached:

@@ -95,12 +95,23 @@ class ReadGuard:
         finally:
             self._end_switch()
 
-    def _try_begin_switch(self) -> bool:
-        """Start a switch if no reader holds the guard (on the loop); False otherwise.
+    def switch_nowait(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` right now if no reader holds the guard (on the loop), without waiting.
 
-        Readers that come meanwhile wait until :meth:`_end_switch`, which must follow soon.
-        (The receiver switches this way within its channel's callback, where it cannot wait.)
+        Raises :class:`anyio.WouldBlock` if a reader holds it; ``fn`` did not run then. (The
+        receiver switches this way within its channel's callback, where it cannot wait.)
+        Readers that come while ``fn`` runs wait for it, so ``fn`` must be short.
         """
+        if not self._try_begin_switch():
+            raise anyio.WouldBlock
+        try:
+            return fn()
+        finally:
+            self._end_switch()
+
+    def _try_begin_switch(self) -> bool:
+        """Start a switch if no reader holds the guard; False otherwise. Readers that come
+        meanwhile wait until :meth:`_end_switch`."""
         with self._cond:
             if self._readers:
                 return False

@@ -1,18 +1,20 @@
 """The receiver's intake of updates: its background task, the inline fast path, pull mode,
 and the answers it sends.
 
-:class:`UpdateLoop` works on its :class:`ReceiverCore`'s connection and applier.
+:class:`UpdateLoop` works on the :class:`ReceiverState` it is given (the link to the sender),
+switches versions through its :class:`Applier`, and reads the leased versions from
+``pinned``. It holds nothing of the engine that made it.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
 
 import anyio
 
+from .._channel import ReceiverChannel
 from .._exceptions import (
     NotConnectedError,
     ProtocolError,
@@ -23,10 +25,8 @@ from .._exceptions import (
 from .._protocol import Ack, Bye, Heartbeat, Message, Nack, ParamValue, Update
 from .._util.shield import to_the_end
 from .._util.text import error_text
-
-if TYPE_CHECKING:
-    from .._channel import ReceiverChannel
-    from .engine import ReceiverCore
+from .apply import Applier
+from .state import ReceiverState
 
 __all__ = ["UpdateLoop"]
 
@@ -37,8 +37,22 @@ NACK_ON_CANCEL_S = 0.5
 
 
 class UpdateLoop:
-    def __init__(self, core: ReceiverCore) -> None:
-        self._core = core
+    def __init__(
+        self,
+        state: ReceiverState,
+        applier: Applier,
+        pinned: Callable[[], tuple[int, ...]],
+        *,
+        shield: bool = False,
+    ) -> None:
+        """``pinned()`` gives the leased versions whose bytes the sender keeps for this
+        worker (every answer carries them)."""
+        self._state = state
+        self._applier = applier
+        self._pinned = pinned
+        self.shield = shield
+        """Pull mode: an update taken off the wire is applied and answered even if the
+        caller's deadline fires meanwhile."""
         self._late: tuple[Update, Ack | Nack] | None = None
         """An update switched to within the channel's callback whose answer found no room
         there; :meth:`run` sends it."""
@@ -51,14 +65,14 @@ class UpdateLoop:
         Beats and most updates are handled as they arrive, within the channel's callback
         (:meth:`_take_inline`); this task gets the rest, in order.
         """
-        channel = self._core.channel
+        channel = self._state.channel
         if channel is not None:
             channel.take_inline(self._take_inline)
         task_status.started()
         try:
-            while self._core.bye is None:
+            while self._state.bye is None:
                 try:
-                    if await self._step(timeout=self._core.beats.interval) is not None:
+                    if await self._step(timeout=self._state.beats.interval) is not None:
                         continue
                 except WeightSyncTimeout:
                     pass
@@ -75,7 +89,7 @@ class UpdateLoop:
         reader holds the guard), is handled here, a loop pass and a task wake-up sooner.
         The outcome is the same as through :meth:`_handle`.
         """
-        if self._core.bye is not None:
+        if self._state.bye is not None:
             return False
         if isinstance(message, Heartbeat):
             self._on_beat(message)
@@ -86,8 +100,8 @@ class UpdateLoop:
             return True
         version = message.version
         try:
-            switched = self._core.applier.switch_now(
-                version, message.params, lambda: self._core.conn.receive(message)
+            switched = self._applier.switch_now(
+                version, message.params, lambda: self._state.conn.receive(message)
             )
         except ProtocolError as exc:
             self._broken(exc)
@@ -99,14 +113,14 @@ class UpdateLoop:
             answer = self._failure(version, switched)
         else:
             answer = Ack(
-                worker_idx=self._core.worker_idx,
+                worker_idx=self._state.worker_idx,
                 version=version,
-                leased=self._core.leases.pinned(),
+                leased=self._pinned(),
             )
-        channel = self._core.channel
+        channel = self._state.channel
         if channel is None:
             return True
-        self._core.conn.send(answer)
+        self._state.conn.send(answer)
         try:
             if channel.send_nowait(answer):
                 return True
@@ -124,42 +138,42 @@ class UpdateLoop:
         Renewals are counted rather than watched for as down-then-up, since a drop and a
         reconnection can both happen between two looks.
         """
-        channel = self._core.channel
+        channel = self._state.channel
         if channel is None or not channel.peer_alive:
             return
         count = channel.connections
-        if count == self._core.connections_seen:
+        if count == self._state.connections_seen:
             return
         try:
-            await channel.send(self._core.heartbeat(), timeout=0)
+            await channel.send(self._state.heartbeat(self._applier.version), timeout=0)
         except WeightSyncError:
             return  # not queued: the next look tries again
-        self._core.connections_seen = count
+        self._state.connections_seen = count
 
     async def receive(self, timeout: float) -> int | None:
         """Pull mode: apply the next update if one arrives within ``timeout``; its version."""
-        if self._core.channel is None or self._core.bye is not None:
-            self._core.check_sender()
-        before = self._core.version
+        if self._state.channel is None or self._state.bye is not None:
+            self._state.check_sender(self._applier.version)
+        before = self._applier.version
         with anyio.move_on_after(timeout):
             # What is queued is read before a lost connection counts: a goodbye may be there.
-            while self._core.version == before:
+            while self._applier.version == before:
                 await self._announce_reconnection()
                 try:
-                    if await self._step(timeout=self._core.beats.interval) is not None:
-                        return self._core.version
+                    if await self._step(timeout=self._state.beats.interval) is not None:
+                        return self._applier.version
                 except WeightSyncTimeout:
                     pass
-                if self._core.gone() is not None:
+                if self._state.gone(self._applier.version) is not None:
                     break
         # An update applied whose answer could not be sent still counts.
-        if self._core.version != before:
-            return self._core.version
-        self._core.check_sender()
+        if self._applier.version != before:
+            return self._applier.version
+        self._state.check_sender(self._applier.version)
         return None
 
     async def _step(self, timeout: float | None) -> int | None:
-        channel = self._core.channel
+        channel = self._state.channel
         if channel is None:
             raise NotConnectedError("the receiver is closed")
         message = await channel.recv(timeout=timeout)
@@ -170,11 +184,11 @@ class UpdateLoop:
         if late is not None and late[0] is message:
             # Switched to already (see _take_inline); only the answer is left to send.
             self._late = None
-            channel = self._core.channel
+            channel = self._state.channel
             if channel is not None:
                 await self._deliver_answer(channel, late[1])
             return message.version
-        if self._core.bye is not None:
+        if self._state.bye is not None:
             return None  # nothing more is taken from a sender that left or broke the protocol
         if isinstance(message, Heartbeat):
             self._on_beat(message)
@@ -182,28 +196,28 @@ class UpdateLoop:
         if isinstance(message, Update) and not self._from_sender(message):
             return None
         try:
-            self._core.conn.receive(message)
+            self._state.conn.receive(message)
         except ProtocolError as exc:
             self._broken(exc)
             return None
         if isinstance(message, Bye):
-            self._core.bye = message.reason or "sender said goodbye"
-            self._core.said_bye = True
-            if self._core.channel is not None:
+            self._state.bye = message.reason or "sender said goodbye"
+            self._state.said_bye = True
+            if self._state.channel is not None:
                 # Beats would only reach a sender that left, or one that never knew us.
-                self._core.channel.stop_heartbeat()
+                self._state.channel.stop_heartbeat()
             log.info(
                 "worker %d: sender closed the connection (%s)",
-                self._core.worker_idx,
-                self._core.bye,
+                self._state.worker_idx,
+                self._state.bye,
             )
-            self._core.notify()
+            self._state.notify()
             return None
         if isinstance(message, Update):
             # In pull mode an update taken off the wire is answered even if the caller's
             # deadline fires meanwhile; in background mode only shutdown cancels, and then the
             # sender is told.
-            if self._core.shield_updates:
+            if self.shield:
                 await to_the_end(self.apply_and_answer(message.version, message.params))
             else:
                 await self.apply_and_answer(message.version, message.params)
@@ -213,9 +227,13 @@ class UpdateLoop:
     def _on_beat(self, beat: Heartbeat) -> None:
         # Only the sender's own beat confirms the connection: the session is no secret (this
         # worker's beats carry it to whoever holds the address), the proof is.
-        core, channel = self._core, self._core.channel
-        if beat.session == core.session and _proves(beat.proof, core.proof) and channel is not None:
-            core.confirmed = channel.connections
+        state, channel = self._state, self._state.channel
+        if (
+            beat.session == state.session
+            and _proves(beat.proof, state.proof)
+            and channel is not None
+        ):
+            state.confirmed = channel.connections
 
     def _from_sender(self, update: Update) -> bool:
         """Whether ``update`` carries the proof of the sender this worker joined. An update
@@ -223,30 +241,30 @@ class UpdateLoop:
         something else bound it): it is refused and counted, the model keeps its version,
         and this worker takes nothing more from that address (it reports itself
         disconnected)."""
-        core = self._core
-        if _proves(update.proof, core.proof):
+        state = self._state
+        if _proves(update.proof, state.proof):
             return True
-        core.impostors += 1
-        if core.bye is None:
-            core.bye = "an update that did not come from the sender this worker joined"
-            if core.channel is not None:
-                core.channel.stop_heartbeat()  # nothing more for whoever holds the address
+        state.impostors += 1
+        if state.bye is None:
+            state.bye = "an update that did not come from the sender this worker joined"
+            if state.channel is not None:
+                state.channel.stop_heartbeat()  # nothing more for whoever holds the address
             log.warning(
                 "worker %d: refused version %d from a process that is not its sender (the "
                 "sender's address is held by another process); keeping version %d",
-                core.worker_idx,
+                state.worker_idx,
                 update.version,
-                core.version,
+                self._applier.version,
             )
-            core.notify()
+            state.notify()
         return False
 
     def _broken(self, exc: ProtocolError) -> None:
         """The sender broke the protocol: stop trusting this connection, keep the weights."""
-        self._core.protocol_errors += 1
-        self._core.bye = f"protocol error: {exc}"
-        log.warning("worker %d: %s; disconnecting", self._core.worker_idx, exc)
-        self._core.notify()
+        self._state.protocol_errors += 1
+        self._state.bye = f"protocol error: {exc}"
+        log.warning("worker %d: %s; disconnecting", self._state.worker_idx, exc)
+        self._state.notify()
 
     async def apply_and_answer(
         self, version: int, params: Mapping[str, ParamValue], *, must_send: bool = False
@@ -255,13 +273,13 @@ class UpdateLoop:
         unless ``must_send`` (the handshake's), when its error is raised."""
         answer: Ack | Nack
         try:
-            await self._core.applier.apply(version, params)
-            if self._core.hooks:
-                await self._core.applier.run_hooks(version)
+            await self._applier.apply(version, params)
+            if self._applier.hooks:
+                await self._applier.run_hooks(version)
             answer = Ack(
-                worker_idx=self._core.worker_idx,
+                worker_idx=self._state.worker_idx,
                 version=version,
-                leased=self._core.leases.pinned(),
+                leased=self._pinned(),
             )
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True), anyio.move_on_after(NACK_ON_CANCEL_S):
@@ -276,7 +294,7 @@ class UpdateLoop:
         """The nack for ``exc``, raised while applying ``version`` or by a hook."""
         if isinstance(exc, (WeightSyncError, OSError, RuntimeError, ValueError, TimeoutError)):
             log.warning(
-                "worker %d could not apply version %d: %s", self._core.worker_idx, version, exc
+                "worker %d could not apply version %d: %s", self._state.worker_idx, version, exc
             )
             return self._nack(version, error_text(exc), retryable=isinstance(exc, TransportError))
         return self._nack(version, error_text(exc))
@@ -284,20 +302,20 @@ class UpdateLoop:
     def _nack(self, version: int, error: str, *, retryable: bool = False) -> Nack:
         """A nack of ``version`` that also says which version the model runs now."""
         return Nack(
-            worker_idx=self._core.worker_idx,
+            worker_idx=self._state.worker_idx,
             version=version,
             error=error,
             retryable=retryable,
-            running=self._core.version,
-            leased=self._core.leases.pinned(),
+            running=self._applier.version,
+            leased=self._pinned(),
         )
 
     async def _answer(self, answer: Ack | Nack, *, must_send: bool = False) -> None:
         """Send ``answer``; once begun, not even cancellation stops it."""
-        channel = self._core.channel
+        channel = self._state.channel
         if channel is None:
             return
-        self._core.conn.send(answer)
+        self._state.conn.send(answer)
         await self._deliver_answer(channel, answer, must_send=must_send)
 
     async def _deliver_answer(
@@ -309,13 +327,13 @@ class UpdateLoop:
         try:
             if channel.send_nowait(answer):
                 return
-            await to_the_end(channel.send(answer, timeout=self._core.timeouts.control))
+            await to_the_end(channel.send(answer, timeout=self._state.timeouts.control))
         except WeightSyncError as exc:
             if must_send:
                 raise
             log.info(
                 "worker %d: the answer for version %d could not be sent: %s",
-                self._core.worker_idx,
+                self._state.worker_idx,
                 answer.version,
                 exc,
             )
