@@ -70,6 +70,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "(default: as they are)",
     )
     p.add_argument(
+        "--rehome",
+        action="store_true",
+        help="aiowsync's senders re-home their model (its tensors become views of one flat "
+        "buffer, so a snapshot is one copy)",
+    )
+    p.add_argument(
+        "--bucket-mib",
+        type=float,
+        help="bucket size of aiowsync's distributed scheme, MiB (default: the scheme's)",
+    )
+    p.add_argument(
         "--timeout", type=float, default=120.0, help="deadline of every wait, s (default: 120)"
     )
     p.add_argument(
@@ -96,7 +107,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         p.error("--transports takes shm, dist or both")
     if args.samples is not None and args.samples < 1:
         p.error("--samples must be at least 1")
-    from ._run import QUICK_CELLS, matrix
+    if args.bucket_mib is not None and args.bucket_mib <= 0:
+        p.error("--bucket-mib must be positive")
+    from ._plan import QUICK_CELLS, matrix
 
     chosen = args.models or args.workers or args.transports
     args.cells = QUICK_CELLS if args.quick and not chosen else matrix(models, workers, transports)
@@ -159,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as f:
             return _write(json.load(f), args.out)
 
-    from ._run import FULL_SAMPLES, QUICK_LEAVE_OUT, QUICK_SAMPLES, Settings, run_sync
+    from ._plan import FULL_SAMPLES, QUICK_LEAVE_OUT, QUICK_SAMPLES, Settings
+    from ._run import run_sync
     from ._torchrl import torchrl_status
 
     torchrl_version, torchrl_line = torchrl_status()
@@ -180,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         torchrl=use_torchrl,
         leave_out=QUICK_LEAVE_OUT if args.quick else (),
         wire_dtype=args.wire_dtype,
+        rehome=args.rehome,
+        bucket_bytes=None if args.bucket_mib is None else int(args.bucket_mib * 2**20),
     )
     print(f"aiowsync bench: {torchrl_line}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {
@@ -191,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(report: dict[str, Any], out: str) -> int:
-    from ._report import checks, markdown, plot
+    from ._checks import checks
+    from ._report import markdown, plot
 
     report["checks"] = checks(report)
     os.makedirs(out, exist_ok=True)

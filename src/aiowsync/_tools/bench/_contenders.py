@@ -2,53 +2,37 @@
 
 A contender takes timed samples (one send of the model to every worker, or one raw transfer of
 the same bytes); where it has workers, it can also measure its event-loop gaps and count mixed
-reads. aiowsync's contenders live in the orchestrator's own event loop, with the
-:class:`~aiowsync._tools.bench._pool.WorkerPool`'s processes as receivers; TorchRL's live in a
-:class:`~aiowsync._tools.bench._torchrl.TorchRLTree` each.
+reads. Here: the base class, the limits (raw copy, raw gloo, raw zmq) and TorchRL's contenders,
+each in a :class:`~aiowsync._tools.bench._torchrl.TorchRLTree`. aiowsync's own live in
+:mod:`~aiowsync._tools.bench._session`, in the orchestrator's event loop, with the
+:class:`~aiowsync._tools.bench._pool.WorkerPool`'s processes as receivers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from typing import Any, ClassVar
 
 import torch
 import zmq
 
-from aiowsync import DistributedWeightSyncScheme, Heartbeats, SharedMemWeightSyncScheme
 from aiowsync._channel._address import claim_socket_dir, remove_owned_socket_dir
 from aiowsync._channel._zmq import LOCAL_BIND, resolve_local
 
-from ._models import (
-    SendSources,
-    Spec,
-    build_model,
-    fill,
-    fingerprint,
-    random_init,
-    raw_copy_bytes,
-)
+from ._models import raw_copy_bytes
 from ._pool import WorkerPool
 from ._probe import Ticker, wait_quiet
 from ._rawgloo import RawRoot
 from ._torchrl import TorchRLTree
 
 __all__ = [
-    "DIGEST_MODE",
-    "AiowsyncSend",
-    "AiowsyncSession",
     "Contender",
     "RawCopy",
     "RawGloo",
     "RawZmq",
     "TorchRLContender",
 ]
-
-
-DIGEST_MODE = "send() +digest"
-"""``send()`` with each version's digest carried and checked (``integrity=True``)."""
 
 
 class Contender:
@@ -135,167 +119,6 @@ class Contender:
     async def measure_tear(self, sends: int, max_s: float) -> None:
         """Mixed reads on the workers during ``sends`` sends, or as many as ``max_s`` seconds
         allow, at least one (nothing for the limits: no worker holds a model)."""
-
-
-# -- aiowsync -----------------------------------------------------------------------------------
-
-
-class AiowsyncSession:
-    """One aiowsync scheme (``shm`` or ``dist``) with the pool's first ``n`` workers joined.
-
-    Both modes share the session: ``send()`` sends the model given at ``init_on_sender``;
-    ``send(weights)`` sends a ``TensorDict`` clone of it, filled separately.
-    """
-
-    def __init__(
-        self,
-        transport: str,
-        pool: WorkerPool,
-        spec: Spec,
-        n: int,
-        timeout: float,
-        wire_dtype: str | None = None,
-    ):
-        self.transport = transport
-        self.wire = getattr(torch, wire_dtype) if wire_dtype else None
-        self.pool = pool
-        self.spec = spec
-        self.ids = list(range(n))
-        self.timeout = timeout
-        torch.manual_seed(0)
-        self.sources = SendSources(build_model(spec, random_init))
-        self.k = 0
-        self.totals: list[float] = []
-        """Whole ``publish()`` sends, acks included (seconds)."""
-        beats = Heartbeats(interval=0.5, missed=10)  # busy 2-core machine: slow beats are normal
-        self.scheme: SharedMemWeightSyncScheme | DistributedWeightSyncScheme
-        # Digests off, whatever the transport's default: ``send() +digest`` turns them on for
-        # its own sends, so that both are measured on the same session, turn about.
-        if transport == "shm":
-            self.scheme = SharedMemWeightSyncScheme(
-                heartbeats=beats, wire_dtype=self.wire, integrity=False
-            )
-        else:
-            self.scheme = DistributedWeightSyncScheme(
-                backend="gloo", heartbeats=beats, wire_dtype=self.wire, integrity=False
-            )
-        self.scheme.init_on_sender(model=self.sources.module, num_workers=n)
-        self._joined = False
-        self._entered = False
-
-    async def open(self) -> None:
-        await self.scheme.__aenter__()
-        self._entered = True
-        for i in self.ids:  # after entering: the address the scheme carries is bound
-            self.pool.tell(i, ("join", self.scheme, self.spec))
-        self._joined = True
-        await self.scheme.connect(timeout=self.timeout)
-        for i in self.ids:
-            await self.pool.expect(i, "ready", timeout=self.timeout)
-
-    def fill_next(self, mode: str) -> None:
-        self.k += 1
-        fill(self.sources.targets("send(weights)" if mode == "send(weights)" else "send()"), self.k)
-
-    async def send(self, mode: str) -> float:
-        """One send in ``mode``; its time. For ``publish()``, the time the trainer is held
-        (until ``publish()`` returns): the trainer then writes its weights at once, as its
-        next step would, and the acks are awaited after (their wait is in ``totals``)."""
-        t0 = time.perf_counter()
-        if mode == "send()":
-            await self.scheme.send(timeout=self.timeout)
-        elif mode == DIGEST_MODE:
-            digests = self.scheme._sender.digests  # type: ignore[union-attr]
-            digests.enabled = True
-            try:
-                await self.scheme.send(timeout=self.timeout)
-            finally:
-                digests.enabled = False
-        elif mode == "publish()":
-            pending = await self.scheme.publish(timeout=self.timeout)
-            held = time.perf_counter() - t0
-            # Written while the version is on its way: a worker that read any of it would
-            # hold a mix of two values, which the tear readers count.
-            # In a thread, as a trainer's step would not run on its loop either.
-            await asyncio.to_thread(fill, self.sources.targets("send()"), -self.k)
-            await pending
-            self.totals.append(time.perf_counter() - t0)
-            return held
-        else:
-            await self.scheme.send(self.sources.weights, timeout=self.timeout)
-        return time.perf_counter() - t0
-
-    async def verify(self) -> None:
-        """Every worker holds exactly the sender's model at a new version."""
-        self.fill_next("send()")
-        await self.send("send()")
-        expected = fingerprint(self.sources.module)
-        if self.wire is not None:  # floats arrive through the wire dtype
-            floats = {
-                k for k, t in self.sources.module.state_dict().items() if t.is_floating_point()
-            }
-            expected = [
-                (k, _through(a, self.wire), _through(b, self.wire)) if k in floats else (k, a, b)
-                for k, a, b in expected
-            ]
-        version = self.scheme.version
-        checks = await self.pool.ask(self.ids, ("check", version), "check", self.timeout)
-        bad = [i for i, c in zip(self.ids, checks, strict=True) if c[2] != expected]
-        if bad:
-            raise AssertionError(f"aiowsync {self.transport}: workers {bad} do not hold v{version}")
-
-    async def close(self) -> None:
-        try:
-            if self._joined:
-                await self.pool.leave(self.ids, self.timeout)
-        finally:
-            if self._entered:
-                await self.scheme.__aexit__(None, None, None)
-            del self.sources
-            gc.collect()
-
-
-def _through(value: float, dtype: torch.dtype) -> float:
-    """``value`` after a trip through ``dtype``."""
-    return float(torch.tensor(value).to(dtype).float())
-
-
-class AiowsyncSend(Contender):
-    kind = "aiowsync"
-
-    def __init__(self, session: AiowsyncSession, mode: str) -> None:
-        super().__init__(f"aiowsync {session.transport} {mode}", session.transport)
-        self.session = session
-        self.mode = mode
-        self.pool, self.ids, self.timeout = session.pool, session.ids, session.timeout
-
-    def prepare(self) -> None:
-        self.session.fill_next(self.mode)
-
-    async def timed(self) -> float:
-        return await self.session.send(self.mode)
-
-    async def measure_tear(self, sends: int, max_s: float) -> None:
-        s = self.session
-        await s.pool.ask(s.ids, ("read_start",), "ok", s.timeout)
-        until = time.monotonic() + max_s
-        done = 0
-        try:
-            await asyncio.sleep(0.1)
-            while done < sends and (done == 0 or time.monotonic() < until):
-                s.fill_next(self.mode)
-                await s.send(self.mode)
-                done += 1
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.1)
-        finally:
-            stats = await s.pool.ask(s.ids, ("read_stop",), "reads", s.timeout)
-        where = ("loop", "guarded thread")
-        self.tear = {
-            "reads": [dict(zip(where, r[1], strict=True)) for r in stats],
-            "mixed": [dict(zip(where, r[2], strict=True)) for r in stats],
-            "sends": done,
-        }
 
 
 # -- the limits ---------------------------------------------------------------------------------

@@ -9,14 +9,27 @@ import datetime
 import gc
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ._pool import WorkerPool
+__all__ = ["RAW_CONFIRM_TAG", "RawRoot", "Workers", "raw_group", "raw_marks", "raw_receive"]
 
-__all__ = ["RAW_CONFIRM_TAG", "RawRoot", "raw_group", "raw_marks", "raw_receive"]
+
+class Workers(Protocol):
+    """What the root needs of the receivers' processes: the three calls of a
+    :class:`~aiowsync._tools.bench._pool.WorkerPool` (which imports the worker, which imports
+    this module: the protocol keeps the import one way)."""
+
+    def tell(self, i: int, msg: tuple[Any, ...]) -> None: ...
+
+    async def expect(self, i: int, kind: str, timeout: float = ...) -> tuple[Any, ...]: ...
+
+    async def ask(
+        self, ids: Sequence[int], msg: tuple[Any, ...], kind: str, timeout: float = ...
+    ) -> list[tuple[Any, ...]]: ...
+
 
 RAW_CONFIRM_TAG = 7
 
@@ -80,7 +93,7 @@ def raw_receive(
 
 
 class RawRoot:
-    """Rank 0 of a raw gloo group over some workers of a :class:`WorkerPool`, for a fixed
+    """Rank 0 of a raw gloo group over some :class:`Workers`, for a fixed
     number of rounds (the receivers run :func:`raw_receive` in a thread beside their session)."""
 
     def __init__(self, store: Any, nbytes: int, timeout: float) -> None:
@@ -93,7 +106,7 @@ class RawRoot:
         self.done = 0
         self.confirm: list[torch.Tensor] = []
 
-    async def open(self, pool: WorkerPool, ids: list[int], rounds: int) -> None:
+    async def open(self, pool: Workers, ids: list[int], rounds: int) -> None:
         self.rounds = rounds
         prefix = f"raw/{secrets.token_hex(8)}/"
         port = int(self.store.port)
@@ -149,7 +162,7 @@ class RawRoot:
         self.pg = None
         gc.collect()
 
-    async def close(self, pool: WorkerPool, ids: list[int]) -> int:
+    async def close(self, pool: Workers, ids: list[int]) -> int:
         """Run the rounds left (untimed), end the group and return how many rounds delivered
         wrong bytes on the receivers."""
         while self.pg is not None and self.done < self.rounds:

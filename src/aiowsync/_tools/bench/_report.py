@@ -1,215 +1,29 @@
-"""What ``aiowsync bench`` writes: the Markdown table of medians and ratios, the checks against
-the project's targets, and the PNG plot. The JSON file is the run's dict itself."""
+"""What ``aiowsync bench`` writes: the Markdown table of medians and ratios (with the checks of
+:mod:`~aiowsync._tools.bench._checks`) and the PNG plot. The JSON file is the run's dict itself."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FLOOR", "PAIRS", "checks", "markdown", "plot"]
+from ._checks import (
+    FLOOR,
+    LIMIT,
+    PAIRS,
+    cells_of,
+    lead_median,
+    median,
+    mixed_reads,
+    percentile,
+    reads_of,
+    rows_of,
+)
 
-# TorchRL contender -> the aiowsync contender it is compared with
-PAIRS = {
-    "TorchRL SharedMem send()": "aiowsync shm send()",
-    "TorchRL SharedMem send(weights)": "aiowsync shm send(weights)",
-    "TorchRL MultiProcess send()": "aiowsync shm send()",
-    "TorchRL Distributed send()": "aiowsync dist send()",
-}
-LIMIT = {"shm": "raw copy_", "dist": "raw gloo broadcast"}
-FLOOR = "raw zmq round trip"
-GAP_SLACK_S = 0.010
-
-
-def _percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile, interpolated between the two nearest samples."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def _median(row: dict[str, Any]) -> float | None:
-    return statistics.median(row["samples_s"]) if row["samples_s"] else None
-
-
-def _lead_median(row: dict[str, Any]) -> float | None:
-    lead = row.get("lead_samples_s") or []
-    return statistics.median(lead) if lead else None
-
-
-def _rows(cell: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {r["name"]: r for r in cell.get("contenders", [])}
-
-
-def _cells(report: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield from (c for c in report["run"]["cells"] if "failed" not in c)
-
-
-def _find(report: dict[str, Any], model: str, n: int, transport: str) -> dict[str, Any] | None:
-    for cell in _cells(report):
-        if (cell["model"], cell["workers"], cell["transport"]) == (model, n, transport):
-            return cell
-    return None
-
-
-def _ratio(cell: dict[str, Any] | None, top: str, bottom: str) -> float | None:
-    if cell is None:
-        return None
-    rows = _rows(cell)
-    if top not in rows or bottom not in rows:
-        return None
-    a, b = _median(rows[top]), _median(rows[bottom])
-    return a / b if a and b else None
-
-
-def _mixed(row: dict[str, Any]) -> int | None:
-    tear = row.get("tear")
-    if not tear:
-        return None
-    return sum(sum(m.values()) for m in tear["mixed"])
-
-
-def _reads(row: dict[str, Any]) -> int | None:
-    tear = row.get("tear")
-    if not tear:
-        return None
-    return sum(sum(r.values()) for r in tear["reads"])
-
-
-def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The project's targets, judged on this run: ``met`` is None where not measured."""
-    out: list[dict[str, Any]] = []
-
-    def check(what: str, value: float | None, bound: float, fmt: str, higher: bool) -> None:
-        met = None if value is None else (value >= bound if higher else value <= bound)
-        shown = "not measured" if value is None else fmt.format(value)
-        sign = ">=" if higher else "<="
-        out.append(
-            {"check": what, "value": shown, "target": f"{sign} {fmt.format(bound)}", "met": met}
-        )
-
-    for model, bound in (("256MiB", 3.0), ("1000t-64MiB", 10.0)):
-        check(
-            f"{model} x4: TorchRL SharedMem send(weights) / aiowsync shm send(weights)",
-            _ratio(
-                _find(report, model, 4, "shm"),
-                "TorchRL SharedMem send(weights)",
-                "aiowsync shm send(weights)",
-            ),
-            bound,
-            "{:.1f}x",
-            True,
-        )
-    for model, transport, bound in (
-        ("256MiB", "shm", 1.3),
-        ("1000t-64MiB", "shm", 1.5),
-        ("64MiB", "dist", 1.1),
-        ("256MiB", "dist", 1.1),
-        ("1000t-64MiB", "dist", 1.2),
-    ):
-        cell = _find(report, model, 4, transport)
-        modes = ("send()", "send(weights)") if transport == "shm" else ("send()",)
-        for mode in modes:
-            name = f"aiowsync {transport} {mode}"
-            check(
-                f"{model} x4: {name} / {LIMIT[transport]}",
-                _ratio(cell, name, LIMIT[transport]),
-                bound,
-                "{:.2f}x",
-                False,
-            )
-    for transport in ("shm", "dist"):
-        # Two-phase sends: how long the trainer is held before it may touch its weights.
-        cell = _find(report, "256MiB", 4, transport)
-        rows = _rows(cell) if cell else {}
-        held, whole = (
-            rows.get(f"aiowsync {transport} publish()"),
-            rows.get(f"aiowsync {transport} send()"),
-        )
-        held_s = _median(held) if held else None
-        whole_s = _median(whole) if whole else None
-        shown = "not measured"
-        if held_s is not None and whole_s:
-            shown = (
-                f"{held_s * 1e3:.1f} ms held / {whole_s * 1e3:.1f} ms send() = "
-                f"{held_s / whole_s:.2f}x"
-            )
-        out.append(
-            {
-                "check": f"256MiB x4: aiowsync {transport} publish(): trainer held, "
-                "against the whole send()",
-                "value": shown,
-                "target": "none",
-                "met": None,
-            }
-        )
-    for model in ("256MiB", "1000t-64MiB"):
-        for transport in ("shm", "dist"):
-            # What integrity costs: the same session's sends with and without digests.
-            digested = _ratio(
-                _find(report, model, 4, transport),
-                f"aiowsync {transport} send() +digest",
-                f"aiowsync {transport} send()",
-            )
-            out.append(
-                {
-                    "check": f"{model} x4: aiowsync {transport} send() +digest / send()",
-                    "value": "not measured" if digested is None else f"{digested:.2f}x",
-                    "target": "none",
-                    "met": None,
-                }
-            )
-    cell = _find(report, "1MiB", 4, "shm")
-    floor = _rows(cell).get(FLOOR) if cell else None
-    floor_p50 = _median(floor) if floor else None
-    for mode in ("send()", "send(weights)"):
-        name = f"aiowsync shm {mode}"
-        row = _rows(cell).get(name) if cell else None
-        value = _median(row) if row else None
-        check(
-            f"1MiB x4: {name} p50 (ms), second of two sends back to back",
-            None if value is None else value * 1e3,
-            1.0,
-            "{:.2f}",
-            False,
-        )
-        if value is not None and floor_p50 is not None:
-            # The same run's floor for any update signalled over ZeroMQ, beside the figure.
-            out[-1]["value"] += f" ({FLOOR}: {floor_p50 * 1e3:.2f})"
-        lead = _lead_median(row) if row else None
-        if lead is not None:
-            out[-1]["value"] += f" (first of each pair: {lead * 1e3:.2f})"
-    slacks: tuple[tuple[str, float | None], ...] = (("shm", GAP_SLACK_S), ("dist", None))
-    for transport, slack in slacks:
-        worst = _worst_gap(report, "1GiB", transport)
-        what = (
-            f"1GiB {transport}: aiowsync loop max gap during sends above idle (ms), worst process"
-        )
-        if slack is None:  # no target: shown so that it is not hidden
-            shown = "not measured" if worst is None else f"{worst * 1e3:.1f}"
-            out.append({"check": what, "value": shown, "target": "none", "met": None})
-        else:
-            check(what, None if worst is None else worst * 1e3, slack * 1e3, "{:.1f}", False)
-        aside = _set_aside(report, "1GiB", transport)
-        if aside and out and out[-1]["check"] == what:
-            out[-1]["value"] += (
-                f" (measured again: {len(aside)} window pair(s) in which the host took "
-                f"{', '.join(f'{ms:.0f}' for ms in aside)} ms of CPU)"
-            )
-    mixed = [
-        m
-        for c in _cells(report)
-        for r in c["contenders"]
-        if r["kind"] == "aiowsync" and (m := _mixed(r)) is not None
-    ]
-    check("aiowsync mixed reads, every cell", sum(mixed) if mixed else None, 0, "{:.0f}", False)
-    return out
+__all__ = ["markdown", "plot"]
 
 
 def _tear_text(row: dict[str, Any]) -> str:
-    mixed, reads = _mixed(row), _reads(row)
+    mixed, reads = mixed_reads(row), reads_of(row)
     if mixed is None:
         return "-"
     text = f"{mixed} / {reads}"
@@ -218,38 +32,6 @@ def _tear_text(row: dict[str, Any]) -> str:
         split = {p: sum(m.get(p, 0) for m in row["tear"]["mixed"]) for p in phases}
         text += f" (send {split['send']}, fill {split['fill']})"
     return text
-
-
-def _worst_gap(report: dict[str, Any], model: str, transport: str) -> float | None:
-    """The largest excess of a busy max gap over the idle one, over the aiowsync contenders'
-    sender and workers in the cells of ``model`` on ``transport``."""
-    worst: float | None = None
-    for cell in _cells(report):
-        if (cell["model"], cell["transport"]) != (model, transport):
-            continue
-        for row in cell["contenders"]:
-            gap = row.get("gap")
-            if row["kind"] != "aiowsync" or not gap:
-                continue
-            over = [gap["sender_busy_s"] - gap["sender_idle_s"]]
-            over += [
-                b - i for b, i in zip(gap["workers_busy_s"], gap["workers_idle_s"], strict=True)
-            ]
-            worst = max(over) if worst is None else max(worst, *over)
-    return worst
-
-
-def _set_aside(report: dict[str, Any], model: str, transport: str) -> list[float]:
-    """The host steal (ms) of every gap measurement of the aiowsync contenders that was set
-    aside and taken again in the cells of ``model`` on ``transport``."""
-    return [
-        a.get("host_steal_ms", 0.0)
-        for cell in _cells(report)
-        if (cell["model"], cell["transport"]) == (model, transport)
-        for row in cell["contenders"]
-        if row["kind"] == "aiowsync" and row.get("gap")
-        for a in row["gap"].get("set_aside", [])
-    ]
 
 
 def _ms(value: float | None) -> str:
@@ -348,18 +130,18 @@ def markdown(report: dict[str, Any]) -> str:
             last = cell["failed"].strip().splitlines()[-1]
             lines.append(f"{head} {cell['transport']}: FAILED ({last}) | | | | | | | | |")
             continue
-        rows = _rows(cell)
+        rows = rows_of(cell)
         limit = rows.get(LIMIT[cell["transport"]])
         for row in cell["contenders"]:
-            med = _median(row)
-            p90 = _percentile(row["samples_s"], 0.9) if row["samples_s"] else None
-            base = _median(limit) if limit else None
+            med = median(row)
+            p90 = percentile(row["samples_s"], 0.9) if row["samples_s"] else None
+            base = median(limit) if limit else None
             compared = row is not limit and row["kind"] != "floor"
             vs_limit = f"{med / base:.2f}x" if med and base and compared else ""
             speedup = ""
             ours = rows.get(PAIRS.get(row["name"], ""))
-            if ours and med and _median(ours):
-                speedup = f"{med / _median(ours):.1f}x"  # type: ignore[operator]
+            if ours and med and median(ours):
+                speedup = f"{med / median(ours):.1f}x"  # type: ignore[operator]
             sender, workers = _gap(row)
             tear = _tear_text(row)
             name = f"**{row['name']}**" if row["kind"] == "aiowsync" else row["name"]
@@ -376,10 +158,10 @@ def markdown(report: dict[str, Any]) -> str:
             )
     lead_lines = [
         f"| {cell['model']} | {cell['workers']} | {row['name']} | {_ms(lead)} "
-        f"| {_ms(_median(row))} |"
-        for cell in _cells(report)
+        f"| {_ms(median(row))} |"
+        for cell in cells_of(report)
         for row in cell["contenders"]
-        if (lead := _lead_median(row)) is not None
+        if (lead := lead_median(row)) is not None
     ]
     if lead_lines:
         lines += [
@@ -408,7 +190,7 @@ def plot(report: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'aiowsync[bench]'): no plot"
-    cells = [c for c in _cells(report) if c["contenders"]]
+    cells = [c for c in cells_of(report) if c["contenders"]]
     workers = sorted({c["workers"] for c in cells})
     if not workers:
         return "no cell measured anything: no plot"
@@ -426,7 +208,7 @@ def plot(report: dict[str, Any], path: str) -> str | None:
         for name in names:
             points = []
             for c in cells:
-                row = _rows(c).get(name)
+                row = rows_of(c).get(name)
                 if c["workers"] == n and row is not None and row["samples_s"]:
                     ms = statistics.median(row["samples_s"]) * 1e3
                     points.append((position[c["model"]], ms, c["tensors"] > 10))

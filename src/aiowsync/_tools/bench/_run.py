@@ -1,10 +1,10 @@
-"""The benchmark's plan and its run: cells of (model, worker count, transport), contenders
-alternated sample by sample inside a cell, and memory kept within what the machine has."""
+"""The benchmark's run: cell after cell of the plan (:mod:`~aiowsync._tools.bench._plan`),
+contenders alternated sample by sample inside a cell, gap windows the host stole from taken
+again."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import os
 import random
@@ -13,122 +13,23 @@ import time
 import traceback
 from typing import Any
 
-from ._contenders import (
-    DIGEST_MODE,
-    AiowsyncSend,
-    AiowsyncSession,
-    Contender,
-    RawCopy,
-    RawGloo,
-    RawZmq,
-    TorchRLContender,
-)
+from ._contenders import Contender, RawCopy, RawGloo, RawZmq, TorchRLContender
 from ._models import MIB, model_spec, spec_bytes
+from ._plan import (
+    TORCHRL_MODES,
+    TORCHRL_TREES,
+    Settings,
+    available_bytes,
+    footprint,
+    plan_batches,
+    settle_memory,
+)
 from ._pool import WorkerPool
 from ._probe import QUIET_AGAIN_S, QUIET_MOST_S, host_steal_ms
+from ._session import DIGEST_MODE, AiowsyncSend, AiowsyncSession
 from ._torchrl import TorchRLError, TorchRLTree
 
-__all__ = [
-    "FULL_SAMPLES",
-    "QUICK_CELLS",
-    "QUICK_LEAVE_OUT",
-    "QUICK_SAMPLES",
-    "Settings",
-    "matrix",
-    "run",
-    "run_sync",
-]
-
-FULL_SAMPLES = {"1MiB": 30, "64MiB": 10, "256MiB": 6, "1GiB": 4, "1000t-64MiB": 10}
-QUICK_SAMPLES = {"1MiB": 10, "64MiB": 4, "256MiB": 3, "1GiB": 2, "1000t-64MiB": 4}
-TORCHRL_TREES = {"shm": ("shared", "mp"), "dist": ("distributed",)}
-TORCHRL_MODES = {
-    "shared": ("send()", "send(weights)"),
-    "mp": ("send()",),
-    "distributed": ("send()",),
-}
-PAIR_UP_TO = 4 * MIB
-"""Models up to this size are sampled in back-to-back pairs: each contender sends twice in a
-row and the second send is the sample. Such a send takes about a millisecond, and alone it
-mostly measures how fast the workers wake after the other contenders' turns (twice as long
-here as back to back); the first of each pair is kept too, as ``lead_samples_s``."""
-PROCESS_BYTES = 400 * MIB  # what a process that imported torch (and torchrl) holds
-
-
-Cell = tuple[str, int, str]  # (model, workers, transport)
-QUICK_CELLS: tuple[Cell, ...] = (
-    ("64MiB", 4, "shm"),
-    ("1000t-64MiB", 4, "shm"),
-    ("64MiB", 4, "dist"),
-)
-
-
-def matrix(
-    models: tuple[str, ...], workers: tuple[int, ...], transports: tuple[str, ...]
-) -> tuple[Cell, ...]:
-    """Every (model, workers, transport), models outermost."""
-    return tuple((m, n, t) for m in models for n in workers for t in transports)
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    cells: tuple[Cell, ...]
-    samples: dict[str, int] = dataclasses.field(default_factory=lambda: dict(FULL_SAMPLES))
-    gap_sends: int = 3
-    tear_sends: int = 5
-    tear_max_s: float = 15.0
-    idle_s: float = 0.5
-    timeout: float = 120.0
-    torchrl: bool = True
-    memory_fraction: float = 0.8
-    pair_up_to: int = PAIR_UP_TO
-    leave_out: tuple[tuple[str, str], ...] = ()
-    """(model, TorchRL tree) pairs not run, e.g. ``("1000t-64MiB", "mp")``."""
-    wire_dtype: str | None = None
-    """aiowsync's schemes send floats in this dtype (the workers' models stay float32 and
-    copy each version with a cast)."""
-
-
-QUICK_LEAVE_OUT: tuple[tuple[str, str], ...] = (("1000t-64MiB", "mp"),)
-"""What ``--quick`` leaves out: TorchRL's MultiProcess scheme on the 1000-tensor model takes
-about 3 s a send here, and a minute of the quick run, for a contender no check uses."""
-
-
-def footprint(what: str, nbytes: int, n: int) -> int:
-    """Rough peak bytes one contender group holds (beyond the worker pool's processes)."""
-    per_model = {
-        "shm": 5,  # the sender's model, the weights clone, up to three slots
-        "raw copy_": 2,
-        "dist": 2 * n + 3,  # two slots per receiver, the sender's model and slot, the clone
-        "raw gloo broadcast": n + 1,
-        # workers build their own model before TorchRL rebinds (shared) or fills it
-        "shared": n + 2,
-        "mp": n + 2,
-        "distributed": n + 2,
-    }[what]
-    procs = n + 1 if what in TORCHRL_MODES else 0
-    return per_model * nbytes + procs * PROCESS_BYTES
-
-
-def available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
-
-
-async def settle_memory(step: float = 0.25, most: float = 10.0, slack: int = 64 * MIB) -> None:
-    """Wait (``most`` seconds at most) until the memory available stops growing: processes
-    that just ended are still handing theirs back."""
-    last = available_bytes()
-    deadline = time.monotonic() + most
-    while time.monotonic() < deadline:
-        await asyncio.sleep(step)
-        now = available_bytes()
-        if now - last < slack:
-            return
-        last = now
+__all__ = ["GAP_RETAKES", "ROUND_START", "Progress", "raw_gloo_rounds", "run", "run_sync"]
 
 
 class Progress:
@@ -149,35 +50,6 @@ class Progress:
             print(
                 f"[{m:3d}:{s:02d}] ({self.cell}/{self.total}) {text}", file=sys.stderr, flush=True
             )
-
-
-def _plan_batches(
-    trees: tuple[str, ...], base: int, budget: int, nbytes: int, n: int
-) -> tuple[list[list[str]], list[dict[str, Any]]]:
-    """TorchRL trees packed into batches that fit beside the aiowsync session and the limit."""
-    batches: list[list[str]] = []
-    skipped: list[dict[str, Any]] = []
-    current: list[str] = []
-    used = base
-    for tree in trees:
-        need = footprint(tree, nbytes, n)
-        if base + need > budget:
-            skipped.append(
-                {
-                    "contender": tree,
-                    "reason": f"needs ~{(base + need) / 2**30:.1f} GiB "
-                    f"with the rest of its cell; the budget is {budget / 2**30:.1f} GiB",
-                }
-            )
-            continue
-        if used + need > budget and current:
-            batches.append(current)
-            current, used = [], base
-        current.append(tree)
-        used += need
-    if current:
-        batches.append(current)
-    return batches, skipped
 
 
 async def _cell(
@@ -226,11 +98,20 @@ async def _cell(
         }
         for t in left_out
     ]
-    batches, skipped = _plan_batches(trees, base, budget, nbytes, n)
+    batches, skipped = plan_batches(trees, base, budget, nbytes, n)
     out["skipped"] += skipped
     out["batches"] = batches
     progress.say(f"{label}: opening aiowsync {transport} session ({nbytes / MIB:.0f} MiB)")
-    session = AiowsyncSession(transport, pool, spec, n, settings.timeout, settings.wire_dtype)
+    session = AiowsyncSession(
+        transport,
+        pool,
+        spec,
+        n,
+        settings.timeout,
+        settings.wire_dtype,
+        rehome=settings.rehome,
+        bucket_bytes=settings.bucket_bytes,
+    )
     ours: list[Contender] = [AiowsyncSend(session, "send()"), AiowsyncSend(session, "publish()")]
     digested = AiowsyncSend(session, DIGEST_MODE)  # timed only: its reads are send()'s
     limit: RawCopy | RawGloo
@@ -273,6 +154,8 @@ async def _cell(
                 paired=paired,
             )
         await session.verify()
+        if transport == "shm":  # after many versions were applied: what a worker kept
+            out["worker_memory"] = await session.memory()
     finally:
         try:
             for floor in floors:
@@ -371,7 +254,7 @@ async def _rounds(
     Before each round the garbage is collected (untimed), so that a collection never lands
     inside a sample; what exists before the first round (torch, the sessions, the trees) is
     frozen out of those collections: a full collection walks every object of the heap and
-    slows the small sends right after it. bench_shm.py and bench_dist.py freeze the same way.
+    slows the small sends right after it.
     """
     rng = random.Random(label)
     most = QUIET_MOST_S
