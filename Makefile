@@ -23,7 +23,7 @@ setup: $(BIN)/python
 test: setup test-setup-torchrl
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_TORCHRL=1 $(BENCH_BIN)/python -m pytest -q -rs \
-		-p no:cacheprovider tests/test_torchrl_adapter.py tests/test_bench.py -k torchrl
+		-p no:cacheprovider tests/integrations/test_torchrl_adapter.py tests/tools/test_bench.py -k torchrl
 
 test-setup-torchrl: bench-setup
 	$(BENCH_BIN)/pip install -q torch==2.13.0 -e ".[bench,torchrl,test]" "gymnasium>=1.0,<2"

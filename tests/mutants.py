@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/mutants.py                 # every mutant, the default tests
     .venv/bin/python tests/mutants.py --only pins     # one mutant
-    .venv/bin/python tests/mutants.py --tests tests/test_behaviour.py -k lag
+    .venv/bin/python tests/mutants.py --tests tests/scheme/test_scheme_lifecycle.py -k lag
 
 Each mutant is one exact replacement in one source file (the script stops if the original
 text is gone, so it cannot silently test nothing). The copy of ``src/`` and ``tests/`` lives
@@ -25,7 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TESTS = ["tests/test_behaviour.py", "tests/test_layout.py"]
+# What was tests/test_behaviour.py and tests/test_layout.py before the suite followed the packages.
+DEFAULT_TESTS = [
+    "tests/scheme/test_scheme_sends.py",
+    "tests/scheme/test_scheme_failures.py",
+    "tests/scheme/test_scheme_lifecycle.py",
+    "tests/weights/test_layout.py",
+    "tests/weights/test_rehome.py",
+    "tests/copy/test_copy_jobs.py",
+    "tests/copy/test_gather.py",
+]
 FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 
 

@@ -36,7 +36,7 @@ from aiowsync import CurveKeys, DistributedWeightSyncScheme, ZmqChannelFactory
 
 pytestmark = pytest.mark.timeout(120)
 
-WORKER = Path(__file__).with_name("_netns_worker.py")
+WORKER = Path(__file__).resolve().parents[2] / "_netns_worker.py"
 BUCKET_BYTES = 8 << 10  # as in _netns_worker.py: several buckets per version
 IP_TIMEOUT = 10.0  # seconds for one `ip` command or the link probe
 INTRUDER_DEADLINE = 3.0

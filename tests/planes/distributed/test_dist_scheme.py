@@ -1,7 +1,7 @@
 """DistributedWeightSyncScheme with receivers in this process: real ZeroMQ, real gloo groups.
 
 Each receiver's collectives run in its own worker thread, so one process can hold every rank;
-process deaths are covered in test_distributed_multiprocess.py.
+process deaths are covered in test_dist_multiprocess.py.
 """
 
 from __future__ import annotations
@@ -25,38 +25,13 @@ import helpers
 from aiowsync._planes.base import Source
 from aiowsync._planes.dist.buckets import Buckets
 from aiowsync._planes.dist.receiver import DistReceiverPlane
-from helpers import bump, same
+from helpers import BEATS, bump, dist_model, dist_system, same
 
 pytestmark = pytest.mark.timeout(90)
 
-FAST = aiowsync.Heartbeats(interval=0.1, missed=50)  # no test here waits for a loss
 THREAD_EXIT = 60.0
 """How long a helper thread may take to end: c10d retries a store connection with random
 pauses, and gives up well after its own timeout."""
-
-
-def model(seed: int = 0, width: int = 64) -> nn.Module:
-    torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(width, 3 * width), nn.ReLU(), nn.Linear(3 * width, 7))
-    m.register_buffer("steps", torch.arange(5, dtype=torch.int64))
-    m.register_buffer("mask", torch.tensor([True, False, True]))
-    return m
-
-
-def system(
-    n: int = 2, *, bucket_bytes: int = 4096, **sender_kw: Any
-) -> contextlib.AbstractAsyncContextManager[
-    tuple[aiowsync.DistributedWeightSyncScheme, nn.Module, list[Any]]
-]:
-    return helpers.system(
-        aiowsync.DistributedWeightSyncScheme,
-        n,
-        make_model=model,
-        connect_timeout=30,
-        bucket_bytes=bucket_bytes,
-        heartbeats=FAST,
-        **sender_kw,
-    )
 
 
 # -- buckets and packing ----------------------------------------------------------------------
@@ -82,7 +57,7 @@ def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, pla
     from aiowsync._planes.dist.plane import DistSenderPlane
     from aiowsync._weights.layout import Layout
 
-    m = model(3)
+    m = dist_model(3)
     weights = {k: v.detach() for k, v in m.state_dict().items()}
     if not plain:  # a transposed view: packing goes through tensor views instead of addresses
         weights["2.weight"] = torch.randn(weights["2.weight"].shape[::-1]).t()
@@ -116,7 +91,7 @@ def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, pla
 async def test_receivers_hold_the_senders_bytes_after_each_send_and_subsets(
     topology: str,
 ) -> None:
-    async with system(3, topology=topology) as (sender, src, receivers):
+    async with dist_system(3, topology=topology) as (sender, src, receivers):
         for _, m in receivers:
             assert same(m, src)
         for step in range(1, 4):
@@ -135,7 +110,7 @@ async def test_receivers_hold_the_senders_bytes_after_each_send_and_subsets(
 
 
 async def test_send_of_explicit_weights_and_rehomed_sender() -> None:
-    async with system(2, bucket_bytes=1000) as (sender, src, receivers):
+    async with dist_system(2, bucket_bytes=1000) as (sender, src, receivers):
         other = {k: v.clone() + 3 for k, v in src.state_dict().items()}
         other["mask"] = ~src.mask  # type: ignore[operator]
         result = await sender.send(other, timeout=20)
@@ -144,12 +119,12 @@ async def test_send_of_explicit_weights_and_rehomed_sender() -> None:
             assert all(torch.equal(state[k], other[k]) for k in other)
         assert result.nbytes >= sum(t.nbytes for t in other.values())
 
-    src = model(1)
-    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=777, heartbeats=FAST)
+    src = dist_model(1)
+    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=777, heartbeats=BEATS)
     sender.init_on_sender(model=src, num_workers=1, rehome=True)
     async with sender:
         r = aiowsync.DistributedWeightSyncScheme(address=sender.address)
-        m = model(2)
+        m = dist_model(2)
         r.init_on_receiver(model=m, worker_idx=0)
         async with r:
             await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
@@ -159,7 +134,7 @@ async def test_send_of_explicit_weights_and_rehomed_sender() -> None:
 
 
 async def test_a_failed_collective_is_retried_on_a_fresh_group() -> None:
-    async with system(2) as (sender, src, receivers):
+    async with dist_system(2) as (sender, src, receivers):
         bump(src)
         await sender.send(timeout=20)
         # Worker 0 drops its group (as its cache would, or as if its connections broke): the
@@ -182,7 +157,7 @@ async def test_a_failed_collective_is_retried_on_a_fresh_group() -> None:
 async def test_more_groups_than_the_caches_hold() -> None:
     # Ten joining workers and ten different subsets: more groups than either side caches (8),
     # so groups are evicted on both sides while others are still announced or in use.
-    async with system(10, bucket_bytes=8192) as (sender, src, receivers):
+    async with dist_system(10, bucket_bytes=8192) as (sender, src, receivers):
         assert all(same(m, src) for _, m in receivers)
         # The first subsets come back after their groups left the receivers' caches.
         for k in [*range(10), 0, 1, 2]:
@@ -214,7 +189,7 @@ async def test_a_cancelled_send_never_reads_the_model_after_it_returns() -> None
     with torch.no_grad():
         for p in src.parameters():
             p.fill_(1.0)
-    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=4096, heartbeats=FAST)
+    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=4096, heartbeats=BEATS)
     sender.init_on_sender(model=src, num_workers=2)
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(sender)
@@ -248,14 +223,14 @@ async def test_a_cancelled_send_never_reads_the_model_after_it_returns() -> None
 
 
 async def test_version_0_is_the_model_at_start_even_for_late_joiners() -> None:
-    src = model(0)
+    src = dist_model(0)
     expected = {k: v.clone() for k, v in src.state_dict().items()}
-    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=2048, heartbeats=FAST)
+    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=2048, heartbeats=BEATS)
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
         bump(src, 100)  # after start, before anyone joined: not part of version 0
         r = aiowsync.DistributedWeightSyncScheme(address=sender.address)
-        m = model(9)
+        m = dist_model(9)
         r.init_on_receiver(model=m, worker_idx=0)
         async with r:
             await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
@@ -264,7 +239,7 @@ async def test_version_0_is_the_model_at_start_even_for_late_joiners() -> None:
 
 
 async def test_hook_failure_is_surfaced_and_the_model_stays_whole() -> None:
-    async with system(2) as (sender, src, receivers):
+    async with dist_system(2) as (sender, src, receivers):
 
         def broken(version: int) -> None:
             raise RuntimeError(f"cache reset failed at {version}")
@@ -279,21 +254,21 @@ async def test_hook_failure_is_surfaced_and_the_model_stays_whole() -> None:
 
 
 async def test_wrong_model_is_refused_naming_the_difference() -> None:
-    async with system(1) as (sender, _, _):
+    async with dist_system(1) as (sender, _, _):
         bad = aiowsync.DistributedWeightSyncScheme(address=sender.address)
-        bad.init_on_receiver(model=model(0, width=65), worker_idx=0)
+        bad.init_on_receiver(model=dist_model(0, width=65), worker_idx=0)
         async with bad:
             with pytest.raises(aiowsync.RefusedError, match=r"0\.weight"):
                 await bad.connect(timeout=10)
 
 
 async def test_copy_mode_receiver_keeps_private_tensors() -> None:
-    src = model(0)
-    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=2048, heartbeats=FAST)
+    src = dist_model(0)
+    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=2048, heartbeats=BEATS)
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
         r = aiowsync.DistributedWeightSyncScheme(address=sender.address, apply_mode="copy")
-        m = model(5)
+        m = dist_model(5)
         r.init_on_receiver(model=m, worker_idx=0)
         async with r:
             await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
@@ -312,7 +287,7 @@ async def test_copy_mode_receiver_keeps_private_tensors() -> None:
 
 async def test_the_users_default_group_is_never_touched_and_works_beside_ours() -> None:
     assert not dist.is_initialized()
-    async with system(1) as (sender, src, receivers):
+    async with dist_system(1) as (sender, src, receivers):
         bump(src)
         await sender.send(timeout=20)
         assert not dist.is_initialized(), "the scheme must not create the default group"
@@ -351,7 +326,7 @@ def test_configuration_is_checked_and_pickled() -> None:
 async def test_a_wildcard_bind_needs_a_data_host() -> None:
     factory = aiowsync.ZmqChannelFactory(allow_insecure_bind=True)
     scheme = aiowsync.DistributedWeightSyncScheme(bind="tcp://0.0.0.0:0", channels=factory)
-    scheme.init_on_sender(model=model(), num_workers=1)
+    scheme.init_on_sender(model=dist_model(), num_workers=1)
     with pytest.raises(ValueError, match="data_host"):
         async with scheme:
             pass
@@ -359,19 +334,19 @@ async def test_a_wildcard_bind_needs_a_data_host() -> None:
 
 async def test_an_ipc_control_socket_needs_a_data_host_and_works_with_one() -> None:
     scheme = aiowsync.DistributedWeightSyncScheme(bind="ipc://@*")
-    scheme.init_on_sender(model=model(), num_workers=1)
+    scheme.init_on_sender(model=dist_model(), num_workers=1)
     with pytest.raises(ValueError, match=r"not a tcp:// address.*data_host"):
         async with scheme:
             pass
-    src = model(0)
+    src = dist_model(0)
     sender = aiowsync.DistributedWeightSyncScheme(
-        bind="ipc://@*", data_host="127.0.0.1", bucket_bytes=4096, heartbeats=FAST
+        bind="ipc://@*", data_host="127.0.0.1", bucket_bytes=4096, heartbeats=BEATS
     )
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
         assert sender.address.startswith("ipc://@aiowsync-")
         r = pickle.loads(pickle.dumps(sender))
-        mirror = model(1)
+        mirror = dist_model(1)
         r.init_on_receiver(model=mirror, worker_idx=0)
         async with r:
             await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
@@ -385,7 +360,7 @@ async def test_a_send_cancelled_while_announcing_gives_its_group_back() -> None:
     # waited: the announcement still goes out, but no transfer will follow. Its group must be
     # dropped: the receivers waiting on it would otherwise take the next version's bytes
     # (same group, same tags) for this version's.
-    async with system(2) as (sender, src, receivers):
+    async with dist_system(2) as (sender, src, receivers):
         core = sender._sender
         assert core is not None and core.channel is not None
         channel = core.channel
@@ -414,14 +389,14 @@ async def test_a_send_cancelled_while_announcing_gives_its_group_back() -> None:
 async def test_receivers_reach_the_store_on_the_data_host_not_the_control_host() -> None:
     # Control on 127.0.0.1, process groups and store on 127.0.0.2 (another loopback address,
     # as another network card would be).
-    src = model(0)
+    src = dist_model(0)
     sender = aiowsync.DistributedWeightSyncScheme(
-        bucket_bytes=4096, heartbeats=FAST, data_host="127.0.0.2"
+        bucket_bytes=4096, heartbeats=BEATS, data_host="127.0.0.2"
     )
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
         r = pickle.loads(pickle.dumps(sender))
-        mirror = model(1)
+        mirror = dist_model(1)
         r.init_on_receiver(model=mirror, worker_idx=0)
         async with r:
             await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
@@ -453,8 +428,8 @@ async def test_a_worker_slow_to_join_is_still_brought_up_to_date(
     # that brings a joining worker up to date has no retry: it waits out the handshake.
     from aiowsync._planes.dist.groups import ReceiverGroups
 
-    src = model(0)
-    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=4096, heartbeats=FAST)
+    src = dist_model(0)
+    sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=4096, heartbeats=BEATS)
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
         core = sender._sender
@@ -470,7 +445,7 @@ async def test_a_worker_slow_to_join_is_still_brought_up_to_date(
 
         monkeypatch.setattr(ReceiverGroups, "join", late_join)
         r = pickle.loads(pickle.dumps(sender))
-        mirror = model(1)
+        mirror = dist_model(1)
         r.init_on_receiver(model=mirror, worker_idx=0)
         async with r:
             await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))

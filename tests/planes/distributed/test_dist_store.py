@@ -317,10 +317,9 @@ print(os.getuid(), listed, stored, sent)
 async def test_another_user_can_neither_read_nor_grow_nor_break_a_distributed_sender() -> None:
     import asyncio
 
-    from helpers import bump, rss, same
-    from test_distributed import system
+    from helpers import bump, dist_system, rss, same
 
-    async with system(1) as (sender, src, receivers):
+    async with dist_system(1) as (sender, src, receivers):
         plane = sender._sender.plane  # type: ignore[union-attr]
         port = plane._groups.port
         before = rss()

@@ -12,18 +12,11 @@ import pytest
 import torch
 
 import aiowsync
-from test_behaviour import Kind, fill, frozen, holds, model, system
-from test_blocking import _pair
-from test_models import policy, rig, state
+from helpers import Kind, fill, frozen, holds, model, policy, policy_and_value, sync_pair
 
 pytestmark = pytest.mark.timeout(90)
 
 MODES = ["swap", "copy"]
-
-
-@pytest.fixture(params=["memory", "shm", "dist"])
-def kind(request: pytest.FixtureRequest) -> Kind:
-    return Kind(request.param)
 
 
 def slots_by_version(sender: aiowsync.WeightSyncScheme) -> dict[int, int]:
@@ -51,7 +44,7 @@ async def eventually(check: Any, what: str, timeout: float = 10.0) -> None:
 async def test_a_lease_keeps_its_version_across_five_sends_while_the_model_moves_on(
     kind: Kind, mode: str
 ) -> None:
-    async with system(kind, 2, apply_mode=mode) as rig_:
+    async with kind.system(2, apply_mode=mode) as rig_:
         r, m = rig_[0]
         fill(rig_.src, 1.0)
         await rig_.sender.send()
@@ -100,7 +93,7 @@ async def test_leases_that_exhaust_max_slots_are_refused_naming_the_worker(name:
         if name == "memory"
         else aiowsync.SharedMemPlane(num_slots=2, max_slots=3)
     )
-    async with system(kind, 2, plane=plane) as rig_:
+    async with kind.system(2, plane=plane) as rig_:
         r, _ = rig_[1]
         async with r.lease() as first:
             fill(rig_.src, 1.0)
@@ -126,7 +119,7 @@ async def test_leases_that_exhaust_max_slots_are_refused_naming_the_worker(name:
 
 
 async def test_leases_of_one_version_share_one_copy_in_copy_mode(kind: Kind) -> None:
-    async with system(kind, 1, apply_mode="copy") as rig_:
+    async with kind.system(1, apply_mode="copy") as rig_:
         r, _ = rig_[0]
         async with r.lease() as a, r.lease() as b:
             assert a.version == b.version == 0
@@ -141,7 +134,7 @@ async def test_leases_of_one_version_share_one_copy_in_copy_mode(kind: Kind) -> 
 
 
 async def test_a_lease_in_a_thread_reads_one_version_while_sends_go_on(kind: Kind) -> None:
-    async with system(kind, 1) as rig_:
+    async with kind.system(1) as rig_:
         r, m = rig_[0]
         taken = threading.Event()
         finish = threading.Event()
@@ -172,9 +165,9 @@ async def test_a_lease_in_a_thread_reads_one_version_while_sends_go_on(kind: Kin
 
 
 async def test_a_lease_covers_every_model_of_a_scheme() -> None:
-    async with rig(Kind("shm"), 1) as (sender, models, receivers):
+    async with policy_and_value(Kind("shm"), 1) as (sender, models, receivers):
         r, mine = receivers[0]
-        sent = {n: state(m) for n, m in models.items()}
+        sent = {n: frozen(m) for n, m in models.items()}
         async with r.lease() as held:
             with torch.no_grad():
                 for t in models["value"].parameters():
@@ -194,7 +187,7 @@ async def test_a_lease_covers_every_model_of_a_scheme() -> None:
 
 async def test_a_lease_outlives_its_receiver_with_the_same_bytes() -> None:
     kind = Kind("shm")
-    async with system(kind, 2) as rig_:
+    async with kind.system(2) as rig_:
         r, _ = rig_[0]
         fill(rig_.src, 3.0)
         await rig_.sender.send()
@@ -224,7 +217,7 @@ async def test_leases_are_refused_where_they_cannot_be() -> None:
     receiver.init_on_receiver(model=model(1), worker_idx=0)
     with pytest.raises(RuntimeError, match="connected receiver"):
         receiver.lease()
-    async with system(kind, 1) as rig_:
+    async with kind.system(1) as rig_:
         r, _ = rig_[0]
         lease = r.lease()
         async with lease:
@@ -234,7 +227,7 @@ async def test_leases_are_refused_where_they_cannot_be() -> None:
 
 
 def test_a_blocking_receiver_takes_leases_with_a_plain_with() -> None:
-    sender, src, r, _ = _pair()
+    sender, src, r, _ = sync_pair()
     with aiowsync.blocking(sender) as s, aiowsync.blocking(r) as w:
         w.connect(timeout=30)
         s.connect(timeout=30)
@@ -252,7 +245,7 @@ async def test_a_worker_cannot_lease_more_versions_than_a_report_carries() -> No
 
     kind = Kind("memory")
     plane = aiowsync.MemoryPlane(num_slots=2, max_slots=MAX_LEASED + 4)
-    async with system(kind, 1, plane=plane) as rig_:
+    async with kind.system(1, plane=plane) as rig_:
         r, _ = rig_[0]
         leases = []
         try:

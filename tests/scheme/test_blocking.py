@@ -17,20 +17,9 @@ from torch import nn
 
 import aiowsync
 from _workers import SPAWN, blocking_worker_main, digest, fill, make_model
-from helpers import model, same
+from helpers import BEATS, model, same, sync_pair
 
 pytestmark = pytest.mark.timeout(180)
-
-BEATS = aiowsync.Heartbeats(interval=0.1, missed=50)
-
-
-def _pair() -> tuple[aiowsync.WeightSyncScheme, nn.Module, aiowsync.WeightSyncScheme, nn.Module]:
-    src, mirror = model(0), model(1)
-    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
-    sender.init_on_sender(model=src, num_workers=1)
-    r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, heartbeats=BEATS)
-    r.init_on_receiver(model=mirror, worker_idx=0)
-    return sender, src, r, mirror
 
 
 def _value(m: nn.Module, value: float) -> dict[str, torch.Tensor]:
@@ -38,7 +27,7 @@ def _value(m: nn.Module, value: float) -> dict[str, torch.Tensor]:
 
 
 def test_a_sync_sender_and_receiver_send_receive_and_fail_as_the_async_api_does() -> None:
-    sender, src, r, mirror = _pair()
+    sender, src, r, mirror = sync_pair()
     with aiowsync.blocking(sender) as s, aiowsync.blocking(r) as w:
         w.connect(timeout=30)  # the sender answers from its own loop thread
         s.connect(timeout=30)
@@ -98,7 +87,7 @@ def test_pull_mode_through_the_blocking_face() -> None:
 
 
 def test_calls_from_a_running_event_loop_are_refused_rather_than_deadlocking() -> None:
-    sender, _, r, _ = _pair()
+    sender, _, r, _ = sync_pair()
     with aiowsync.blocking(sender) as s:
 
         async def inside() -> None:
@@ -125,7 +114,7 @@ def test_calls_from_a_running_event_loop_are_refused_rather_than_deadlocking() -
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, ValueError])
 def test_an_error_in_the_body_leaves_the_scheme_cleanly(error: type[BaseException]) -> None:
-    sender, src, r, mirror = _pair()
+    sender, src, r, mirror = sync_pair()
     threads = set(threading.enumerate())
     with pytest.raises(error), aiowsync.blocking(sender) as s, aiowsync.blocking(r) as w:
         w.connect(timeout=30)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXTRA = ("fastapi", "uvicorn", "transformers", "httpx")
 MISSING = [m for m in EXTRA if importlib.util.find_spec(m) is None]
 

@@ -43,9 +43,8 @@ def _segments() -> set[str]:
 
 
 def _policy() -> Any:
-    from tensordict.nn import TensorDictModule
-
     from _torchrl_policy import Marked
+    from tensordict.nn import TensorDictModule
 
     return TensorDictModule(Marked(), in_keys=["observation"], out_keys=["action", "marker"])
 
@@ -146,10 +145,9 @@ def test_an_async_collector_switches_its_workers_between_forwards() -> None:
 
 @needs_torchrl
 def test_no_forward_of_a_worker_straddles_a_switch() -> None:
+    from _torchrl_policy import TwiceMarked
     from tensordict.nn import TensorDictModule
     from torchrl.collectors import MultiAsyncCollector
-
-    from _torchrl_policy import TwiceMarked
 
     policy = TensorDictModule(TwiceMarked(), in_keys=["observation"], out_keys=["action", "both"])
     scheme = _scheme("shm")
@@ -177,10 +175,9 @@ def test_no_forward_of_a_worker_straddles_a_switch() -> None:
 
 @needs_torchrl
 def test_a_single_process_collector_takes_explicit_weights_into_its_policy() -> None:
+    from _torchrl_policy import make_env
     from tensordict import TensorDict
     from torchrl.collectors import Collector
-
-    from _torchrl_policy import make_env
 
     policy, scheme = _policy(), _scheme("shm")
     collector = Collector(
@@ -261,7 +258,9 @@ def test_without_torchrl_the_module_says_what_to_install() -> None:
 
 @needs_torchrl
 def test_the_collector_example_runs(tmp_path: Any) -> None:
-    example = os.path.join(os.path.dirname(__file__), "..", "examples", "torchrl_collector.py")
+    example = os.path.join(
+        os.path.dirname(__file__), "..", "..", "examples", "torchrl_collector.py"
+    )
     run = subprocess.run(
         [sys.executable, example], capture_output=True, text=True, timeout=240, cwd=tmp_path
     )

@@ -142,7 +142,7 @@ async def test_nccl_sends_cuda_weights() -> None:
         )
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
-        here = os.path.dirname(__file__)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: helpers.py
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-c",

@@ -4,11 +4,8 @@ in-process twins, real shared memory, real gloo), in this process."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 import torch
@@ -16,26 +13,9 @@ from tensordict import TensorDict
 from torch import nn
 
 import aiowsync
-from test_behaviour import CONNECT, Hosted, Kind
+from helpers import CONNECT, Kind, policy, policy_and_value, serving, value_net
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture(params=["memory", "shm", "dist"])
-def kind(request: pytest.FixtureRequest) -> Kind:
-    return Kind(request.param)
-
-
-def policy(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    m.register_buffer("steps", torch.arange(3, dtype=torch.int64))
-    return m
-
-
-def value(seed: int, width: int = 16) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
 
 
 def state(m: nn.Module) -> dict[str, torch.Tensor]:
@@ -53,52 +33,8 @@ def fill(m: nn.Module, v: float) -> None:
             t.fill_(v)
 
 
-@contextlib.asynccontextmanager
-async def rig(
-    kind: Kind, n: int = 2, *, each: dict[int, dict[str, Any]] | None = None, **kw: Any
-) -> AsyncIterator[tuple[aiowsync.WeightSyncScheme, dict[str, nn.Module], list[Any]]]:
-    """A sender of a policy and a value net, and ``n`` connected receivers of their own
-    pair; yields (sender, its models, [(receiver, its models), ...])."""
-    models = {"policy": policy(0), "value": value(1)}
-    sender = kind.scheme(**kw)
-    sender.init_on_sender(models=models, num_workers=n)
-    hosts = [Hosted(sender)]
-    receivers = []
-    try:
-        await hosts[0].start()
-        for i in range(n):
-            mine = {"policy": policy(100 + i), "value": value(200 + i)}
-            options = dict(kw, **(each or {}).get(i, {}))
-            factory = options.pop("models_of", None)
-            if factory is not None:
-                mine = factory(i)
-            r = kind.scheme(sender.address, plane=sender.plane, **options)
-            r.init_on_receiver(models=mine, worker_idx=i)
-            hosts.append(Hosted(r))
-            await hosts[-1].start()
-            receivers.append((r, mine))
-        await asyncio.gather(
-            sender.connect(timeout=CONNECT), *(r.connect(timeout=CONNECT) for r, _ in receivers)
-        )
-        yield sender, models, receivers
-    finally:
-        for host in reversed(hosts):
-            await host.stop()
-
-
-@contextlib.asynccontextmanager
-async def serving(sender: aiowsync.WeightSyncScheme) -> AsyncIterator[aiowsync.WeightSyncScheme]:
-    """``sender`` inside its ``async with``, held open by a task of its own (see Hosted)."""
-    host = Hosted(sender)
-    await host.start()
-    try:
-        yield sender
-    finally:
-        await host.stop()
-
-
 async def test_one_version_covers_every_model_and_hooks_run_once_per_switch(kind: Kind) -> None:
-    async with rig(kind) as (sender, models, receivers):
+    async with policy_and_value(kind) as (sender, models, receivers):
         assert (
             set(sender.models) == {"policy", "value"} and sender.models["value"] is models["value"]
         )
@@ -128,24 +64,24 @@ async def test_one_version_covers_every_model_and_hooks_run_once_per_switch(kind
 async def test_a_send_of_some_models_moves_those_and_the_others_keep_their_bytes(
     kind: Kind,
 ) -> None:
-    async with rig(kind) as (sender, models, receivers):
+    async with policy_and_value(kind) as (sender, models, receivers):
         fill(models["policy"], 1.0)
         fill(models["value"], 1.0)
         await sender.send()
         sent_policy = state(models["policy"])
         # The trainer changes both, but sends the value net alone (as a TensorDict).
         fill(models["policy"], 5.0)
-        new_value = TensorDict.from_module(value(7)).apply(lambda t: t.detach().clone())
+        new_value = TensorDict.from_module(value_net(7)).apply(lambda t: t.detach().clone())
         result = await sender.send(weights={"value": new_value})
         assert result.version == 2
         for r, mine in receivers:
             assert r.version == 2
             assert equal(mine["policy"], sent_policy)  # v1's bytes, not the trainer's 5.0
-            assert equal(mine["value"], state(value(7)))
+            assert equal(mine["value"], state(value_net(7)))
         # Again, a few times: slots are reused, and still only the value net changes.
         for step in range(3, 7):
             new_value = {
-                k: torch.full_like(t, float(step)) for k, t in value(0).state_dict().items()
+                k: torch.full_like(t, float(step)) for k, t in value_net(0).state_dict().items()
             }
             assert (await sender.send(weights={"value": new_value})).version == step
             for _, mine in receivers:
@@ -159,7 +95,7 @@ async def test_digests_cover_every_model_of_a_version_those_carried_too(kind: Ki
     # The sender digests the version as receivers will hold it: the models a partial send
     # carries come from the slots of earlier versions, and a digest that missed them (or
     # took another version's) would make every receiver refuse the send.
-    async with rig(kind, integrity=True) as (sender, models, receivers):
+    async with policy_and_value(kind, integrity=True) as (sender, models, receivers):
         fill(models["value"], 1.0)
         await sender.send()
         for step in range(2, 6):
@@ -172,7 +108,7 @@ async def test_digests_cover_every_model_of_a_version_those_carried_too(kind: Ki
 
 
 async def test_sends_that_do_not_fit_are_refused_before_a_byte_moves(kind: Kind) -> None:
-    async with rig(kind) as (sender, models, receivers):
+    async with policy_and_value(kind) as (sender, models, receivers):
         before = [(state(m["policy"]), state(m["value"])) for _, m in receivers]
         with pytest.raises(ValueError) as unknown:
             await sender.send(weights={"value": models["value"], "critic": models["value"]})
@@ -180,7 +116,7 @@ async def test_sends_that_do_not_fit_are_refused_before_a_byte_moves(kind: Kind)
             "unknown model id(s) ['critic']: this scheme holds 'policy', 'value'"
         )
         with pytest.raises(aiowsync.LayoutMismatchError) as wrong:
-            await sender.send(weights={"value": value(3, width=17)})
+            await sender.send(weights={"value": value_net(3, width=17)})
         assert str(wrong.value) == (
             "weights do not match the layout:\n"
             "  model 'value', key 0.bias: expected float32[16], got float32[17]\n"
@@ -197,12 +133,14 @@ async def test_sends_that_do_not_fit_are_refused_before_a_byte_moves(kind: Kind)
 async def test_a_receiver_whose_value_net_differs_is_refused_naming_the_model(
     kind: Kind,
 ) -> None:
-    models = {"policy": policy(0), "value": value(1)}
+    models = {"policy": policy(0), "value": value_net(1)}
     sender = kind.scheme()
     sender.init_on_sender(models=models, num_workers=1)
     async with serving(sender):
         r = kind.scheme(sender.address, plane=sender.plane)
-        r.init_on_receiver(models={"policy": policy(2), "value": value(3, width=17)}, worker_idx=0)
+        r.init_on_receiver(
+            models={"policy": policy(2), "value": value_net(3, width=17)}, worker_idx=0
+        )
         async with r:
             with pytest.raises(aiowsync.RefusedError) as info:
                 await r.connect(timeout=CONNECT)
@@ -225,11 +163,15 @@ async def test_a_wire_dtype_halves_the_bytes_and_each_worker_holds_the_cast_valu
 ) -> None:
     def halves(i: int) -> dict[str, nn.Module]:
         # Worker 0 runs bf16 (swap onto the bf16 slots); worker 1 fp32 (copies with a cast).
-        mine = {"policy": policy(100 + i), "value": value(200 + i)}
+        mine = {"policy": policy(100 + i), "value": value_net(200 + i)}
         return {k: m.to(torch.bfloat16) for k, m in mine.items()} if i == 0 else mine
 
     each = {0: {"models_of": halves}, 1: {"models_of": halves}}
-    async with rig(kind, each=each, wire_dtype=torch.bfloat16) as (sender, models, receivers):
+    async with policy_and_value(kind, each=each, wire_dtype=torch.bfloat16) as (
+        sender,
+        models,
+        receivers,
+    ):
         with torch.no_grad():
             for m in models.values():
                 for t in m.parameters():
@@ -283,7 +225,7 @@ async def test_a_model_not_sent_stays_where_it_is(name: str) -> None:
     """A send of some models writes (shared memory) or receives (torch.distributed) those
     only: in swap mode, the other models' tensors keep pointing at the very bytes they
     pointed at (nothing was copied), also when the models are sent in turn."""
-    async with rig(Kind(name)) as (sender, models, receivers):
+    async with policy_and_value(Kind(name)) as (sender, models, receivers):
         r, mine = receivers[0]
         assert r._receiver.apply_mode == "swap"
 
@@ -331,7 +273,7 @@ async def test_no_reader_sees_one_model_at_one_version_and_another_at_the_next(
     """Readers on the loop (across an await, under the guard) and in threads (under the
     guard) read both models; every value they see must be the version's number, in both."""
     sends = 20
-    async with rig(kind, apply_mode=mode) as (sender, models, receivers):
+    async with policy_and_value(kind, apply_mode=mode) as (sender, models, receivers):
         assert all(r._receiver.apply_mode == mode for r, _ in receivers)
         stop = threading.Event()
         mixed: list[str] = []
@@ -389,7 +331,7 @@ async def test_no_reader_sees_one_model_at_one_version_and_another_at_the_next(
 async def test_a_worker_left_out_of_a_send_gets_what_it_lacks_with_the_next_partial_one(
     kind: Kind, mode: str
 ) -> None:
-    async with rig(kind, apply_mode=mode) as (sender, models, receivers):
+    async with policy_and_value(kind, apply_mode=mode) as (sender, models, receivers):
         for m in models.values():
             fill(m, 1.0)
         await sender.send()
@@ -415,11 +357,11 @@ async def test_a_worker_left_out_of_a_send_gets_what_it_lacks_with_the_next_part
 
 async def test_model_ids_that_are_module_attributes_work_too() -> None:
     kind = Kind("memory")
-    models = {"training": policy(0), "eval": value(1)}
+    models = {"training": policy(0), "eval": value_net(1)}
     sender = kind.scheme()
     sender.init_on_sender(models=models, num_workers=1)
     async with serving(sender):
-        mine = {"training": policy(2), "eval": value(3)}
+        mine = {"training": policy(2), "eval": value_net(3)}
         r = kind.scheme(sender.address, plane=sender.plane)
         r.init_on_receiver(models=mine, worker_idx=0)
         async with r:
