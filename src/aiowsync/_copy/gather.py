@@ -1,4 +1,4 @@
-"""The gather copy: a layout's tensors, given one by one, copied into its flat buffers.
+"""The gather copy: tensors, given one by one, copied into the flat buffers they belong in.
 
 A model of many tensors needs one copy per tensor, and each torch copy or ``memmove`` call pays
 a few microseconds of setup and, from Python, a turn of the interpreter lock, which adds up to
@@ -6,14 +6,17 @@ more than the bytes themselves. :class:`GatherCopy` cuts the destination instead
 contiguous byte ranges per thread and fills each with a single ``torch.cat(pieces, out=range)``
 (or, under non-temporal copies, a single ``_stream.copy_moves`` call), and keeps the views it
 needs while the same sources come back.
+
+It knows where each tensor goes only as :class:`Places` (bytes in buffers), which a layout
+makes (``Layout.places``): the copy engine stays below the weights package.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
@@ -29,34 +32,40 @@ from .job import SETTLE_S, CopyJob, cut, early_share, split_sizes
 from .omp import serial_torch
 
 if TYPE_CHECKING:
-    from .._weights.layout import Layout
     from .engine import Packed
 
-__all__ = ["EarlyCopy", "GatherCopy", "remember_hint"]
+__all__ = ["EarlyCopy", "GatherCopy", "Places", "Pointers"]
 
 KEPT_SOURCES = 2
 """Source sets whose copy plans a :class:`GatherCopy` keeps."""
 KEPT_DESTINATIONS = 8
 """Destinations whose output ranges a plan keeps, per kind of copy (a sender's slots; more are
 rare)."""
-KEPT_HINTS = 4
-"""Hints whose last source set a :class:`GatherCopy` (or a plane) remembers."""
 RECENT_CALLS = 4
 """Calls whose source sets a :class:`GatherCopy` remembers, to tell sources that come back."""
 
-V = TypeVar("V")
+Pointers: TypeAlias = tuple[int, ...]
+"""A source set, named by its tensors' data pointers (which hold no reference to them)."""
 
 
-def remember_hint(table: collections.OrderedDict[Hashable, V], hint: Hashable, value: V) -> None:
-    """``table[hint] = value``, keeping only the :data:`KEPT_HINTS` hints set last."""
-    table[hint] = value
-    table.move_to_end(hint)
-    if len(table) > KEPT_HINTS:
-        table.popitem(last=False)
+@dataclass(frozen=True, slots=True)
+class Places:
+    """Where a gather copy puts the tensors it is given, in order, as bytes in buffers."""
+
+    spans: tuple[tuple[int, int, int], ...]
+    """(buffer, offset, nbytes) of each tensor."""
+    buffers: int
+    """How many destination buffers a copy fills."""
+    total_bytes: int
+    """Bytes of all destination buffers."""
+    alignment: int
+    """Gaps between tensors are shorter than this (they are filled from zeros)."""
+    lazy_views: bool = False
+    """Sources may be lazy conjugate or negated views (complex dtypes): each call checks."""
 
 
 class GatherCopy:
-    """Copies a layout's tensors, given one by one, into its flat buffers, under ``policy``.
+    """Copies tensors, given one by one, into flat buffers at their ``places``, under ``policy``.
 
     The destination is cut into a few contiguous byte ranges per thread (threads take them
     from one queue, see :class:`aiowsync._copy.job.CopyJob`), and each range is filled with
@@ -74,49 +83,32 @@ class GatherCopy:
     are not kept alive by a plan, and for at most :data:`KEPT_SOURCES` source sets (a sender
     that alternates its model and one copy of its weights keeps both).
 
-    A caller may name where its sources come from with a *hint* (any hashable: the sender
-    passes one for its own model and one per weights object it is given). :meth:`start` then
-    guesses the source set that the last call with the same hint copied, so a sender that
-    alternates two sources still gets its copy started early.
+    :meth:`copy` returns the pointers of the sources it copied, and :meth:`start` copies
+    again a source set named by such pointers: which set to guess is the caller's to remember
+    (the shared-memory sender keeps it by source, with what else it copied).
     """
 
-    def __init__(self, layout: Layout, policy: CopyPolicy | None = None) -> None:
-        self.layout = layout
+    def __init__(self, places: Places, policy: CopyPolicy | None = None) -> None:
+        self.places = places
         self.policy = policy or default_policy()
-        self._plans: dict[tuple[int, ...], _Plan] = {}
+        self._plans: dict[Pointers, _Plan] = {}
         """Kept plans by source pointers."""
-        self._kept: list[tuple[int, ...]] = []
+        self._kept: list[Pointers] = []
         """Source pointers whose plans are kept, oldest first."""
-        self._recent: collections.deque[tuple[int, ...]] = collections.deque(maxlen=RECENT_CALLS)
+        self._recent: collections.deque[Pointers] = collections.deque(maxlen=RECENT_CALLS)
         """Source pointers of the last calls (no reference to the tensors is held)."""
-        self._last: tuple[int, ...] | None = None
-        """Source pointers of the last call that copied (what :meth:`start` copies again)."""
-        self._repeated = False
-        """The last call copied the same sources as the one before: without a hint,
-        :meth:`start` guesses that the next one will too (a sender alternating two source
-        sets would otherwise start, and throw away, a copy of the wrong one at every call)."""
-        self._hinted: collections.OrderedDict[Hashable, tuple[int, ...]] = collections.OrderedDict()
-        """Source pointers of the last call with each hint (the last few hints)."""
-        self._zeros = torch.zeros(layout.alignment, dtype=torch.uint8)
-        # Lazy conjugate and negative views exist only for complex tensors (sources match the
-        # layout's dtypes), so only complex layouts pay for that check on every call.
-        self._lazy_views = any(spec.dtype.is_complex for spec in layout.specs)
-        self._early = early_share(len(layout.specs), layout.total_bytes)
+        self._zeros = torch.zeros(places.alignment, dtype=torch.uint8)
+        self._early = early_share(len(places.spans), places.total_bytes)
         """How the copies that :meth:`start` begins are cut (see ``split_sizes``)."""
 
-    def start(self, dst: Sequence[torch.Tensor], hint: Hashable = None) -> EarlyCopy | None:
-        """Start copying a source set seen before into ``dst``, in helper threads, before the
-        caller has checked that the next sources are those tensors: the set last copied with
-        ``hint`` or, for a hint not seen lately, the last call's set if the two calls before
-        copied the same one. None when there is nothing to start (no such set, or no plan
-        kept for it). The result must be passed to :meth:`copy` (which finishes or abandons
-        it) or abandoned."""
-        key = self._hinted.get(hint) if hint is not None else None
-        if key is None and self._repeated:
-            key = self._last
-        plan = self._plans.get(key) if key is not None else None
+    def start(self, dst: Sequence[torch.Tensor], key: Pointers) -> EarlyCopy | None:
+        """Start copying the source set ``key`` (as a call to :meth:`copy` returned it) into
+        ``dst``, in helper threads, before the caller has checked that the next sources are
+        those tensors. None when there is nothing to start (no plan kept for that set). The
+        result must be passed to :meth:`copy` (which finishes or abandons it) or abandoned."""
+        plan = self._plans.get(key)
         pool = self.policy.gather_pool()
-        if plan is None or key is None or pool is None:
+        if plan is None or pool is None:
             return None
         self._check_buffers(dst)
         job = plan.job(dst, self.policy.streaming, early=self._early)
@@ -130,20 +122,18 @@ class GatherCopy:
         *,
         keep: bool = False,
         early: EarlyCopy | None = None,
-        hint: Hashable = None,
-    ) -> bool:
-        """Copy ``src`` (one tensor per layout key, in layout order, already checked against
-        the layout) into the byte buffers ``dst``. Returns False, having copied nothing, when
-        this way does not apply: a small model, sources that are not plain contiguous CPU
-        tensors, or no single-threaded torch threads on this platform.
+    ) -> Pointers | None:
+        """Copy ``src`` (one tensor per place, in order, already checked to fit them) into the
+        byte buffers ``dst``, and return their pointers (for :meth:`start`). Returns None,
+        having copied nothing, when this way does not apply: a small model, sources that are
+        not plain contiguous CPU tensors, or no single-threaded torch threads on this platform.
 
         ``keep`` says the sources will come back (a model's own tensors): their plan is kept
         from this first call on. ``early``, from :meth:`start` with the same ``dst``, is
         finished when ``src`` are the tensors it copies, else abandoned (and ``src`` copied
-        as usual); either way, no helper thread writes into ``dst`` once this returns.
-        ``hint``: where ``src`` comes from (see :meth:`start`)."""
+        as usual); either way, no helper thread writes into ``dst`` once this returns."""
         try:
-            return self._copy(dst, src, keep, early, hint)
+            return self._copy(dst, src, keep, early)
         except BaseException:
             if early is not None:
                 early.job.abandon()
@@ -155,18 +145,18 @@ class GatherCopy:
         src: Sequence[torch.Tensor],
         keep: bool,
         early: EarlyCopy | None,
-        hint: Hashable,
-    ) -> bool:
+    ) -> Pointers | None:
         pool = self.policy.gather_pool()
+        places = self.places
         if (
             pool is None
-            or self.layout.total_bytes < PARALLEL_COPY_BYTES
-            or len(src) != len(self.layout.specs)
-            or not _all_plain(src, self._lazy_views)
+            or places.total_bytes < PARALLEL_COPY_BYTES
+            or len(src) != len(places.spans)
+            or not _all_plain(src, places.lazy_views)
         ):
             if early is not None:
                 early.job.abandon()
-            return False
+            return None
         self._check_buffers(dst)
         key = tuple(map(_data_ptr, src))
         if early is not None and early.key == key and key in self._plans:
@@ -177,29 +167,26 @@ class GatherCopy:
             plan = self._plans.get(key)
             if plan is None:
                 if not all(t.is_cpu for t in src):
-                    return False
+                    return None
                 try:
                     plan = self._plan(src, pool.threads)
                 except RuntimeError:
-                    return False  # a source torch cannot view as bytes (a lazy negation)
+                    return None  # a source torch cannot view as bytes (a lazy negation)
                 if keep or key in self._kept or key in self._recent:
                     self._keep(key, plan)
             job = plan.job(dst, self.policy.streaming)
             job.start(pool.executor, steer=self.policy.steer_helpers)
         if not self._recent or self._recent[-1] != key:
             self._recent.append(key)
-        self._repeated, self._last = key == self._last, key
-        if hint is not None:
-            remember_hint(self._hinted, hint, key)
         with serial_torch(pool):
             job.finish()
-        return True
+        return key
 
     def _check_buffers(self, dst: Sequence[torch.Tensor]) -> None:
-        if len(dst) != len(self.layout.buffer_sizes):
-            raise ValueError(f"expected {len(self.layout.buffer_sizes)} buffers, got {len(dst)}")
+        if len(dst) != self.places.buffers:
+            raise ValueError(f"expected {self.places.buffers} buffers, got {len(dst)}")
 
-    def _keep(self, key: tuple[int, ...], plan: _Plan) -> None:
+    def _keep(self, key: Pointers, plan: _Plan) -> None:
         if key not in self._kept:
             self._kept.append(key)
             if len(self._kept) > KEPT_SOURCES:
@@ -211,25 +198,22 @@ class GatherCopy:
         self._plans.clear()
         self._kept.clear()
         self._recent.clear()
-        self._hinted.clear()
-        self._last, self._repeated = None, False
 
     def _plan(self, src: Sequence[torch.Tensor], threads: int) -> _Plan:
-        layout = self.layout
         # (buffer, start, piece): the bytes of every buffer up to its last tensor, in order.
         segments: list[tuple[int, int, torch.Tensor]] = []
-        ends = [0] * len(layout.buffer_sizes)
+        ends = [0] * self.places.buffers
         with torch.no_grad():
-            for spec, t in zip(layout.specs, src, strict=True):
-                if t.nbytes != spec.nbytes:
-                    raise ValueError(f"{spec.key}: {t.nbytes} bytes, the layout has {spec.nbytes}")
-                if not spec.nbytes:
+            for i, ((b, offset, nbytes), t) in enumerate(zip(self.places.spans, src, strict=True)):
+                if t.nbytes != nbytes:
+                    raise ValueError(f"tensor {i}: {t.nbytes} bytes, its place has {nbytes}")
+                if not nbytes:
                     continue
-                b, end = spec.buffer, ends[spec.buffer]
-                if spec.offset > end:
-                    segments.append((b, end, self._zeros[: spec.offset - end]))
-                segments.append((b, spec.offset, byte_view(t)))
-                ends[b] = spec.offset + spec.nbytes
+                end = ends[b]
+                if offset > end:
+                    segments.append((b, end, self._zeros[: offset - end]))
+                segments.append((b, offset, byte_view(t)))
+                ends[b] = offset + nbytes
         return _Plan(segments, sum(ends), threads)
 
 
@@ -238,7 +222,7 @@ class EarlyCopy:
     """A copy :meth:`GatherCopy.start` began before its sources were checked."""
 
     job: _GatherJob
-    key: tuple[int, ...]
+    key: Pointers
     """Pointers of the sources it copies."""
 
 

@@ -17,6 +17,7 @@ from functools import cached_property
 import torch
 
 from .._copy.engine import CopyPolicy, fused_copy
+from .._copy.gather import Places
 from .._exceptions import LayoutMismatchError
 from .._protocol import TensorDesc
 from .flatten import WeightsLike, flatten_weights
@@ -191,6 +192,20 @@ class Layout:
     def total_bytes(self) -> int:
         """Bytes of all flat buffers, alignment padding included."""
         return sum(self.buffer_sizes)
+
+    @cached_property
+    def places(self) -> Places:
+        """Where each tensor's bytes go, in key order, as the copy engine's gather copy
+        takes them."""
+        return Places(
+            spans=tuple((s.buffer, s.offset, s.nbytes) for s in self.specs),
+            buffers=len(self.buffer_sizes),
+            total_bytes=self.total_bytes,
+            alignment=self.alignment,
+            # Lazy conjugate and negated views exist only for complex tensors, so only complex
+            # layouts pay for that check on every copy.
+            lazy_views=any(s.dtype.is_complex for s in self.specs),
+        )
 
     @property
     def payload_bytes(self) -> int:

@@ -9,7 +9,6 @@ touched. A slot is reused once no version that a receiver may still read points 
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import logging
@@ -20,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from aiowsync._copy.engine import CopyPolicy, fused_copy, start_copy
-from aiowsync._copy.gather import EarlyCopy, GatherCopy, remember_hint
+from aiowsync._copy.gather import EarlyCopy, GatherCopy
 from aiowsync._copy.job import early_share
+from aiowsync._copy.recent import Copied, RecentCopies
 from aiowsync._exceptions import WeightSyncError
 from aiowsync._util.pids import pid_alive
 from aiowsync._weights.layout import Layout
@@ -89,18 +89,13 @@ class SharedMemSenderPlane(SenderPlane):
 
     def setup(self, layout: Layout) -> None:
         self.layout = layout
-        self._gather = GatherCopy(layout, self._policy)
-        self._gathers: dict[frozenset[str], GatherCopy] = {}
-        """The gather copies of sends of some models, by the models they write."""
+        self._gather = GatherCopy(layout.places, self._policy)
+        self._gathers: dict[frozenset[str], tuple[Layout, GatherCopy]] = {}
+        """The layouts and gather copies of sends of some models, by the models they write."""
         self._early = early_share(len(layout.specs), layout.total_bytes)
         """How a copy of whole buffers started before the check is cut (see start_copy)."""
-        self._last: collections.OrderedDict[object, tuple[torch.Tensor, ...] | None] = (
-            collections.OrderedDict()
-        )
-        """By source key (the last few), what the last staging from it copied: whole
-        buffers, or None for tensors through the gather copy."""
-        self._last_tensors = False
-        """The last staging copied tensors through the gather copy."""
+        self._recent = RecentCopies()
+        """By source key, what the last staging from it copied (what to start early)."""
         remove_stale_slots()
         names = list(layout.sections)
         try:
@@ -235,26 +230,21 @@ class SharedMemSenderPlane(SenderPlane):
             f.file.back()  # a slot's first use allocates its pages: never on the loop
         parts = [p for f in files for p in f.parts]
         key = source.key
-        copier = self._copier(source)
-        if source.carry:
-            # Some models: no re-homed buffers; the same tensors as last time, if they were
-            # copied by the gather copy of those models.
-            last, tensors = None, key in self._last
-        elif key in self._last:
-            last = self._last[key]
-            tensors = last is None
-        else:
-            # Weights not seen lately: at most the gather copy's own guess (the last call's
-            # tensors, if they came twice in a row).
-            last, tensors = None, self._last_tensors
+        copier = self._copier(source)[1]
+        # Some models have no re-homed buffers, and only the same source is worth a guess
+        # (the gather copy of those models copied its tensors); weights not seen lately may
+        # be the tensors copied twice in a row.
+        guess = self._recent.last(key) if source.carry else self._recent.guess(key)
+        last = guess.buffers if guess is not None else None
+        tensors = guess.sources if guess is not None else None
         flat = start_copy(parts, last, self._early, self._policy) if last is not None else None
-        gather = copier.start(parts, key) if tensors else None
+        gather = copier.start(parts, tensors) if tensors is not None else None
         try:
             snapshot = source.snapshot()
             if flat is not None:
                 if snapshot.buffers is not None and _same(snapshot.buffers, last):
                     flat.finish()
-                    self._copied(key, snapshot.buffers)
+                    self._recent.copied(key, Copied(buffers=snapshot.buffers))
                     return
                 flat.abandon()
             self._write(files, snapshot, gather, key)
@@ -270,33 +260,34 @@ class SharedMemSenderPlane(SenderPlane):
     ) -> None:
         """Copy ``source`` into the slots ``files`` (one per model it writes); ``early`` (of
         the gather copy) is finished or abandoned."""
-        self._last.pop(key, None)
-        self._last_tensors = False
+        self._recent.forget(key)
         parts = [p for f in files for p in f.parts]
         if source.carry or source.cast:
             # Some models (into their own slots), or a cast (tensor by tensor).
             assert source.tensors is not None
-            copier = self._copier(source)
-            written = copier.layout.keys
-            src = [source.tensors[k] for k in written]
-            if not source.cast and copier.copy(parts, src, keep=True, early=early, hint=key):
-                self._copied(key, None)  # these models' tensors, through their gather copy
-                return
+            written, copier = self._copier(source)
+            src = [source.tensors[k] for k in written.keys]
+            if not source.cast:
+                copied = copier.copy(parts, src, keep=True, early=early)
+                if copied is not None:  # these models' tensors, through their gather copy
+                    self._recent.copied(key, Copied(sources=copied))
+                    return
             if early is not None:
                 early.job.abandon()
             views = {k: v for f in files for k, v in f.views.items()}
-            fused_copy([views[k] for k in written], src, self._policy)
+            fused_copy([views[k] for k in written.keys], src, self._policy)
             return
         if source.buffers is not None:
             if early is not None:
                 early.job.abandon()
             fused_copy(parts, list(source.buffers), self._policy)
-            self._copied(key, source.buffers)
+            self._recent.copied(key, Copied(buffers=source.buffers))
         elif source.tensors is not None:
             keys, tensors = self.layout.keys, source.tensors
             src = [tensors[k] for k in keys]
-            if self._gather.copy(parts, src, keep=source.model, early=early, hint=key):
-                self._copied(key, None)
+            copied = self._gather.copy(parts, src, keep=source.model, early=early)
+            if copied is not None:
+                self._recent.copied(key, Copied(sources=copied))
             else:
                 views = {k: v for f in files for k, v in f.views.items()}
                 fused_copy([views[k] for k in keys], src, self._policy)
@@ -305,31 +296,27 @@ class SharedMemSenderPlane(SenderPlane):
                 early.job.abandon()
             raise ValueError("empty source")
 
-    def _copier(self, source: WeightSource | Source) -> GatherCopy:
-        """The gather copy of the models a source writes (all, or those of a partial one):
-        the layout of some models keeps their buffers as they are in the whole layout."""
+    def _copier(self, source: WeightSource | Source) -> tuple[Layout, GatherCopy]:
+        """The layout of the models a source writes (all, or those of a partial one) and
+        their gather copy: the layout of some models keeps their buffers as they are in the
+        whole layout."""
         if not source.carry:
-            return self._gather
+            return self.layout, self._gather
         written = frozenset(self.layout.sections) - source.carry
-        copier = self._gathers.get(written)
-        if copier is None:
-            copier = self._gathers[written] = GatherCopy(self.layout.subset(written), self._policy)
-        return copier
-
-    def _copied(self, key: object, buffers: tuple[torch.Tensor, ...] | None) -> None:
-        """Remember what a staging from ``key`` copied: whole ``buffers``, or (None) tensors
-        through the gather copy."""
-        self._last_tensors = buffers is None
-        remember_hint(self._last, key, buffers)
+        found = self._gathers.get(written)
+        if found is None:
+            subset = self.layout.subset(written)
+            found = self._gathers[written] = (subset, GatherCopy(subset.places, self._policy))
+        return found
 
     def close(self) -> None:
         self._closed = True
         self._stager.close()
         if hasattr(self, "_gather"):
             self._gather.clear()
-            for copier in self._gathers.values():
+            for _, copier in self._gathers.values():
                 copier.clear()
-            self._last.clear()
+            self._recent.clear()
         for table in self._tables.values():
             for s in table:
                 s.value.file.unlink()
