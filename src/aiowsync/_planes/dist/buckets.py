@@ -16,6 +16,7 @@ import torch
 
 from aiowsync._copy.engine import CopyPolicy, byte_view, copy_moves, fused_copy
 from aiowsync._weights.layout import Layout
+
 from ..base import Source
 
 __all__ = ["Buckets", "Image", "Packer", "as_bytes", "plain_pointers", "section_spans"]

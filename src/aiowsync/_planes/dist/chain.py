@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from .groups import Backend, finish, seconds_left
 from aiowsync._exceptions import TransportError
-from ..base import Params
 from aiowsync._util.text import first_line
+
+from ..base import Params
+from .groups import Backend, finish, seconds_left
 
 __all__ = ["CHAIN_STALL", "SLOW_LINK", "ChainLimits", "receive_and_forward", "wait_link"]
 

@@ -9,19 +9,18 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 
 from aiowsync._exceptions import TransportError, WeightSyncError
-from ..base import Delivery, Params, Retries
 
-if TYPE_CHECKING:
-    from .plane import DistSenderPlane
+from ..base import Delivery, Member, Params, Retries
+from .groups import Group
 
-__all__ = ["DistDelivery", "TransferChain"]
+__all__ = ["DistDelivery", "Routes", "TransferChain"]
 
 log = logging.getLogger("aiowsync.dist")
 
@@ -75,11 +74,50 @@ class TransferChain:
             raise TransportError(f"could not start a transfer thread: {exc}") from None
 
 
+class Routes(Protocol):
+    """What a delivery asks of the plane that made it: routes (groups of members) for a
+    version, the transfer of a version on one, and the sealing of a version's slot."""
+
+    def route(self, members: Sequence[Member], version: int) -> Group:
+        """A route to ``members`` that holds ``version``'s slot until its transfer ends."""
+        ...
+
+    def route_params(self, route: Group, timeout: float) -> Params:
+        """What the members of ``route`` are told to join it within ``timeout``."""
+        ...
+
+    def transfer(
+        self,
+        version: int,
+        route: Group,
+        deadline: float,
+        after: threading.Event | None = None,
+        moved: Sequence[int] | None = None,
+    ) -> None:
+        """Send ``version`` on ``route`` once ``after`` is set (blocking; raises
+        :class:`TransportError`)."""
+        ...
+
+    def give_back(self, version: int, route: Group) -> None:
+        """Give back a route whose transfer will never run."""
+        ...
+
+    async def seal(self, version: int) -> None:
+        """Read ``version`` from the caller's weights now, whatever is not read yet."""
+        ...
+
+
 @dataclass(eq=False)
 class DistDelivery(Delivery):
-    """A version on its way to the members of the group ``route`` (None: no members)."""
+    """A version on its way to the members of the group ``route`` (None: no members).
 
-    _plane: DistSenderPlane
+    The plane's ``chain`` runs the transfers of successive sends one after another; on a
+    ``star`` a transfer that went through reached every member (in a chain, a member may
+    still report that its own receive failed)."""
+
+    _plane: Routes
+    _chain: TransferChain
+    _star: bool
     _version: int
     _route: Any
     _deadline: float
@@ -121,7 +159,7 @@ class DistDelivery(Delivery):
                 try:
                     late_by = max(0.0, move_by - time.monotonic()) + OVERRUN_S
                     with anyio.move_on_after(late_by) as late:
-                        await plane.chain.run(
+                        await self._chain.run(
                             functools.partial(
                                 plane.transfer, version, route, move_by, moved=self._moved
                             ),
@@ -135,7 +173,7 @@ class DistDelivery(Delivery):
                         # Stuck in a wait gloo does not cut short (see OVERRUN_S).
                         log.warning("version %d: the transfer outlived the deadline", version)
                         return
-                    if not failed and plane.topology == "star":
+                    if not failed and self._star:
                         return  # a star: every member had its bytes from the sender
                     # A retry went through, or a chain's first link did: others may still
                     # report failed receives, to be retried.

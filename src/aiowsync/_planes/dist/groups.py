@@ -1,8 +1,8 @@
 """Process groups of our own, and the store they form in.
 
-The sender runs a store (:mod:`aiowsync._planes.dist.store`, bound to the data host only and open only to
-holders of its secret) and creates one process group per set of receivers it sends to, with
-itself as rank 0. A group is named by a random token and used as a prefix in the store, so
+The sender runs a store (:mod:`aiowsync._planes.dist.store`, bound to the data host only and
+open only to holders of its secret) and creates one process group per set of receivers it sends
+to, with itself as rank 0. A group is named by a random token and used as a prefix in the store, so
 groups never collide and the user's default group is never touched. Groups are cached by
 their members (worker index and session, so a restarted worker gets new groups); a group whose
 collective failed is dropped at once, which closes its connections and makes every member's
@@ -29,16 +29,16 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
 
+from aiowsync._exceptions import TransportError
+
+from ..base import Member, Params
 from .store import StoreServer, group_prefix
 from .store_client import StoreClient
-from aiowsync._exceptions import TransportError
-from ..base import Params
 
 __all__ = [
     "FORM_TIMEOUT",
     "Backend",
     "Group",
-    "Member",
     "ReceiverGroups",
     "SenderGroups",
     "Topology",
@@ -55,8 +55,6 @@ Backend: TypeAlias = Literal["gloo", "nccl"]
 Topology: TypeAlias = Literal["star", "chain"]
 """How a version travels to a group's members: from the sender to each (star), or from each
 member to the next (chain)."""
-Member: TypeAlias = tuple[int, str]
-"""A receiver as a group member: (worker index, session)."""
 
 FORM_TIMEOUT = 10.0
 """The longest a new group of a send may take to form, whatever the transfer's deadline: a

@@ -1,8 +1,9 @@
 """The torch.distributed data plane: versions sent bucket by bucket on groups of our own.
 
-The sender plane holds private slots, a :class:`~aiowsync._planes.dist.buckets.Packer` that packs a version
-into its slot while it is sent, and the :class:`~aiowsync._planes.dist.groups.SenderGroups` it sends on (a
-TCP store and a cache of process groups, one per set of receivers). A receiver receives into
+The sender plane holds private slots, a :class:`~aiowsync._planes.dist.buckets.Packer` that
+packs a version into its slot while it is sent, and the
+:class:`~aiowsync._planes.dist.groups.SenderGroups` it sends on (a TCP store and a cache of
+process groups, one per set of receivers). A receiver receives into
 whichever of its two slots the model does not run, and the scheme switches the model to it
 only once every bucket arrived.
 
@@ -22,6 +23,13 @@ import anyio
 import torch
 
 from aiowsync._copy.engine import CopyPolicy
+from aiowsync._exceptions import TransportError, WeightSyncError
+from aiowsync._util.shield import to_the_end
+from aiowsync._util.text import first_line
+from aiowsync._weights.layout import Layout
+
+from ..base import Delivery, Member, Params, SenderPlane, WeightSource
+from ..slot_table import Slot, SlotTable
 from .buckets import Image, Packer
 from .chain import SLOW_LINK, ChainLimits
 from .delivery import DistDelivery, TransferChain
@@ -29,24 +37,16 @@ from .groups import (
     FORM_TIMEOUT,
     Backend,
     Group,
-    Member,
     SenderGroups,
     Topology,
     host_of,
     local_ip_towards,
 )
 from .send import send_buckets
-from aiowsync._exceptions import TransportError, WeightSyncError
-from aiowsync._weights.layout import Layout
-from ..base import Delivery, Params, SenderPlane, WeightSource
-from aiowsync._util.shield import to_the_end
-from ..slot_table import Slot, SlotTable
-from aiowsync._util.text import first_line
 
 __all__ = [
     "Backend",
     "DistSenderPlane",
-    "Member",
     "host_of",
     "local_ip_towards",
 ]
@@ -231,11 +231,17 @@ class DistSenderPlane(SenderPlane):
         self._slot_of(version)
         moved = self.moved(version, None if purpose == "join" else since)
         if not members:
-            return DistDelivery(self, version, None, deadline, {}, moved)
+            return self._delivery(version, None, deadline, {}, moved)
         route = self.route(members, version, purpose)
         left = max(0.001, deadline - time.monotonic())
         params = {**self.route_params(route, left), "sections": sections_param(moved)}
-        return DistDelivery(self, version, route, deadline, params, moved)
+        return self._delivery(version, route, deadline, params, moved)
+
+    def _delivery(
+        self, version: int, route: Group | None, deadline: float, params: Params, moved: list[int]
+    ) -> DistDelivery:
+        star = self.topology == "star"
+        return DistDelivery(self, self.chain, star, version, route, deadline, params, moved)
 
     async def seal(self, version: int) -> None:
         await to_the_end(anyio.to_thread.run_sync(self.seal_now, version))

@@ -17,6 +17,13 @@ from typing import Any
 import anyio
 import torch
 
+from aiowsync._exceptions import ProtocolError, TransportError
+from aiowsync._protocol import ParamValue
+from aiowsync._util.text import first_line
+from aiowsync._weights.layout import Layout
+
+from ..base import ReceiverPlane, Staged
+from ..double import DoubleBuffer
 from .buckets import Buckets, section_spans
 from .chain import ChainLimits, receive_and_forward
 from .groups import (
@@ -27,12 +34,6 @@ from .groups import (
     local_ip_towards,
     seconds_left,
 )
-from ..double import DoubleBuffer
-from aiowsync._exceptions import ProtocolError, TransportError
-from aiowsync._weights.layout import Layout
-from ..base import ReceiverPlane, Staged
-from aiowsync._protocol import ParamValue
-from aiowsync._util.text import first_line
 
 __all__ = ["DistReceiverPlane"]
 

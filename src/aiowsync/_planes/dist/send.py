@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 
+from aiowsync._exceptions import TransportError
+from aiowsync._util.text import first_line
+
 from .buckets import Image, Packer
 from .chain import ChainLimits, wait_link
 from .groups import Backend, finish, seconds_left
-from aiowsync._exceptions import TransportError
-from aiowsync._util.text import first_line
 
 __all__ = ["send_buckets"]
 

@@ -1,5 +1,5 @@
-"""The client of the distributed plane's store (:mod:`aiowsync._planes.dist.store`), for torch to form
-process groups through."""
+"""The client of the distributed plane's store (:mod:`aiowsync._planes.dist.store`), for torch
+to form process groups through."""
 
 from __future__ import annotations
 
