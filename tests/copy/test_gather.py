@@ -12,11 +12,12 @@ import torch
 import aiowsync
 from aiowsync import Layout
 from aiowsync._copy.engine import CopyPolicy
-from aiowsync._copy.gather import GatherCopy
+from aiowsync._copy.gather import EarlyCopy, GatherCopy
 from aiowsync._copy.job import (
     EARLY_TAILS,
     split_sizes,
 )
+from aiowsync._copy.recent import Copied, RecentCopies
 from aiowsync._planes.base import Source, WeightSource
 from aiowsync._planes.shm.sender import SharedMemSenderPlane
 
@@ -42,6 +43,36 @@ def mixed_weights(seed: int, count: int = 400) -> dict[str, torch.Tensor]:
     return out
 
 
+class Guessing:
+    """A gather copy and, beside it, what each source (``hint``) copied last, as the
+    shared-memory sender keeps them: a call without a hint is a source not seen lately."""
+
+    def __init__(self, gather: GatherCopy) -> None:
+        self.gather, self.recent = gather, RecentCopies()
+
+    def start(self, dst: list[torch.Tensor], hint: object = None) -> EarlyCopy | None:
+        guess = self.recent.guess(object() if hint is None else hint)
+        if guess is None or guess.sources is None:
+            return None
+        return self.gather.start(dst, guess.sources)
+
+    def copy(
+        self,
+        dst: list[torch.Tensor],
+        src: list[torch.Tensor],
+        *,
+        hint: object = None,
+        keep: bool = False,
+        early: EarlyCopy | None = None,
+    ) -> bool:
+        hint = object() if hint is None else hint
+        self.recent.forget(hint)
+        copied = self.gather.copy(dst, src, keep=keep, early=early)
+        if copied is not None:
+            self.recent.copied(hint, Copied(sources=copied))
+        return copied is not None
+
+
 @pytest.mark.parametrize("bucket_bytes", [None, 2 * 1024 * 1024])
 def test_gather_copy_fills_every_tensor_and_reuses_its_plan(
     bucket_bytes: int | None, policy: CopyPolicy
@@ -50,7 +81,7 @@ def test_gather_copy_fills_every_tensor_and_reuses_its_plan(
     weights = mixed_weights(1)
     layout = Layout.from_weights(weights, bucket_bytes=bucket_bytes)
     assert layout.total_bytes > 4 * 1024 * 1024
-    gather = GatherCopy(layout, policy)
+    gather = GatherCopy(layout.places, policy)
     dst = [torch.full((n,), 0xAB, dtype=torch.uint8) for n in layout.buffer_sizes]
     src = [weights[k] for k in layout.keys]
     for round_ in range(4):
@@ -106,7 +137,7 @@ def test_gather_copy_fills_every_tensor_and_reuses_its_plan(
 def test_gather_copy_declines_what_it_cannot_copy_as_bytes() -> None:
     weights = mixed_weights(2, count=60)
     layout = Layout.from_weights(weights)
-    gather = GatherCopy(layout)
+    gather = GatherCopy(layout.places)
     dst = layout.allocate()
     src = [weights[k] for k in layout.keys]
     # A strided (non-contiguous) source and a conjugate view are left to fused_copy.
@@ -117,11 +148,11 @@ def test_gather_copy_declines_what_it_cannot_copy_as_bytes() -> None:
     assert z.is_conj()
     lay_c = Layout.from_weights({**weights, "z": z})
     src_c = [{**weights, "z": z}[k] for k in lay_c.keys]
-    assert not GatherCopy(lay_c).copy(lay_c.allocate(), src_c)
+    assert not GatherCopy(lay_c.places).copy(lay_c.allocate(), src_c)
     # Small models are not worth the threads.
     small = {"a": torch.ones(10)}
     lay_s = Layout.from_weights(small)
-    assert not GatherCopy(lay_s).copy(lay_s.allocate(), [small["a"]])
+    assert not GatherCopy(lay_s.places).copy(lay_s.allocate(), [small["a"]])
     assert all(torch.equal(b, torch.zeros_like(b)) for b in dst)
 
 
@@ -131,7 +162,7 @@ def test_gather_copy_started_early_is_kept_for_the_same_sources_and_redone_other
     gather_pool_or_skip(policy)
     weights = mixed_weights(4)
     layout = Layout.from_weights(weights)
-    gather = GatherCopy(layout, policy)
+    gather = Guessing(GatherCopy(layout.places, policy))
     dst = [torch.zeros(n, dtype=torch.uint8) for n in layout.buffer_sizes]
     src = [weights[k] for k in layout.keys]
     assert gather.start(dst) is None  # nothing copied yet: nothing to start
@@ -183,7 +214,7 @@ def test_gather_copy_guesses_by_hint_for_sources_in_turn(policy: CopyPolicy) -> 
     first = mixed_weights(5)
     layout = Layout.from_weights(first)
     second = {k: t.clone() for k, t in first.items()}
-    gather = GatherCopy(layout, policy)
+    gather = Guessing(GatherCopy(layout.places, policy))
     dst = [torch.zeros(n, dtype=torch.uint8) for n in layout.buffer_sizes]
     sources = {"model": first, "weights": second}
     for turn in range(6):
@@ -216,7 +247,7 @@ def test_gather_copy_guesses_by_hint_for_sources_in_turn(policy: CopyPolicy) -> 
     early = gather.start(dst, "other")
     assert early is not None
     early.job.abandon()
-    gather.clear()
+    gather.gather.clear()
     assert gather.start(dst, "weights") is None
 
 
@@ -272,10 +303,10 @@ def test_a_plane_guesses_by_hint_between_buffers_and_tensors(
     plane.setup(layout)
     real_start = plane._gather.start
 
-    def spy(dst: list[torch.Tensor], hint: object = None) -> object:
-        early = real_start(dst, hint)
+    def spy(dst: list[torch.Tensor], key: tuple[int, ...]) -> object:
+        early = real_start(dst, key)
         if early is not None:
-            started.append(str(hint))
+            started.append("weights")  # only the weights go through the gather copy
         return early
 
     plane._gather.start = spy  # type: ignore[method-assign]
@@ -298,7 +329,9 @@ def test_a_plane_guesses_by_hint_between_buffers_and_tensors(
         # Each kind was copied early once seen (the tensors once their plan was kept), though
         # every staging before it had copied the other kind.
         assert started == ["homed", "homed", "weights"]
-        assert plane._last["homed"] is not None and plane._last["weights"] is None
+        homed_copy, weights_copy = plane._recent.last("homed"), plane._recent.last("weights")
+        assert homed_copy is not None and homed_copy.buffers is not None
+        assert weights_copy is not None and weights_copy.sources is not None
         assert views  # the homed views stay valid
     finally:
         plane.close()
@@ -349,12 +382,12 @@ def _share_bytes(share: object) -> int:
 def test_a_gather_copy_started_early_cuts_by_its_layout(policy: CopyPolicy) -> None:
     few = {f"w{i}": torch.randn(1 << 20) for i in range(4)}  # 16 MiB in 4 tensors
     lay = Layout.from_weights(few)
-    gather = GatherCopy(lay, policy)
+    gather = GatherCopy(lay.places, policy)
     dst = lay.allocate()
     src = [few[k] for k in lay.keys]
-    hint = "model"
-    assert gather.copy(dst, src, keep=True, hint=hint)
-    early = gather.start(dst, hint)
+    copied = gather.copy(dst, src, keep=True)
+    assert copied is not None
+    early = gather.start(dst, copied)
     assert early is not None
     try:
         # the helper's tail is the usual one: the check of four tensors takes no time
@@ -363,7 +396,7 @@ def test_a_gather_copy_started_early_cuts_by_its_layout(policy: CopyPolicy) -> N
         assert tail_bytes == sum(usual_tails)
         assert tail_bytes < EARLY_TAILS * lay.total_bytes
     finally:
-        assert gather.copy(dst, src, early=early, hint=hint)
+        assert gather.copy(dst, src, early=early)
     for spec in lay.specs:
         got = dst[spec.buffer][spec.offset : spec.offset + spec.nbytes].view(torch.float32)
         assert torch.equal(got, few[spec.key])
