@@ -4,7 +4,7 @@ plane makes between buffers and tensors."""
 from __future__ import annotations
 
 import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -303,7 +303,7 @@ def test_a_plane_guesses_by_hint_between_buffers_and_tensors(
     plane.setup(layout)
     real_start = plane._gather.start
 
-    def spy(dst: list[torch.Tensor], key: tuple[int, ...]) -> object:
+    def spy(dst: Sequence[torch.Tensor], key: tuple[int, ...]) -> EarlyCopy | None:
         early = real_start(dst, key)
         if early is not None:
             started.append("weights")  # only the weights go through the gather copy
