@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from aiowsync._tools.bench import _parse, main
+from aiowsync._tools.bench._checks import checks
 from aiowsync._tools.bench._models import MIB, Reader, fill, model_spec, spec_bytes
-from aiowsync._tools.bench._report import checks, markdown, plot
-from aiowsync._tools.bench._run import QUICK_CELLS, _plan_batches, footprint, matrix
+from aiowsync._tools.bench._plan import QUICK_CELLS, footprint, matrix, plan_batches
+from aiowsync._tools.bench._report import markdown, plot
 from helpers import run_cli
 
 HAS_TORCHRL = importlib.util.find_spec("torchrl") is not None
@@ -92,6 +93,9 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
     assert "| 1MiB | 2 | raw zmq round trip |" in text
     assert "### First sends of each pair" in text
     assert "| aiowsync mixed reads, every cell | 0 | <= 0 | met |" in text
+    # What a worker kept is measured in every one-host cell (judged from 64 MiB on).
+    assert all(m["fraction_of_model"] > -1 for m in cells[0]["worker_memory"])
+    assert len(cells[0]["worker_memory"]) == 2 and "worker_memory" not in cells[1]
     if HAS_MATPLOTLIB:
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
@@ -103,8 +107,10 @@ def test_arguments() -> None:
     cells = _parse(["--quick", "--workers", "2,3", "--transports", "shm"]).cells
     assert cells == matrix(("1MiB", "64MiB", "256MiB", "1GiB", "1000t-64MiB"), (2, 3), ("shm",))
     assert len(_parse([]).cells) == 5 * 3 * 2
+    options = _parse(["--quick", "--rehome", "--bucket-mib", "8"])
+    assert options.rehome and options.bucket_mib == 8
     for bad in (["--models", "2GiB"], ["--workers", "x"], ["--workers", "0"],
-                ["--transports", "nccl"], ["--samples", "0"]):  # fmt: skip
+                ["--transports", "nccl"], ["--samples", "0"], ["--bucket-mib", "0"]):  # fmt: skip
         with pytest.raises(SystemExit) as info:
             _parse(bad)
         assert info.value.code == 2
@@ -156,13 +162,13 @@ def test_plan_keeps_within_the_memory_budget() -> None:
     assert base > budget
     # small models: both TorchRL trees fit beside aiowsync in one batch
     small = footprint("shm", 64 * MIB, 4) + footprint("raw copy_", 64 * MIB, 4)
-    assert _plan_batches(("shared", "mp"), small, budget, 64 * MIB, 4) == ([["shared", "mp"]], [])
+    assert plan_batches(("shared", "mp"), small, budget, 64 * MIB, 4) == ([["shared", "mp"]], [])
     # 1 GiB to 4 workers: one tree at a time
     big = footprint("shm", GIB, 4) + footprint("raw copy_", GIB, 4)
-    batches, skipped = _plan_batches(("shared", "mp"), big, budget, GIB, 4)
+    batches, skipped = plan_batches(("shared", "mp"), big, budget, GIB, 4)
     assert batches == [["shared"], ["mp"]] and skipped == []
     # a tree that cannot fit at all is skipped, with the reason
-    batches, skipped = _plan_batches(("shared",), big, 10 * GIB, GIB, 8)
+    batches, skipped = plan_batches(("shared",), big, 10 * GIB, GIB, 8)
     assert batches == [] and skipped[0]["contender"] == "shared"
     assert "budget is 10.0 GiB" in skipped[0]["reason"]
 
@@ -278,11 +284,11 @@ async def test_torchrl_tree_sends_and_counts_reads() -> None:
 
 
 def test_p90_lies_between_the_median_and_the_largest_sample() -> None:
-    from aiowsync._tools.bench._report import _percentile
+    from aiowsync._tools.bench._checks import percentile
 
-    assert _percentile([2.0, 1.0], 0.9) == pytest.approx(1.9)
-    assert _percentile([5.0], 0.9) == 5.0
-    assert _percentile([float(i) for i in range(11)], 0.9) == pytest.approx(9.0)
+    assert percentile([2.0, 1.0], 0.9) == pytest.approx(1.9)
+    assert percentile([5.0], 0.9) == 5.0
+    assert percentile([float(i) for i in range(11)], 0.9) == pytest.approx(9.0)
 
 
 async def test_gap_windows_the_host_stole_from_are_measured_again(

@@ -43,31 +43,6 @@ def test_the_relay_example_ends_with_every_worker_of_every_host_on_the_trainers_
     assert run.stdout.count("the trainer's exact weights") == 4
 
 
-@pytest.mark.parametrize(
-    ("script", "args"),
-    [
-        ("bench_channel.py", ["--rounds", "1", "--round-trips", "50", "--warmup", "10"]),
-        ("bench_layout.py", ["--rounds", "1", "--reps", "1", "--warmup", "1", "--n-tensors", "50"]),
-        (
-            "bench_shm.py",
-            ["--sizes", "1MiB", "--workers", "1", "--iters", "3", "--warmup", "1",
-             "--gap-sends", "2", "--idle-s", "0.1"],
-        ),
-        (
-            "bench_dist.py",
-            ["--models", "64MiB", "--workers", "1", "--no-sweep", "--iters", "2",
-             "--warmup", "1"],
-        ),
-    ],
-)  # fmt: skip
-def test_a_benchmark_script_runs_and_writes_its_samples(
-    script: str, args: list[str], tmp_path: Path
-) -> None:
-    out = tmp_path / "samples.json"
-    _run([str(ROOT / "benchmarks" / script), *args, "--json", str(out)], tmp_path)
-    assert json.loads(out.read_text())  # something was measured and written
-
-
 def test_the_switch_benchmark_runs(tmp_path: Path) -> None:
     out = tmp_path / "switch.json"
     _run(
