@@ -477,8 +477,8 @@ async def test_a_process_of_another_user_cannot_join_a_unix_socket_sender(
             assert outcome == ("refused", NOBODY)
             assert "another user" in caplog.text
             core = sender._sender
-            assert core is not None and core._channel is not None
-            assert core._channel._auth.refused >= 1  # type: ignore[attr-defined]
+            assert core is not None and core.channel is not None
+            assert core.channel._auth.refused >= 1  # type: ignore[attr-defined]
             # This user's processes still get in, and the worker was not disturbed.
             assert await asyncio.to_thread(knock, sender.address, -1) == ("admitted", 0)
             bump(src)

@@ -1,7 +1,7 @@
 """The sender's background task: reading the control channel, beating, handshakes, answers.
 
-:class:`ControlLoop` works on the tables of its :class:`SenderCore` (the peers, the pending
-sends, the version) and never sends a version itself.
+:class:`ControlLoop` works on the engine's shared tables (a :class:`SenderState`: the peers,
+the pending sends, the version) and never sends a version itself.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
 
 import anyio
 
@@ -22,9 +21,7 @@ from .._planes.base import Delivery
 from .._util.text import excerpt, worth_logging
 from .handshake import probe_gone, refusal
 from .peers import DEAD_STATES, Peer, PeerTable
-
-if TYPE_CHECKING:
-    from .engine import SenderCore
+from .state import SenderState
 
 __all__ = ["ControlLoop"]
 
@@ -43,8 +40,8 @@ NOTE_CHARS = 4000
 
 
 class ControlLoop:
-    def __init__(self, core: SenderCore) -> None:
-        self._core = core
+    def __init__(self, state: SenderState) -> None:
+        self._state = state
         self._tasks: anyio.abc.TaskGroup | None = None
         self._disowned: dict[PeerId, None] = {}
         """Routing ids lately told that their session is not one of ours, oldest first."""
@@ -57,7 +54,7 @@ class ControlLoop:
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        channel = self._core.channel
+        channel = self._state.channel
         assert channel is not None
         async with anyio.create_task_group() as tasks:
             self._tasks = tasks
@@ -65,7 +62,7 @@ class ControlLoop:
             next_beat = time.monotonic()
             while True:
                 try:
-                    peer_id, message = await channel.recv(timeout=self._core.beats.interval)
+                    peer_id, message = await channel.recv(timeout=self._state.beats.interval)
                 except WeightSyncTimeout:
                     pass
                 else:
@@ -73,12 +70,12 @@ class ControlLoop:
                     await self._turn()
                 now = time.monotonic()
                 if now >= next_beat:
-                    next_beat = now + self._core.beats.interval
+                    next_beat = now + self._state.beats.interval
                     # Read what is queued first: a goodbye waiting there must not be taken
                     # for a lost connection when the beat finds the worker's socket gone.
                     for _ in range(QUEUED_PER_BEAT):
                         if (got := channel.recv_nowait()) is None:
-                            self._core.peers.check_liveness()
+                            self._state.peers.check_liveness()
                             break
                         await self._dispatch(*got)
                         await self._turn()
@@ -95,15 +92,15 @@ class ControlLoop:
             await asyncio.sleep(0)
 
     async def _beat(self, channel: SenderChannel) -> None:
-        for peer in self._core.peers.values():
+        for peer in self._state.peers.values():
             if peer.lost or peer.conn.state is wire.State.ERROR:
                 continue
             try:
                 # A beat that cannot be queued at once is skipped, never waited for.
                 await channel.send(peer.routing, self._beat_for(peer), timeout=0)
             except TransportError:
-                self._core.peers.connection_closed(peer)
-                self._core.peers.mark_lost(peer, "its connection is closed")
+                self._state.peers.connection_closed(peer)
+                self._state.peers.mark_lost(peer, "its connection is closed")
             except WeightSyncError:
                 pass
 
@@ -111,8 +108,8 @@ class ControlLoop:
         return wire.Heartbeat(
             worker_idx=wire.SENDER_INDEX,
             session=peer.session,
-            version=self._core.version,
-            proof=self._core.proof,
+            version=self._state.version,
+            proof=self._state.proof,
         )
 
     def _routable(self, peer: Peer) -> bool:
@@ -122,7 +119,7 @@ class ControlLoop:
         that connection exists: never dropped (the worker's event loop and beat thread were
         stalled while its ZeroMQ thread kept the connection up) or renewed since.
         """
-        channel = self._core.channel
+        channel = self._state.channel
         if channel is None:
             return False
         try:
@@ -154,7 +151,7 @@ class ControlLoop:
         self._disowned[routing] = None
         if len(self._disowned) > DISOWNED_KEPT:
             del self._disowned[next(iter(self._disowned))]
-        channel = self._core.channel
+        channel = self._state.channel
         if channel is None:
             return
         bye = wire.Bye(reason="this sender never welcomed this session (restarted on its address?)")
@@ -168,7 +165,7 @@ class ControlLoop:
         if isinstance(message, wire.Heartbeat):
             self._on_beat(routing, message)
             return
-        peer = self._core.peers.by_routing.get(routing)
+        peer = self._state.peers.by_routing.get(routing)
         if peer is None:
             self._drop(f"{type(message).__name__} from a peer that did not say hello")
             return
@@ -176,7 +173,7 @@ class ControlLoop:
             peer.conn.receive(message)
         except ProtocolError as exc:
             self._drop(f"worker {peer.worker_idx}: {exc}")
-            self._core.peers.mark_lost(peer, f"protocol error: {exc}")
+            self._state.peers.mark_lost(peer, f"protocol error: {exc}")
             return
         peer.last_seen = time.monotonic()
         if isinstance(message, (wire.Ack, wire.Nack)):
@@ -193,10 +190,10 @@ class ControlLoop:
                 running=message.running,
             )
         elif isinstance(message, wire.Bye):
-            self._core.peers.said_goodbye(peer, message.reason)
+            self._state.peers.said_goodbye(peer, message.reason)
 
     def _on_beat(self, routing: PeerId, message: wire.Heartbeat) -> None:
-        peer = self._core.peers.get(message.worker_idx)
+        peer = self._state.peers.get(message.worker_idx)
         if peer is None or not message.session or peer.session != message.session:
             self._drop(f"heartbeat for an unknown session from worker {message.worker_idx}")
             if message.session:
@@ -212,7 +209,7 @@ class ControlLoop:
         if peer.lost and revivable and (routing == peer.routing or self._routable(peer)):
             log.info("worker %d is back", peer.worker_idx)
             peer.lost = False
-            self._core.notify()
+            self._state.notify()
 
     def _on_answer(
         self,
@@ -224,8 +221,8 @@ class ControlLoop:
         running: int = -1,
     ) -> None:
         if PeerTable.answered(peer, version, ok=error is None, running=running):
-            self._core.notify()
-        pending = self._core.pending.get(version)
+            self._state.notify()
+        pending = self._state.pending.get(version)
         if pending is not None and peer.worker_idx in pending.waiting:
             if error is None:
                 pending.acked.add(peer.worker_idx)
@@ -243,17 +240,17 @@ class ControlLoop:
             )
 
     async def _on_hello(self, routing: PeerId, hello: wire.Hello) -> None:
-        channel = self._core.channel
+        channel = self._state.channel
         assert channel is not None
-        refused = refusal(hello, self._core.layout, self._core.model_id, self._core.num_workers)
+        refused = refusal(hello, self._state.layout, self._state.model_id, self._state.num_workers)
         reason, told = refused if refused is not None else (None, None)
-        if hello.problem and 0 <= hello.worker_idx < self._core.num_workers:
+        if hello.problem and 0 <= hello.worker_idx < self._state.num_workers:
             reason = told = f"it could not start its receiver: {hello.problem}"
         if reason is None:
-            old = self._core.peers.get(hello.worker_idx)
+            old = self._state.peers.get(hello.worker_idx)
             gone = old is None or old.lost
             if not gone and old is not None:
-                gone = await probe_gone(self._core.peers, channel, old, self._beat_for(old))
+                gone = await probe_gone(self._state.peers, channel, old, self._beat_for(old))
             if not gone and old is not None:
                 reason = told = (
                     f"worker index {hello.worker_idx} is already connected "
@@ -274,32 +271,32 @@ class ControlLoop:
                     routing,
                     wire.Refuse(reason=(told or reason)[:REFUSAL_CHARS]),
                     protocol=_answer_in(hello.protocol),
-                    timeout=self._core.timeouts.control,
+                    timeout=self._state.timeouts.control,
                 )
             return
         # Where the kernel names the peer's process (a Unix socket), liveness follows that
         # pid, not the one the hello gives (a peer could name a process that never ends).
         pid = channel.peer_pid(routing) or hello.pid
-        self._core.peers.replace(hello.worker_idx, pid)
+        self._state.peers.replace(hello.worker_idx, pid)
         conn = wire.Connection(wire.Role.SENDER, hello.worker_idx)
         conn.receive(hello)
         session = secrets.token_hex(16)
-        join = self._core.plane.deliver(
-            self._core.version,
+        join = self._state.plane.deliver(
+            self._state.version,
             [(hello.worker_idx, session)],
-            time.monotonic() + self._core.timeouts.handshake,
+            time.monotonic() + self._state.timeouts.handshake,
             purpose="join",
         )
         welcome = wire.Welcome(
-            model_id=self._core.model_id,
+            model_id=self._state.model_id,
             worker_idx=hello.worker_idx,
             session=session,
-            version=self._core.version,
-            params=self._core.with_digest(
-                self._core.version, {**self._core.plane.welcome_params(), **join.params}
+            version=self._state.version,
+            params=self._state.with_digest(
+                self._state.version, {**self._state.plane.welcome_params(), **join.params}
             ),
-            heartbeat_interval=self._core.beats.interval,
-            proof=self._core.proof,
+            heartbeat_interval=self._state.beats.interval,
+            proof=self._state.proof,
         )
         conn.send(welcome)
         peer = Peer(
@@ -308,32 +305,32 @@ class ControlLoop:
             conn=conn,
             session=session,
             pid=pid,
-            welcome_version=self._core.version,
+            welcome_version=self._state.version,
             last_seen=time.monotonic(),
-            inflight={self._core.version},
+            inflight={self._state.version},
             host=hello.host,
         )
-        self._core.peers.add(peer)
+        self._state.peers.add(peer)
         try:
-            await channel.send(routing, welcome, timeout=self._core.timeouts.control)
+            await channel.send(routing, welcome, timeout=self._state.timeouts.control)
         except WeightSyncError as exc:
             if isinstance(exc, TransportError):
-                self._core.peers.connection_closed(peer)
-            self._core.peers.mark_lost(peer, f"could not be welcomed: {exc}")
+                self._state.peers.connection_closed(peer)
+            self._state.peers.mark_lost(peer, f"could not be welcomed: {exc}")
             join.abandon()
         else:
             if self._tasks is not None:
                 self._tasks.start_soon(self._bring_up, peer, welcome.version, join)
             else:
                 join.abandon()
-        self._core.notify()
+        self._state.notify()
 
     def _note_refusal(self, worker: int, reason: str) -> None:
         """Keep why ``worker`` was refused, for the worker table and ``connect()``'s error,
         unless the index is held by a worker that takes updates (a refused second claimant
         says nothing about it)."""
-        peers = self._core.peers
-        if not 0 <= worker < self._core.num_workers:
+        peers = self._state.peers
+        if not 0 <= worker < self._state.num_workers:
             return
         holder = peers.get(worker)
         if holder is None or holder.lost:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ from .._exceptions import (
     WeightSyncTimeout,
     WorkerLostError,
 )
-from .._planes.base import Delivery, Params, SenderPlane, WeightSource
+from .._planes.base import Delivery, SenderPlane, WeightSource
 from .._planes.digest import Digests
 from .._planes.slot_table import SlotsFull
 from .._protocol import (
@@ -31,13 +30,12 @@ from .._protocol import (
     Update,
 )
 from .._util.shield import to_the_end
-from .._util.signal import Signal
 from .._weights.layout import Layout
-from .announce import Announcer
 from .control import ControlLoop
 from .outcome import Answers, PendingSend, SendResult
 from .peers import Peer, PeerTable
 from .retries import AnswerRetries
+from .state import SenderState
 from .workers import explain_missing, unavailable_text
 
 __all__ = ["PendingSend", "SendResult", "SenderCore"]
@@ -62,6 +60,9 @@ class _Staged:
 
 
 class SenderCore:
+    """The sender's engine; the tables it shares with its control loop and its retries are
+    in :attr:`state`."""
+
     def __init__(
         self,
         *,
@@ -73,38 +74,52 @@ class SenderCore:
         heartbeats: Heartbeats,
         integrity: bool = False,
     ) -> None:
-        self.plane = plane
-        self.digests = Digests(layout, plane, enabled=integrity)
-        """Every update carries a digest of its version's bytes, which receivers check."""
-        self.layout = layout
-        self.num_workers = num_workers
-        self.model_id = model_id
-        self.timeouts = timeouts
-        self.beats = heartbeats
-        self._channel: SenderChannel | None = None
-        self.peers = PeerTable(plane, heartbeats, self._on_lost)
-        self.announcer = Announcer(self.peers, timeouts)
-        self.pending: dict[int, Answers] = {}
+        self.state = SenderState(
+            plane=plane,
+            layout=layout,
+            num_workers=num_workers,
+            model_id=model_id,
+            timeouts=timeouts,
+            beats=heartbeats,
+            digests=Digests(layout, plane, enabled=integrity),
+        )
         # FIFO; taken without a checkpoint when free (one loop pass less per send).
         # Not a Lock: a published send's delivery, in a task of its own, gives it back.
         self._send_lock = anyio.Semaphore(1, max_value=1, fast_acquire=True)
-        self._changed = Signal()
-        self.version = 0
-        self.proof = secrets.token_hex(16)
-        """Given to receivers in the welcome; every update and beat carries it."""
-        self._loop = ControlLoop(self)
+        self._loop = ControlLoop(self.state)
 
     # -- life cycle ---------------------------------------------------------------------------
 
     @property
     def address(self) -> str:
-        if self._channel is None:
+        if self.state.channel is None:
             raise RuntimeError("the sender is not started")
-        return self._channel.address
+        return self.state.channel.address
 
     @property
     def channel(self) -> SenderChannel | None:
-        return self._channel
+        return self.state.channel
+
+    @property
+    def plane(self) -> SenderPlane:
+        return self.state.plane
+
+    @property
+    def digests(self) -> Digests:
+        return self.state.digests
+
+    @property
+    def peers(self) -> PeerTable:
+        return self.state.peers
+
+    @property
+    def version(self) -> int:
+        """The latest version announced (or staged at start)."""
+        return self.state.version
+
+    @property
+    def proof(self) -> str:
+        return self.state.proof
 
     async def start(
         self, initial: WeightSource, channel: SenderChannel, *, first_version: int = 0
@@ -112,26 +127,29 @@ class SenderCore:
         """Create the slots, stage the first version (0 unless a relay numbers it as its
         upstream did) and serve on ``channel`` (bound by the scheme; closed, with the slots,
         if this fails)."""
+        state = self.state
+        plane = state.plane
         try:
-            self.plane.setup(self.layout)
-            slot = self.plane.reserve(set())
-            await self.plane.stage(slot, initial)
-            await self.digests.take(slot, first_version)
-            self.plane.publish(slot, first_version)
-            self.version = first_version
-            await self.plane.seal(first_version)
+            plane.setup(state.layout)
+            slot = plane.reserve(set())
+            await plane.stage(slot, initial)
+            await state.digests.take(slot, first_version)
+            plane.publish(slot, first_version)
+            state.version = first_version
+            await plane.seal(first_version)
         except BaseException:
-            self.plane.close()
+            plane.close()
             channel.close()
             raise
-        self._channel = channel
+        state.channel = channel
 
     async def close(self) -> None:
+        state = self.state
         with anyio.CancelScope(shield=True):
-            channel, self._channel = self._channel, None
+            channel, state.channel = state.channel, None
             if channel is not None:
                 with anyio.move_on_after(BYE_WINDOW_S):
-                    for peer in self.peers.values():
+                    for peer in state.peers.values():
                         if not peer.gone:
                             with contextlib.suppress(WeightSyncError):
                                 await channel.send(
@@ -140,46 +158,32 @@ class SenderCore:
                                     timeout=BYE_SEND_S,
                                 )
                 channel.close()
-            for pending in self.pending.values():
-                pending.lost |= set(pending.waiting)
-                pending.waiting.clear()
-                pending.done.set()
-                pending.changed.notify()
-            self.plane.close()
+            state.abandon_pending()
+            state.plane.close()
 
     # -- status -------------------------------------------------------------------------------
 
     def ready_workers(self) -> set[int]:
-        return self.peers.ready_workers()
+        return self.state.peers.ready_workers()
 
     def lost_workers(self) -> set[int]:
-        return self.peers.lost_workers()
+        return self.state.peers.lost_workers()
 
     async def wait_ready(self, timeout: float) -> None:
-        everyone = set(range(self.num_workers))
+        everyone = set(range(self.state.num_workers))
         try:
             with anyio.fail_after(timeout):
                 while missing := everyone - self.ready_workers():
-                    await self._changed.wait()
+                    await self.state.changed()
         except TimeoutError:
             exc = WeightSyncTimeout(f"workers did not connect within {timeout:g} s", missing)
             # Each missing worker's story: refused and why, never said hello, lost.
-            exc.args = (f"{exc}:\n  {explain_missing(self.peers, sorted(missing))}",)
+            exc.args = (f"{exc}:\n  {explain_missing(self.state.peers, sorted(missing))}",)
             raise exc from None
-
-    def notify(self) -> None:
-        self._changed.notify()
 
     async def changed(self) -> None:
         """Wait until a worker's state or version changes."""
-        await self._changed.wait()
-
-    def _on_lost(self, peer: Peer) -> None:
-        for pending in self.pending.values():
-            if peer.worker_idx in pending.waiting:
-                pending.lost.add(peer.worker_idx)
-                pending.settle(peer.worker_idx)
-        self.notify()
+        await self.state.changed()
 
     # -- background task ----------------------------------------------------------------------
 
@@ -197,10 +201,10 @@ class SenderCore:
     # -- sending ------------------------------------------------------------------------------
 
     def check_targets(self, targets: list[int]) -> None:
-        if self._channel is None:
+        if self.state.channel is None:
             raise WeightSyncError("the sender is shut down")
-        if unavailable := self.peers.unavailable(targets):
-            raise WorkerLostError(unavailable_text(self.peers, unavailable), unavailable)
+        if unavailable := self.state.peers.unavailable(targets):
+            raise WorkerLostError(unavailable_text(self.state.peers, unavailable), unavailable)
 
     async def send(
         self,
@@ -241,7 +245,7 @@ class SenderCore:
         try:
             # Planes that copy out of the source while they deliver (the distributed one
             # packs bucket by bucket) copy the rest now: the caller may change it next.
-            await to_the_end(self.plane.seal(staged.version))
+            await to_the_end(self.state.plane.seal(staged.version))
         finally:
             tasks.start_soon(pending.run, self._complete(staged, ack_limit, deadline, started))
         return pending
@@ -288,7 +292,7 @@ class SenderCore:
         try:
             try:
                 # Still under the lock: a retry must be announced before the next version.
-                await staged.delivery.run(AnswerRetries(self, pending, staged.members))
+                await staged.delivery.run(AnswerRetries(self.state, pending, staged.members))
             except WeightSyncError as exc:
                 # The members that failed say so themselves, or their deadline names them.
                 log.warning("version %d: %s", version, exc)
@@ -302,40 +306,37 @@ class SenderCore:
             wait = ack_limit if deadline is None else max(0.0, deadline - time.monotonic())
             await pending.done.wait(wait)
         finally:
-            self.pending.pop(version, None)
+            self.state.pending.pop(version, None)
         return pending.result(
-            self.layout.total_bytes, time.perf_counter() - started, staged.seconds
+            self.state.layout.total_bytes, time.perf_counter() - started, staged.seconds
         )
 
     def _slots_full(self, exc: SlotsFull) -> WeightSyncError:
         """No slot is left: the error, naming the workers whose leases keep slots."""
-        leases = self.peers.leases_text()
+        leases = self.state.peers.leases_text()
         if not leases:
             return exc
         return WeightSyncError(
             f"{exc}; {leases}: a leased version keeps its slot until its last lease ends"
         )
 
-    def with_digest(self, version: int, params: Params) -> Params:
-        """``params`` for an update of ``version``, with its digest when there is one."""
-        return self.digests.add_to(version, params)
-
     async def _stage_and_announce(
         self, source: WeightSource, targets: list[int], move_by: float, at: int | None = None
     ) -> _Staged:
-        if at is not None and at <= self.version:
-            raise ValueError(f"version {at} does not follow the latest, {self.version}")
-        version = self.version + 1 if at is None else at
-        plane = self.plane
+        state = self.state
+        if at is not None and at <= state.version:
+            raise ValueError(f"version {at} does not follow the latest, {state.version}")
+        version = state.version + 1 if at is None else at
+        plane = state.plane
         try:
-            slot = plane.reserve(self.peers.pinned_versions(self.version))
+            slot = plane.reserve(state.peers.pinned_versions(state.version))
         except SlotsFull as exc:
             raise self._slots_full(exc) from None
         t0 = time.perf_counter()
         try:
             # The source checks the weights against the layout before any byte is written.
             await plane.stage(slot, source)
-            await self.digests.take(slot, version)
+            await state.digests.take(slot, version)
             if time.monotonic() >= move_by:
                 # A copy cannot be interrupted, so its deadline is checked here: a version
                 # staged too late is never announced.
@@ -346,19 +347,19 @@ class SenderCore:
                 raise self._slots_full(exc) from None
             raise
         stage_s = time.perf_counter() - t0
-        channel = self._channel
+        channel = state.channel
         if channel is None:
             raise WeightSyncError("the sender shut down while this version was being staged")
         # From here on the version exists: announce it to every target even if cancelled.
         # Nothing below suspends unless a socket cannot take an update at once, and those
         # announcements are shielded.
         plane.publish(slot, version)
-        self.version = version
+        state.version = version
         pending = Answers(version, set(targets))
-        self.pending[version] = pending
+        state.pending[version] = pending
         delivery: Delivery | None = None
         try:
-            peers = self.peers.by_index
+            peers = state.peers.by_index
             members = [peers[w] for w in targets if not peers[w].lost]
             since = min((p.conn.acked_version for p in members), default=-1)
             delivery = plane.deliver(
@@ -368,7 +369,9 @@ class SenderCore:
                 since=since if since >= 0 else None,
             )
             update = Update(
-                version=version, params=self.with_digest(version, delivery.params), proof=self.proof
+                version=version,
+                params=state.with_digest(version, delivery.params),
+                proof=state.proof,
             )
             blocked: list[Peer] = []
             for worker in targets:
@@ -376,17 +379,17 @@ class SenderCore:
                 if peer.lost:
                     pending.lost.add(worker)
                     pending.settle(worker)
-                elif not self.announcer.nowait(channel, peer, update):
+                elif not state.announcer.nowait(channel, peer, update):
                     blocked.append(peer)
             if blocked:
-                await to_the_end(self.announcer.all(channel, blocked, update, queued=True))
+                await to_the_end(state.announcer.all(channel, blocked, update, queued=True))
             if not targets:
                 pending.done.set()
         except BaseException:
             # Cancelled or failed after the version was taken: nobody will wait for it. A
             # delivery that will never run is given back, and the version is read from the
             # caller's weights now, never after send() returned.
-            self.pending.pop(version, None)
+            state.pending.pop(version, None)
             if delivery is None:
                 await to_the_end(plane.seal(version))
             else:
