@@ -1,4 +1,9 @@
-"""aiowsync: versioned, tear-free async broadcast of PyTorch weights."""
+"""aiowsync: versioned, tear-free async broadcast of PyTorch weights.
+
+The public names, re-exported from the private packages (see docs/architecture.md).
+
+May import: anything of aiowsync.
+"""
 
 from ._channel import ChannelFactory, MemoryChannelFactory, ZmqChannelFactory
 from ._channel._auth import CurveKeys
@@ -19,6 +24,7 @@ from ._exceptions import (
     WorkerLostError,
 )
 from ._planes.base import DataPlane
+from ._planes.dist.config import DistributedPlane
 from ._planes.dist.plane import Backend
 from ._planes.memory import MemoryPlane
 from ._planes.shm.plane import SharedMemPlane, SwitchMode
@@ -26,7 +32,7 @@ from ._receiving.engine import Hook
 from ._receiving.guard import ReadGuard
 from ._receiving.lease import Lease
 from ._scheme.blocking import BlockingScheme, blocking
-from ._scheme.distributed import DistributedPlane, DistributedWeightSyncScheme
+from ._scheme.distributed import DistributedWeightSyncScheme
 from ._scheme.scheme import SchemeOptions, WeightSyncScheme
 from ._scheme.shared_mem import SharedMemWeightSyncScheme
 from ._sending.outcome import PendingSend, SendResult

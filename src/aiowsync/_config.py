@@ -1,4 +1,7 @@
-"""Named deadlines and liveness settings (frozen, validated on construction)."""
+"""Named deadlines and liveness settings (frozen, validated on construction).
+
+May import: aiowsync._exceptions.
+"""
 
 from __future__ import annotations
 

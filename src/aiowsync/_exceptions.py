@@ -2,6 +2,8 @@
 
 Third-party errors (zmq, c10d, OS) are translated into these at the edge so that callers only
 ever need to catch :class:`WeightSyncError`.
+
+May import: nothing of aiowsync.
 """
 
 from __future__ import annotations

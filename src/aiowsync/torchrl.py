@@ -25,6 +25,9 @@ How TorchRL (0.14) drives a scheme, and what these classes do at each step:
 - ``scheme.shutdown()`` leaves the scheme: the trainer's removes its shared-memory files.
   TorchRL's ``collector.shutdown()`` does not call it; call it yourself after the collector's
   (it also runs at interpreter exit, on both sides).
+
+May import: aiowsync, aiowsync._exceptions, aiowsync._config, aiowsync._scheme,
+aiowsync._sending.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Control channels: the interface, the ZeroMQ implementation and the in-memory twin."""
+"""Control channels: the interface, the ZeroMQ implementation and the in-memory twin.
+
+May import: aiowsync._exceptions, aiowsync._config, aiowsync._util, aiowsync._protocol.
+"""
 
 from ._address import LOCAL_BIND, is_loopback_address, resolve_local
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel

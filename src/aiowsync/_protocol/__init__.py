@@ -1,6 +1,8 @@
 """Sans-IO wire protocol: message types, codec and per-role state machine.
 
 This package imports neither zmq, torch nor anyio.
+
+May import: aiowsync._exceptions.
 """
 
 from ._codec import MAX_FRAME, decode, encode

@@ -1,33 +1,27 @@
-"""What both sides of a scheme share: its configuration and the state of its session.
+"""What both sessions of a scheme share: the options they run with, and their background tasks.
 
-:class:`WeightSyncScheme` is one class for the sender and the receivers; its sender's methods
-live in :mod:`aiowsync._scheme.sender`, its receivers' in :mod:`aiowsync._scheme.receiver`,
-both on the state declared here.
+:class:`WeightSyncScheme` is one public class for the sender and the receivers. Its
+``init_on_sender`` makes a :class:`~aiowsync._scheme.sender.SenderSession`, its
+``init_on_receiver`` a :class:`~aiowsync._scheme.receiver.ReceiverSession`; each owns the
+state of its role and is handed the :class:`SessionOptions` it runs with and, for each
+``async with``, the :class:`Tasks` its background loops run in.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
 import anyio.abc
-import torch
 
-from .._channel import ChannelFactory, SenderChannel
+from .._channel import ChannelFactory
 from .._config import Heartbeats, Timeouts
-from .._planes.base import DataPlane, WeightSource
-from .._receiving.engine import Hook, ReceiverCore
-from .._receiving.guard import ReadGuard
-from .._sending.engine import SenderCore
-from .._sending.source import ModelSource
-from .._weights.flatten import WeightsLike
-from .._weights.layout import Layout
-from .._weights.strategy import WeightStrategy
-from .relay import Relay
+from .._planes.base import DataPlane
 
-__all__ = ["Role", "SchemeState", "forked_text", "resolve_model"]
+__all__ = ["Role", "SessionOptions", "Tasks", "forked_text", "resolve_model"]
 
 Role = Literal["sender", "receiver"]
 
@@ -54,64 +48,36 @@ def resolve_model(context: Any, model_id: str) -> Any:
     return obj
 
 
-class SchemeState:
-    """The attributes both sides use (set by :class:`WeightSyncScheme`)."""
+@dataclass(frozen=True)
+class SessionOptions:
+    """The scheme's configuration as a session runs it (taken when ``init_on_*`` succeeds)."""
 
     plane: DataPlane
-    _address: str | None
-    _strategy: WeightStrategy
+    channels: ChannelFactory
     model_id: str
     bind: str
     timeouts: Timeouts
     heartbeats: Heartbeats
-    channels: ChannelFactory
     apply_mode: Literal["auto", "swap", "copy"]
     background: bool
-    _role: Role | None
-    _model: Any
-    _models: dict[str, WeightsLike] | None
-    _weights: WeightsLike | None
-    wire_dtype: torch.dtype | None
     integrity: bool | None
-    _relay: Relay | None
-    _relays_to: Relay | None
-    _deferred: tuple[SenderCore, WeightSource, SenderChannel] | None
-    _model_layout: Layout
-    """The layout of the model's own dtypes (what sources are checked against); ``_layout``
-    is the one on the wire, the same unless ``wire_dtype`` casts."""
-    _context: Any
-    _layout: Layout
-    _targets: dict[str, torch.Tensor]
-    num_workers: int
-    worker_idx: int | None
-    _rehome: bool
-    _source: ModelSource | None
-    _sender: SenderCore | None
-    _receiver: ReceiverCore | None
-    _tg: anyio.abc.TaskGroup | None
-    _bg_scope: anyio.CancelScope | None
-    _bg_running: list[anyio.Event]
-    _hooks: list[Hook]
-    _guard: ReadGuard
-    _connected: bool
-    _served: str | None
-    _bound: tuple[SenderChannel, Any] | None
 
-    _sender_pid: int
 
-    def _check_fresh(self) -> None:
-        if self._role == "sender" and self._sender_pid != os.getpid():
-            raise RuntimeError(forked_text(self._sender_pid))
-        if self._role is not None:
-            raise RuntimeError(f"this scheme is already initialised as a {self._role}")
+class Tasks:
+    """The background loops of one ``async with`` session: run in its task group under one
+    cancel scope, so that leaving stops them first, before the channel they read closes."""
 
-    async def _start_background(
-        self, tg: anyio.abc.TaskGroup, loop: Callable[..., Awaitable[None]]
-    ) -> None:
+    def __init__(self, tg: anyio.abc.TaskGroup) -> None:
+        self.tg = tg
+        self._scope = anyio.CancelScope()
+        self._running: list[anyio.Event] = []
+
+    async def start(self, loop: Callable[..., Awaitable[None]]) -> None:
+        """Start ``loop`` (a function taking ``task_status``); returns once it reported
+        started, or raises what it raised before."""
         finished = anyio.Event()
-        self._bg_running.append(finished)
-        scope = self._bg_scope
-        assert scope is not None
+        self._running.append(finished)
+        scope = self._scope
 
         async def run(*, task_status: anyio.abc.TaskStatus[None]) -> None:
             try:
@@ -120,4 +86,11 @@ class SchemeState:
             finally:
                 finished.set()
 
-        await tg.start(run)
+        await self.tg.start(run)
+
+    async def stop(self, wait: float) -> None:
+        """Cancel every loop and wait (at most ``wait`` s, whoever cancels) for them to end."""
+        self._scope.cancel()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(wait):
+            for finished in self._running:
+                await finished.wait()

@@ -1,38 +1,35 @@
-"""The receivers' half of the scheme's API: connecting, versions, hooks and the guard."""
+"""The receiver's session: the model it receives into, its layouts, its engine, its relay.
+
+A :class:`ReceiverSession` is made by ``init_on_receiver`` once the arguments are checked,
+and lives as long as the scheme; ``connect()`` inside each ``async with`` starts its engine
+(:class:`ReceiverCore`) and leaving stops it. The scheme's public methods of the receivers'
+role call it.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
-import anyio.abc
 import torch
-from tensordict import TensorDictBase
 from torch import nn
 
 from .._channel import ChannelFactory
 from .._exceptions import WeightSyncError
 from .._planes.base import ReceiverContext
-from .._protocol import PROTOCOL_VERSION, Hello
+from .._protocol import Hello
 from .._receiving.engine import ApplyMode, Hook, ReceiverCore
 from .._receiving.guard import ReadGuard
-from .._receiving.lease import Lease
 from .._weights.binding import module_targets
 from .._weights.flatten import WeightsLike, flatten_weights
 from .._weights.layout import Layout, refuse_meta
-from .._weights.models import check_models, models_id, receiver_targets, sender_weights
-from .base import SchemeState, forked_text, resolve_model
+from .._weights.models import receiver_targets
+from .base import SessionOptions, Tasks
 from .relay import Relay
 
-if TYPE_CHECKING:
-    from .scheme import WeightSyncScheme
-
-__all__ = ["ReceiverSide", "tell_sender"]
+__all__ = ["ReceiverSession", "tell_sender"]
 
 TELL_WAIT_S = 2.0
 """How long a process that cannot be a receiver spends telling the trainer why."""
@@ -62,226 +59,131 @@ def tell_sender(channels: ChannelFactory, address: str, hello: Hello, *, wait: f
     thread.join(wait * 2 + 1)
 
 
-class ReceiverSide(SchemeState):
-    def init_on_receiver(
-        self,
-        model: nn.Module | TensorDictBase | dict[str, torch.Tensor] | None = None,
-        *,
-        worker_idx: int,
-        weights: TensorDictBase | dict[str, torch.Tensor] | None = None,
-        models: Mapping[str, WeightsLike] | None = None,
-        model_id: str | None = None,
-        context: Any = None,
-    ) -> None:
-        """Prepare this object as receiver ``worker_idx`` for ``model``.
+class ReceiverSession:
+    """The receivers' role of a scheme (see the module)."""
 
-        ``model`` is a module, a ``TensorDict`` or a state_dict whose tensors will be made to
-        hold each new version (swap mode re-points them, copy mode copies into them);
-        ``weights=`` takes a ``TensorDict`` or state_dict instead, as on the sender;
-        ``models=`` several models by model id, as the sender gave them.
-        """
-        if self._role == "sender" and self._sender_pid != os.getpid():
-            self._refuse_forked(worker_idx)
-        self._check_fresh()
-        self._models = None  # nothing of an earlier call that failed stays
-        several = models is not None
+    def __init__(
+        self,
+        options: SessionOptions,
+        *,
+        model: Any,
+        models: dict[str, WeightsLike] | None,
+        context: Any,
+        worker_idx: int,
+        address: str,
+        wire_dtype: torch.dtype | None,
+        guard: ReadGuard,
+        hooks: list[Hook],
+    ) -> None:
         if models is not None:
-            if model is not None or weights is not None:
-                raise ValueError("give models= alone, or model= (or weights=) for one model")
-            checked = check_models(models)
-            self._models = checked
-            self.model_id = models_id(checked)
-            holder, together = sender_weights(checked)
-            model = holder if holder is not None else together  # type: ignore[assignment]
-        elif model_id is not None:
-            self.model_id = model_id
-        if model is not None and weights is not None:
-            raise ValueError("give model= or weights=, not both")
-        if model is None:
-            model = weights
-        if model is None and context is not None:
-            model = resolve_model(context, self.model_id)
-        if model is None:
-            raise ValueError(
-                "init_on_receiver needs model=, weights= or a context holding the model"
-            )
-        if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
-            raise ValueError(f"worker_idx must be a non-negative integer, got {worker_idx!r}")
-        if self._address is None:
-            raise ValueError("a receiver needs the sender's address: pass address= or unpickle it")
-        if self._models is not None:
-            self._targets = receiver_targets(self._models)
+            targets = receiver_targets(models)
+        elif isinstance(model, nn.Module):
+            targets = module_targets(model)
         else:
-            self._targets = (
-                module_targets(model)
-                if isinstance(model, nn.Module)
-                else flatten_weights(model, detach=False)  # the user's own tensor objects
-            )
-        refuse_meta(self._targets, "they hold no memory to receive into")
-        self._model_layout = Layout.from_weights(self._targets, sectioned=several)
-        self._layout = Layout.from_weights(
-            self._targets, sectioned=several, wire_dtype=self.wire_dtype
-        )
-        if self.apply_mode == "swap" and self._layout != self._model_layout:
+            targets = flatten_weights(model, detach=False)  # the user's own tensor objects
+        refuse_meta(targets, "they hold no memory to receive into")
+        several = models is not None
+        model_layout = Layout.from_weights(targets, sectioned=several)
+        layout = Layout.from_weights(targets, sectioned=several, wire_dtype=wire_dtype)
+        plane = options.plane
+        if options.apply_mode == "swap" and layout != model_layout:
             cast = next(
                 s
-                for s, w in zip(self._model_layout.specs, self._layout.specs, strict=True)
+                for s, w in zip(model_layout.specs, layout.specs, strict=True)
                 if s.dtype != w.dtype
             )
             raise ValueError(
-                f"apply_mode='swap' needs the model to hold the wire dtype {self.wire_dtype}, "
+                f"apply_mode='swap' needs the model to hold the wire dtype {wire_dtype}, "
                 f"and {cast.key} is {cast.dtype}; use apply_mode='copy' (or 'auto', which "
                 "picks it) to copy each version with a cast"
             )
-        if self.apply_mode == "swap" and not self.plane.can_swap(self._targets):
-            devices = sorted({str(t.device) for t in self._targets.values()})
+        if options.apply_mode == "swap" and not plane.can_swap(targets):
+            devices = sorted({str(t.device) for t in targets.values()})
             raise ValueError(
                 f"apply_mode='swap' would re-point a model on {', '.join(devices)} at memory "
-                f"of another device ({type(self.plane).__name__}); use apply_mode='copy' "
+                f"of another device ({type(plane).__name__}); use apply_mode='copy' "
                 "(or 'auto', which picks it)"
             )
-        self._model, self._context = model, context
+        self.options = options
+        self.targets = targets
+        self.layout, self.model_layout = layout, model_layout
+        self.model, self.models, self.context = model, models, context
         self.worker_idx = worker_idx
-        self._role = "receiver"
+        self.address = address
+        self.guard = guard
+        self.hooks = hooks
+        """The scheme's hooks: registered before or after ``init_on_receiver``."""
+        self.relays_to: Relay | None = None
+        """Set when this receiver feeds a relay (``scheme.relay_to(local)``)."""
+        self.core: ReceiverCore | None = None
+        self.connected = False
+        self._tasks: Tasks | None = None
 
-    def _refuse_forked(self, worker_idx: object) -> None:
-        """This process is a fork of the sender's: tell the trainer (it can say why this
-        worker never connects), then raise with the fix."""
-        text = forked_text(self._sender_pid)
-        if isinstance(worker_idx, int) and worker_idx >= 0 and self._served is not None:
-            hello = Hello(
-                protocol=PROTOCOL_VERSION,
-                model_id=self.model_id[:256],
-                worker_idx=min(worker_idx, 2**31),
-                fingerprint=self._layout.fingerprint,
-                pid=os.getpid(),
-                host=socket.gethostname()[:256],
-                problem=text,
-            )
-            tell_sender(self.channels, self._served, hello, wait=TELL_WAIT_S)
-        raise RuntimeError(text)
+    @property
+    def entered(self) -> bool:
+        return self._tasks is not None
 
-    def _need_receiver(self) -> ReceiverCore:
-        if self._receiver is None:
+    @property
+    def ready(self) -> bool:
+        core = self.core
+        return core is not None and self.connected and core.version >= 0 and core.connected
+
+    def need_core(self) -> ReceiverCore:
+        if self.core is None:
             raise RuntimeError("this needs a connected receiver (init_on_receiver + connect)")
-        return self._receiver
+        return self.core
 
-    async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
-        """Wait until the model runs ``version`` or newer; returns the version it runs."""
-        timeout = self.timeouts.ack if timeout is None else timeout
-        return await self._need_receiver().wait_for_version(version, timeout)
+    async def start(self, tasks: Tasks) -> None:
+        """Enter ``async with``: nothing runs until ``connect()``."""
+        self.core = None
+        self._tasks = tasks
 
-    async def receive(self, timeout: float | None = None) -> int | None:
-        """Pull mode: apply the next update arriving within ``timeout``; its version, or None."""
-        if self.background:
-            raise RuntimeError("receive() is for pull mode: build the scheme with background=False")
-        timeout = self.timeouts.ack if timeout is None else timeout
-        return await self._need_receiver().receive(timeout)
+    async def stop(self) -> None:
+        """End the session (its background task is stopped already)."""
+        self._tasks = None
+        self.connected = False
+        if self.core is not None:
+            await self.core.close()
 
-    def relay_to(self, local: WeightSyncScheme) -> None:
-        """Forward every version this receiver applies to ``local``'s workers (its leaves).
-
-        ``local`` is a scheme initialised as sender on the same model (typically
-        :class:`SharedMemWeightSyncScheme` for the workers of this host). Each version this
-        receiver switches to is staged from the model into ``local`` (one copy) and sent to
-        its leaves under the same version number; this receiver acknowledges it only once
-        every leaf holds it, and otherwise nacks, naming the leaves that do not. ``local``
-        serves nothing until this receiver holds a version (its leaves' ``connect()`` waits
-        until then). Call it after both ``init_on_*`` calls, before entering either scheme;
-        enter them in either order. See the relays guide.
-        """
-        if self._role != "receiver":
-            raise RuntimeError("relay_to() is called on the receiver that feeds the relay")
-        if getattr(local, "_role", None) != "sender":
-            raise ValueError("relay_to() needs a scheme initialised with init_on_sender()")
-        if local is self:
-            raise ValueError("a scheme cannot relay to itself")
-        ours = self._models if self._models is not None else self._model
-        theirs = local._models if local._models is not None else local._model
-        same = ours is theirs or (
-            isinstance(ours, dict)
-            and isinstance(theirs, dict)
-            and ours.keys() == theirs.keys()
-            and all(ours[k] is theirs[k] for k in ours)
+    def _apply_mode(self) -> ApplyMode:
+        if self.options.apply_mode != "auto":
+            return self.options.apply_mode
+        devices = {t.device.type for t in self.targets.values()}
+        can_swap = (
+            devices <= {"cpu"}
+            and self.options.plane.can_swap(self.targets)
+            and self.layout == self.model_layout  # a wire dtype of its own: copy
         )
-        if ours is None or not same:
-            raise ValueError(
-                "relay_to() needs `local` initialised as sender on the very model (or models) "
-                "this receiver was initialised on: the relay stages what it receives from it"
-            )
-        if self._tg is not None or local._tg is not None:
-            raise RuntimeError("call relay_to() before entering either scheme")
-        if local._relay is not None or self._relays_to is not None:
-            raise RuntimeError("each scheme takes part in one relay")
-        relay = Relay(self, local)  # type: ignore[arg-type]
-        self._relays_to = relay
-        local._relay = relay
-        self._hooks.append(relay.forward)
+        return "swap" if can_swap else "copy"
 
-    def register_hook(self, hook: Hook) -> None:
-        """Call ``hook(version)`` (sync or async) right after each switch, before the ack."""
-        if self._role == "sender":
-            raise RuntimeError("hooks run on receivers")
-        self._hooks.append(hook)
-
-    def read_guard(self) -> ReadGuard:
-        """The guard a forward holds (``with`` in threads, ``async with`` on the loop) so that
-        no switch happens under it."""
-        if self._role == "sender":
-            raise RuntimeError("the read guard belongs to receivers")
-        return self._guard
-
-    def lease(self) -> Lease:
-        """A lease on the version the model runs when it is entered (``async with`` on the
-        receiver's loop, ``with`` in threads): ``held.version``, and ``held.weights`` with
-        that version's exact bytes until the block ends, while the model goes on switching
-        to newer versions. See the serving guide for what it costs on each transport."""
-        if self._role == "sender":
-            raise RuntimeError("leases are taken on receivers")
-        return Lease(self._need_receiver().leases)
-
-    def apply_weights(self, weights: WeightsLike, inplace: bool = True) -> None:
-        """Apply weights to the receiver's model directly with the strategy (no versioning)."""
-        if self._role != "receiver":
-            raise RuntimeError("apply_weights() is for receivers")
-        self._strategy.apply_weights(self._model, weights, inplace=inplace)
-
-    async def _connect_receiver(self, tg: anyio.abc.TaskGroup, timeout: float) -> None:
-        if self._receiver is not None:
+    async def connect(self, timeout: float) -> None:
+        """Handshake, apply the current version and start the background task."""
+        if self.core is not None:
             raise RuntimeError("this receiver is already connected")
-        assert self.worker_idx is not None and self._address is not None
-        mode: ApplyMode
-        if self.apply_mode == "auto":
-            devices = {t.device.type for t in self._targets.values()}
-            can_swap = (
-                devices <= {"cpu"}
-                and self.plane.can_swap(self._targets)
-                and self._layout == self._model_layout  # a wire dtype of its own: copy
-            )
-            mode = "swap" if can_swap else "copy"
-        else:
-            mode = self.apply_mode
+        tasks = self._tasks
+        assert tasks is not None
+        options = self.options
         context = ReceiverContext(
-            address=self._address, worker_idx=self.worker_idx, tensors=self._targets
+            address=self.address, worker_idx=self.worker_idx, tensors=self.targets
         )
-        receiver = ReceiverCore(
-            channels=self.channels,
-            plane=self.plane.receiver(context),
-            layout=self._layout,
-            model_layout=self._model_layout,
-            targets=self._targets,
+        core = ReceiverCore(
+            channels=options.channels,
+            plane=options.plane.receiver(context),
+            layout=self.layout,
+            model_layout=self.model_layout,
+            targets=self.targets,
             worker_idx=self.worker_idx,
-            model_id=self.model_id,
-            address=self._address,
-            apply_mode=mode,
-            timeouts=self.timeouts,
-            heartbeats=self.heartbeats,
-            guard=self._guard,
-            hooks=self._hooks,
+            model_id=options.model_id,
+            address=self.address,
+            apply_mode=self._apply_mode(),
+            timeouts=options.timeouts,
+            heartbeats=options.heartbeats,
+            guard=self.guard,
+            hooks=self.hooks,
         )
-        receiver.shield_updates = not self.background
-        await receiver.connect(timeout)
-        self._receiver = receiver
-        self._connected = True
-        if self.background:
-            await self._start_background(tg, receiver.run)
+        core.shield_updates = not options.background
+        await core.connect(timeout)
+        self.core = core
+        self.connected = True
+        if options.background:
+            await tasks.start(core.run)

@@ -15,27 +15,69 @@ order.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 
+from .._config import Timeouts
 from .._exceptions import WeightSyncError, WeightSyncTimeout
+from .._planes.base import WeightSource
+from .._receiving.guard import ReadGuard
+from .._sending.engine import SenderCore
+from .._sending.workers import WorkerTable
 from .._util.text import error_text
 
-if TYPE_CHECKING:
-    from .._sending.engine import SenderCore
-    from .scheme import WeightSyncScheme
-
-__all__ = ["Relay"]
+__all__ = ["LocalSender", "Relay", "Upstream"]
 
 _POLL_S = 0.05
 """How often the wait for leaves looks again, beside the sender's own wake-ups."""
 
 
+@dataclass(frozen=True)
+class Upstream:
+    """What the relay needs of the receiver that feeds it."""
+
+    worker_idx: int
+    ack_timeout: float
+    """How long the upstream's hooks may run: the relay answers a second before."""
+    guard: ReadGuard
+    version: Callable[[], int]
+    """The version the upstream's model runs (-1 before it holds one)."""
+
+
+class LocalSender(Protocol):
+    """What the relay needs of the sender session of its leaves."""
+
+    @property
+    def entered(self) -> bool:
+        """Inside ``async with``."""
+
+    @property
+    def core(self) -> SenderCore | None:
+        """The engine, once started."""
+
+    @property
+    def timeouts(self) -> Timeouts: ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def workers(self) -> WorkerTable: ...
+
+    async def start_at(self, version: int) -> SenderCore | None:
+        """Start the engine with ``version`` as its first version (None: not entered)."""
+
+    def default_source(self) -> WeightSource:
+        """Where a send takes the model's weights from."""
+
+
 class Relay:
     """What ``upstream.relay_to(local)`` sets up (see the module)."""
 
-    def __init__(self, upstream: WeightSyncScheme, local: WeightSyncScheme) -> None:
+    def __init__(self, upstream: Upstream, local: LocalSender) -> None:
         self.upstream = upstream
         self.local = local
         self._lock: anyio.Lock | None = None
@@ -51,27 +93,21 @@ class Relay:
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:
-            if local._sender is not None:
-                return local._sender
-            deferred = local._deferred
-            upstream = self.upstream
-            if deferred is None or local._tg is None or (at is None and upstream.version < 0):
+            if local.core is not None:
+                return local.core
+            if not local.entered:
                 return None
-            sender, initial, channel = deferred
-            local._deferred = None  # start() closes the channel if it fails
             if at is not None:
-                await sender.start(initial, channel, first_version=at)
-            else:
-                async with upstream.read_guard():
-                    await sender.start(initial, channel, first_version=upstream.version)
-            local._sender = sender
-            await local._start_background(local._tg, sender.serve)
-            return sender
+                return await local.start_at(at)
+            if self.upstream.version() < 0:
+                return None
+            async with self.upstream.guard:
+                return await local.start_at(self.upstream.version())
 
     async def wait_started(self, timeout: float) -> float:
         """Wait (at most ``timeout`` s) until ``local`` serves; the seconds it took."""
         started = time.monotonic()
-        while self.local._sender is None:
+        while self.local.core is None:
             if time.monotonic() - started >= timeout:
                 raise WeightSyncTimeout(
                     f"the relay's local sender did not start within {timeout:g} s: it starts "
@@ -80,14 +116,14 @@ class Relay:
                     list(range(self.local.num_workers)),
                 )
             await self.start_local()
-            if self.local._sender is None:
+            if self.local.core is None:
                 await anyio.sleep(_POLL_S)
         return time.monotonic() - started
 
     async def forward(self, version: int) -> None:
         """The upstream's hook: bring every leaf to ``version``, or raise naming those that
         do not hold it (the upstream then nacks with that text)."""
-        if self.local._tg is None:
+        if not self.local.entered:
             return  # ``local`` is not entered: it starts at the upstream's version when it is
         core = await self.start_local(at=version)
         if core is None:
@@ -95,7 +131,7 @@ class Relay:
         timeouts = self.local.timeouts
         # Hooks may run for the upstream's ack timeout: the relay is done a second before,
         # so that the upstream's nack carries its explanation rather than a timeout.
-        end = time.monotonic() + max(1.0, self.upstream.timeouts.ack - 1.0)
+        end = time.monotonic() + max(1.0, self.upstream.ack_timeout - 1.0)
         # ``local`` started at this version: its leaves are joining, and may take as long as
         # a handshake; a version sent to leaves already there takes as long as an ack.
         wait = timeouts.handshake if version <= core.version else timeouts.ack
@@ -104,7 +140,7 @@ class Relay:
         if version > core.version:
             try:
                 await core.send(
-                    self.local._source_of(None),
+                    self.local.default_source(),
                     sorted(core.ready_workers()),
                     stage_limit=max(0.001, min(timeouts.transfer, end - time.monotonic())),
                     ack_limit=timeouts.ack,

@@ -1,57 +1,39 @@
-"""The public scheme: one object per model, used on the sender and on each receiver."""
+"""The public scheme: one object per model, used on the sender and on each receiver.
+
+Its configuration is :class:`~aiowsync._scheme.config.SchemeConfig`, its session and life
+cycle :class:`~aiowsync._scheme.running.SchemeRuntime`; this class adds the verbs of both
+roles, each handed to the session of its role.
+"""
 
 from __future__ import annotations
 
-import logging
-import weakref
-from collections.abc import Mapping
-from types import MappingProxyType, TracebackType
-from typing import Any, Literal, TypedDict
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-import anyio
-import anyio.abc
 import torch
+from tensordict import TensorDictBase
+from torch import nn
 
-from .._channel import ChannelFactory, SenderChannel, ZmqChannelFactory
-from .._config import Heartbeats, Timeouts
-from .._planes.base import DataPlane, WeightSource
-from .._receiving.engine import Hook, ReceiverCore
+from .._protocol import PROTOCOL_VERSION, Hello
+from .._receiving.engine import Hook
 from .._receiving.guard import ReadGuard
-from .._sending.engine import SenderCore
-from .._sending.source import ModelSource
-from .._sending.workers import WorkerTable
+from .._receiving.lease import Lease
+from .._sending.engine import PendingSend, SendResult
 from .._weights.flatten import WeightsLike
-from .._weights.strategy import StrategyName, WeightStrategy
-from .base import Role
-from .receiver import ReceiverSide
-from .relay import Relay
-from .sender import SenderSide
+from .._weights.models import check_models, sender_weights
+from .base import forked_text, resolve_model
+from .config import SchemeOptions
+from .receiver import TELL_WAIT_S, ReceiverSession, tell_sender
+from .relay import Relay, Upstream
+from .running import SchemeRuntime
+from .sender import SenderSession
 
 __all__ = ["SchemeOptions", "WeightSyncScheme"]
 
-log = logging.getLogger("aiowsync")
 
-STOP_WAIT_S = 10.0
-"""How long leaving ``async with`` waits for the background tasks to end (each of their own
-waits has a shorter deadline)."""
-
-
-class SchemeOptions(TypedDict, total=False):
-    """The keyword arguments every scheme takes (see :class:`WeightSyncScheme`)."""
-
-    strategy: StrategyName
-    model_id: str
-    bind: str
-    timeouts: Timeouts | None
-    heartbeats: Heartbeats | None
-    channels: ChannelFactory | None
-    apply_mode: Literal["auto", "swap", "copy"]
-    background: bool
-    wire_dtype: torch.dtype | None
-    integrity: bool | None
-
-
-class WeightSyncScheme(SenderSide, ReceiverSide):
+class WeightSyncScheme(SchemeRuntime):
     """Synchronises a model (or several, as one) from a sender to ``num_workers`` receivers.
 
     Configure it once, then call :meth:`init_on_sender` in the trainer or
@@ -91,278 +73,296 @@ class WeightSyncScheme(SenderSide, ReceiverSide):
             memory, in-process), where it would cost about as much as the send.
     """
 
-    def __init__(
+    # -- the sender's role --------------------------------------------------------------------
+
+    def init_on_sender(
         self,
-        address: str | None = None,
+        model: nn.Module | TensorDictBase | dict[str, torch.Tensor] | None = None,
         *,
-        plane: DataPlane,
-        strategy: StrategyName = "tensordict",
-        model_id: str = "policy",
-        bind: str = "tcp://127.0.0.1:0",
-        timeouts: Timeouts | None = None,
-        heartbeats: Heartbeats | None = None,
-        channels: ChannelFactory | None = None,
-        apply_mode: Literal["auto", "swap", "copy"] = "auto",
-        background: bool = True,
-        wire_dtype: torch.dtype | None = None,
-        integrity: bool | None = None,
+        weights: WeightsLike | None = None,
+        models: Mapping[str, WeightsLike] | None = None,
+        num_workers: int | None = None,
+        model_id: str | None = None,
+        context: Any = None,
+        rehome: bool = False,
     ) -> None:
-        if wire_dtype is not None and (
-            not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point
-        ):
-            raise ValueError(
-                f"wire_dtype must be a floating torch dtype (torch.bfloat16, torch.float16, "
-                f"...), got {wire_dtype!r}"
-            )
-        if integrity is not None and not isinstance(integrity, bool):
-            raise TypeError(f"integrity must be True, False or None, got {integrity!r}")
-        if apply_mode not in ("auto", "swap", "copy"):
-            raise ValueError(f"apply_mode must be 'auto', 'swap' or 'copy', got {apply_mode!r}")
-        if not isinstance(plane, DataPlane):
-            raise TypeError(f"plane must be a DataPlane, got {type(plane).__name__}")
-        channels = channels or ZmqChannelFactory()
-        channels.check_address(bind, bind=True)
-        if address is not None:
-            channels.check_address(address, bind=False)
-        self.plane = plane
-        self._address = address
-        self._strategy = WeightStrategy(strategy)
-        self.model_id = model_id
-        self.bind = bind
-        self.timeouts = timeouts or Timeouts()
-        self.heartbeats = heartbeats or Heartbeats()
-        self.channels = channels
-        self.apply_mode: Literal["auto", "swap", "copy"] = apply_mode
-        self.background = background
-        self.wire_dtype = wire_dtype
-        self.integrity = integrity
-        self._reset_runtime()
+        """Prepare this object as the sender.
 
-    def _reset_runtime(self) -> None:
-        self._role: Role | None = None
-        self._model: Any = None
-        self._models: dict[str, WeightsLike] | None = None
-        """``models=`` of a scheme of several models (None for one)."""
-        self._weights: WeightsLike | None = None
-        self._context: Any = None
-        self.num_workers = 0
-        self.worker_idx: int | None = None
-        self._rehome = False
-        self._source: ModelSource | None = None
-        """Where ``send()`` takes the weights from when given none (while serving)."""
-        self._sender: SenderCore | None = None
-        self._receiver: ReceiverCore | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._bg_scope: anyio.CancelScope | None = None
-        self._bg_running: list[anyio.Event] = []
-        self._hooks: list[Hook] = []
-        self._guard = ReadGuard()
-        self._connected = False
-        self._served: str | None = None
-        """The address this sender serves on (bound early, or by its last session)."""
-        self._relay: Relay | None = None
-        """A sender fed by a relay (``upstream.relay_to(self)``)."""
-        self._relays_to: Relay | None = None
-        """A receiver that feeds a relay (``self.relay_to(local)``)."""
-        self._deferred: tuple[SenderCore, WeightSource, SenderChannel] | None = None
-        """A relayed sender entered before its upstream held a version: its engine, first
-        version and channel, started by the relay."""
-        self._bound: tuple[SenderChannel, weakref.finalize[Any, Any]] | None = None
-        """A control socket bound before ``async with`` (reading ``address``), and its
-        closer."""
-
-    # -- pickling: configuration and address only ---------------------------------------------
-
-    _CONFIG: tuple[str, ...] = (
-        "plane",
-        "_address",
-        "_strategy",
-        "model_id",
-        "bind",
-        "timeouts",
-        "heartbeats",
-        "channels",
-        "apply_mode",
-        "background",
-        "wire_dtype",
-        "integrity",
-    )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = {name: getattr(self, name) for name in self._CONFIG}
-        state["_strategy"] = self._strategy.extract_as
-        if self._role == "sender":
-            state["_address"] = self.address  # binds now if nothing is bound yet
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        strategy = state.pop("_strategy")
-        self.__dict__.update(state)
-        self._strategy = WeightStrategy(strategy)
-        self._reset_runtime()
-
-    # -- properties ---------------------------------------------------------------------------
-
-    @property
-    def strategy(self) -> WeightStrategy:
-        """The weight format helper behind ``extract_weights`` and ``apply_weights``."""
-        return self._strategy
-
-    @property
-    def initialized_on_sender(self) -> bool:
-        """Whether ``init_on_sender()`` was called."""
-        return self._role == "sender"
-
-    @property
-    def initialized_on_receiver(self) -> bool:
-        """Whether ``init_on_receiver()`` was called."""
-        return self._role == "receiver"
-
-    @property
-    def model(self) -> Any:
-        """The model or weights given to ``init_on_*`` (``None`` before; with ``models=``, a
-        module holding them all when all are modules)."""
-        return self._model
-
-    @property
-    def models(self) -> Mapping[str, Any]:
-        """Model id to the model (or weights) given to ``init_on_*``: ``models=`` as given,
-        or ``{model_id: model}`` for one model (empty before ``init_on_*``)."""
-        if self._models is not None:
-            return MappingProxyType(self._models)
-        if self._role is None:
-            return MappingProxyType({})
-        single = self._model if self._model is not None else self._weights
-        return MappingProxyType({self.model_id: single})
-
-    @property
-    def context(self) -> Any:
-        """The ``context=`` given to ``init_on_*``, if any."""
-        return self._context
-
-    @property
-    def version(self) -> int:
-        """Sender: the latest version sent. Receiver: the version its model runs (-1 before)."""
-        if self._sender is not None:
-            return self._sender.version
-        if self._receiver is not None:
-            return self._receiver.version
-        return -1
-
-    @property
-    def ready(self) -> bool:
-        """Receiver: connected and running at least the version it was welcomed with."""
-        r = self._receiver
-        return r is not None and self._connected and r.version >= 0 and r.connected
-
-    @property
-    def connected(self) -> bool:
-        """Receiver: the sender is reachable. Sender: the sender is serving."""
-        if self._receiver is not None:
-            return self._connected and self._receiver.connected
-        return self._sender is not None and self._tg is not None
-
-    @property
-    def workers(self) -> WorkerTable:
-        """Sender: a live, read-only mapping of worker index to :class:`WorkerStatus` (state,
-        versions held and in flight, when last heard, pid, host, and why it is lost or was
-        refused). Before ``async with`` and after it, every worker reads as never connected.
+        Args:
+            model: the model whose weights ``send()`` takes by default.
+            weights: a ``TensorDict`` or state_dict instead of a model.
+            models: several models synced as one, by model id (each an ``nn.Module``, a
+                ``TensorDict`` or a state_dict): each version covers them all, and
+                ``send(weights={model_id: ...})`` sends some of them.
+            num_workers: how many receivers (indices ``0 .. num_workers-1``).
+            model_id: overrides the constructor's ``model_id``.
+            context: an object that can resolve ``model_id`` to a model (seed-style); its
+                ``num_workers`` is used when ``num_workers`` is not given.
+            rehome: re-home the model's tensors as views of one private flat buffer so that a
+                snapshot is a single memcpy (tensor identity is kept, so optimizers keep
+                working); falls back to per-tensor fused copies if the model cannot be re-homed.
         """
-        if self._role != "sender":
-            raise RuntimeError("workers is the sender's view: read it on the trainer")
-        return WorkerTable(
-            lambda: self._sender.peers if self._sender is not None else None, self.num_workers
+        self._check_fresh()
+        checked = None
+        if models is not None:
+            if model is not None or weights is not None:
+                raise ValueError("give models= alone, or model= (or weights=) for one model")
+            checked = check_models(models)
+            model, weights = sender_weights(checked)
+            if model is not None:
+                weights = None
+        named = self._model_id_for(model_id, checked)
+        if model is None and weights is None and context is not None:
+            model = resolve_model(context, named)
+        if model is None and weights is None:
+            raise ValueError("init_on_sender needs model=, weights= or a context holding the model")
+        if model is not None and weights is not None:
+            raise ValueError("give model= or weights=, not both")
+        if num_workers is None and context is not None:
+            num_workers = getattr(context, "num_workers", None)
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+            raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
+        self._session = SenderSession(
+            self._session_options(named),
+            model=model,
+            weights=weights,
+            models=checked,
+            context=context,
+            num_workers=num_workers,
+            rehome=rehome,
+            wire_dtype=self.wire_dtype,
         )
+        self.model_id = named
 
-    @property
-    def dropped_messages(self) -> int:
-        """Control messages dropped as malformed, unknown or out of state."""
-        if self._sender is not None:
-            channel = self._sender.channel
-            return self._sender.dropped + (channel.dropped if channel is not None else 0)
-        return self._receiver.dropped if self._receiver is not None else 0
-
-    # -- initialisation -----------------------------------------------------------------------
-
-    # -- async life cycle ---------------------------------------------------------------------
-
-    async def __aenter__(self) -> WeightSyncScheme:
-        if self._role is None:
-            raise RuntimeError("call init_on_sender() or init_on_receiver() before `async with`")
-        if self._tg is not None:
-            raise RuntimeError("this scheme is already running")
-        self._bg_scope = anyio.CancelScope()
-        self._bg_running = []
-        self._sender = self._receiver = None  # a new session of this scheme
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        try:
-            if self._role == "sender":
-                await self._start_sender(tg)
-        except BaseException as exc:
-            await self._stop(type(exc), exc, exc.__traceback__)
-            raise
-        return self
-
-    async def __aexit__(
+    async def send(
         self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        return await self._stop(exc_type, exc, tb)
+        weights: WeightsLike | str | None = None,
+        worker_ids: int | Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> SendResult:
+        """Stage the weights as a new version and wait until every targeted worker runs it.
 
-    async def _stop(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        tg, self._tg = self._tg, None
-        try:
-            # Background loops stop first, so that closing the channel surprises no reader.
-            if self._bg_scope is not None:
-                self._bg_scope.cancel()
-            with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_WAIT_S):
-                for finished in self._bg_running:
-                    await finished.wait()
-            if self._sender is not None:
-                await self._sender.close()
-            deferred, self._deferred = self._deferred, None
-            if deferred is not None:
-                deferred[2].close()  # a relayed sender that never started
-            if self._receiver is not None:
-                await self._receiver.close()
-        finally:
-            self._connected = False
-            if self._source is not None:
-                self._source.close()
-                self._source = None
-            suppress = None
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                # The body's own exception is not handed to the task group, which would wrap
-                # it in an ExceptionGroup; it propagates unchanged once the group has closed.
-                if not isinstance(exc, anyio.get_cancelled_exc_class()):
-                    exc_type, exc, tb = None, None, None
-                suppress = await tg.__aexit__(exc_type, exc, tb)
-        return suppress
+        Args:
+            weights: what to send; by default the model (or weights) given at init. For a
+                scheme of several models, ``{model_id: weights, ...}`` (or a TensorDict keyed
+                by model id): the models not named keep the bytes of the latest version, and
+                the version still rises for all.
+            worker_ids: one index or several; by default every worker.
+            timeout: deadline for the whole call; by default ``timeouts.transfer`` for staging
+                and ``timeouts.ack`` for the acknowledgements.
 
-    # -- sender API ---------------------------------------------------------------------------
+        Raises:
+            WorkerLostError: at once, if a targeted worker is known to be lost.
+            LostDuringSendError: a targeted worker was lost while the send waited for it
+                (also a ``WorkerLostError`` and a ``WeightSyncTimeout``).
+            WeightSyncTimeout: a targeted worker did not acknowledge by the deadline.
+            RemoteApplyError: a worker failed to apply the version (its error text included).
+            LayoutMismatchError: ``weights`` do not match the layout (nothing was written).
+            ValueError: ``weights`` name a model this scheme does not hold.
+            WeightSyncError: every shared-memory slot holds a version still in use, or the
+                sender shut down while the version was being staged.
+            TransportError: a new slot could not be created (``/dev/shm`` full).
+            ValueError: ``worker_ids`` out of range, repeated or empty.
+            RuntimeError: called outside ``async with``, or on a receiver.
 
-    async def connect(self, timeout: float | None = None) -> None:
-        """Sender: wait until every worker holds version 0 (or the latest version).
-
-        Receiver: handshake, apply the current version and start the background task.
+        Concurrent calls are served one at a time in call order.
         """
-        timeout = self.timeouts.handshake if timeout is None else timeout
-        if self._tg is None:
-            raise RuntimeError("use `async with scheme:` before connect()")
-        if self._role == "sender" and self._relay is not None:
-            timeout -= await self._relay.wait_started(timeout)
-        if self._sender is not None:
-            await self._sender.wait_ready(timeout)
-            self._connected = True
-            return
-        await self._connect_receiver(self._tg, timeout)
+        return await self._need_sending("send").send(weights, worker_ids, timeout)
+
+    async def publish(
+        self,
+        weights: WeightsLike | str | None = None,
+        worker_ids: int | Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> PendingSend:
+        """Two-phase send: return as soon as the version is staged; await the acks later.
+
+        ``pending = await scheme.publish()`` takes the same arguments as :meth:`send` and
+        returns once the weights are copied out (from then on the trainer may change them)
+        and the version is announced; ``result = await pending`` then gives the
+        :class:`SendResult`, or raises what ``send()`` would have. Versions keep their order:
+        a later ``publish()`` or ``send()`` stages only once this one's bytes are delivered,
+        as with ``send()``. Errors found before staging (lost workers, a layout mismatch) are
+        raised by ``publish()`` itself. Await every pending send before leaving
+        ``async with``: leaving ends the ones still waiting, with an error.
+        """
+        return await self._need_sending("publish").publish(weights, worker_ids, timeout)
+
+    def extract_weights(self, source: WeightsLike | None = None) -> Any:
+        """The weights of ``source`` (default: the sender's model) in the strategy's format."""
+        src = source
+        if src is None and self._session is not None:
+            # Not `or`: a TensorDict refuses to be read as a boolean.
+            src = self._session.model
+            if src is None and isinstance(self._session, SenderSession):
+                src = self._session.weights
+        if src is None:
+            raise RuntimeError("no model to extract weights from")
+        return self._strategy.extract_weights(src)
+
+    # -- the receivers' role ------------------------------------------------------------------
+
+    def init_on_receiver(
+        self,
+        model: nn.Module | TensorDictBase | dict[str, torch.Tensor] | None = None,
+        *,
+        worker_idx: int,
+        weights: TensorDictBase | dict[str, torch.Tensor] | None = None,
+        models: Mapping[str, WeightsLike] | None = None,
+        model_id: str | None = None,
+        context: Any = None,
+    ) -> None:
+        """Prepare this object as receiver ``worker_idx`` for ``model``.
+
+        ``model`` is a module, a ``TensorDict`` or a state_dict whose tensors will be made to
+        hold each new version (swap mode re-points them, copy mode copies into them);
+        ``weights=`` takes a ``TensorDict`` or state_dict instead, as on the sender;
+        ``models=`` several models by model id, as the sender gave them.
+        """
+        if self._sending is not None and self._sending.forked:
+            self._refuse_forked(self._sending, worker_idx)
+        self._check_fresh()
+        checked = None
+        if models is not None:
+            if model is not None or weights is not None:
+                raise ValueError("give models= alone, or model= (or weights=) for one model")
+            checked = check_models(models)
+            holder, together = sender_weights(checked)
+            model = holder if holder is not None else together  # type: ignore[assignment]
+        named = self._model_id_for(model_id, checked)
+        if model is not None and weights is not None:
+            raise ValueError("give model= or weights=, not both")
+        if model is None:
+            model = weights
+        if model is None and context is not None:
+            model = resolve_model(context, named)
+        if model is None:
+            raise ValueError(
+                "init_on_receiver needs model=, weights= or a context holding the model"
+            )
+        if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
+            raise ValueError(f"worker_idx must be a non-negative integer, got {worker_idx!r}")
+        if self._address is None:
+            raise ValueError("a receiver needs the sender's address: pass address= or unpickle it")
+        self._session = ReceiverSession(
+            self._session_options(named),
+            model=model,
+            models=checked,
+            context=context,
+            worker_idx=worker_idx,
+            address=self._address,
+            wire_dtype=self.wire_dtype,
+            guard=self._guard,
+            hooks=self._hooks,
+        )
+        self.model_id = named
+
+    def _refuse_forked(self, sending: SenderSession, worker_idx: object) -> None:
+        """This process is a fork of the sender's: tell the trainer (it can say why this
+        worker never connects), then raise with the fix."""
+        text = forked_text(sending.pid)
+        if isinstance(worker_idx, int) and worker_idx >= 0 and sending.served is not None:
+            hello = Hello(
+                protocol=PROTOCOL_VERSION,
+                model_id=self.model_id[:256],
+                worker_idx=min(worker_idx, 2**31),
+                fingerprint=sending.layout.fingerprint,
+                pid=os.getpid(),
+                host=socket.gethostname()[:256],
+                problem=text,
+            )
+            tell_sender(self.channels, sending.served, hello, wait=TELL_WAIT_S)
+        raise RuntimeError(text)
+
+    async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Wait until the model runs ``version`` or newer; returns the version it runs."""
+        timeout = self.timeouts.ack if timeout is None else timeout
+        core = self._need_receiving("wait_for_version").need_core()
+        return await core.wait_for_version(version, timeout)
+
+    async def receive(self, timeout: float | None = None) -> int | None:
+        """Pull mode: apply the next update arriving within ``timeout``; its version, or None."""
+        if self.background:
+            raise RuntimeError("receive() is for pull mode: build the scheme with background=False")
+        timeout = self.timeouts.ack if timeout is None else timeout
+        return await self._need_receiving("receive").need_core().receive(timeout)
+
+    def relay_to(self, local: WeightSyncScheme) -> None:
+        """Forward every version this receiver applies to ``local``'s workers (its leaves).
+
+        ``local`` is a scheme initialised as sender on the same model (typically
+        :class:`SharedMemWeightSyncScheme` for the workers of this host). Each version this
+        receiver switches to is staged from the model into ``local`` (one copy) and sent to
+        its leaves under the same version number; this receiver acknowledges it only once
+        every leaf holds it, and otherwise nacks, naming the leaves that do not. ``local``
+        serves nothing until this receiver holds a version (its leaves' ``connect()`` waits
+        until then). Call it after both ``init_on_*`` calls, before entering either scheme;
+        enter them in either order. See the relays guide.
+        """
+        upstream = self._receiving
+        if upstream is None:
+            raise RuntimeError("relay_to() is called on the receiver that feeds the relay")
+        leaves = local._sending if isinstance(local, WeightSyncScheme) else None
+        if leaves is None:
+            raise ValueError("relay_to() needs a scheme initialised with init_on_sender()")
+        if local is self:
+            raise ValueError("a scheme cannot relay to itself")
+        ours = upstream.models if upstream.models is not None else upstream.model
+        theirs = leaves.models if leaves.models is not None else leaves.model
+        same = ours is theirs or (
+            isinstance(ours, dict)
+            and isinstance(theirs, dict)
+            and ours.keys() == theirs.keys()
+            and all(ours[k] is theirs[k] for k in ours)
+        )
+        if ours is None or not same:
+            raise ValueError(
+                "relay_to() needs `local` initialised as sender on the very model (or models) "
+                "this receiver was initialised on: the relay stages what it receives from it"
+            )
+        if self._exit is not None or local._exit is not None:
+            raise RuntimeError("call relay_to() before entering either scheme")
+        if leaves.relay is not None or upstream.relays_to is not None:
+            raise RuntimeError("each scheme takes part in one relay")
+        feed = Upstream(
+            worker_idx=upstream.worker_idx,
+            ack_timeout=self.timeouts.ack,
+            guard=self._guard,
+            version=lambda: self.version,
+        )
+        relay = Relay(feed, leaves)
+        upstream.relays_to = relay
+        leaves.relay = relay
+        self._hooks.append(relay.forward)
+
+    def register_hook(self, hook: Hook) -> None:
+        """Call ``hook(version)`` (sync or async) right after each switch, before the ack."""
+        if self._sending is not None:
+            raise RuntimeError("hooks run on receivers")
+        self._hooks.append(hook)
+
+    def read_guard(self) -> ReadGuard:
+        """The guard a forward holds (``with`` in threads, ``async with`` on the loop) so that
+        no switch happens under it."""
+        if self._sending is not None:
+            raise RuntimeError("the read guard belongs to receivers")
+        return self._guard
+
+    def lease(self) -> Lease:
+        """A lease on the version the model runs when it is entered (``async with`` on the
+        receiver's loop, ``with`` in threads): ``held.version``, and ``held.weights`` with
+        that version's exact bytes until the block ends, while the model goes on switching
+        to newer versions. See the serving guide for what it costs on each transport."""
+        if self._sending is not None:
+            raise RuntimeError("leases are taken on receivers")
+        receiving = self._receiving
+        if receiving is None:
+            raise RuntimeError("this needs a connected receiver (init_on_receiver + connect)")
+        return Lease(receiving.need_core().leases)
+
+    def apply_weights(self, weights: WeightsLike, inplace: bool = True) -> None:
+        """Apply weights to the receiver's model directly with the strategy (no versioning)."""
+        receiving = self._receiving
+        if receiving is None:
+            raise RuntimeError("apply_weights() is for receivers")
+        self._strategy.apply_weights(receiving.model, weights, inplace=inplace)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from .._channel import LOCAL_BIND
 from .._planes.base import DataPlane
 from .._planes.shm.plane import SharedMemPlane, SwitchMode
+from .config import refuse_both
 from .scheme import SchemeOptions, WeightSyncScheme
 
 if TYPE_CHECKING:
@@ -42,27 +43,28 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
             Workers that run their model between every two updates of many small tensors may
             prefer ``"rebind"``; see the shared-memory page of the docs.
         plane: another data plane instead of the shared-memory one built from the three
-            arguments above (e.g. :class:`MemoryPlane` in tests).
+            arguments above (e.g. :class:`MemoryPlane` in tests); then none of them may be
+            given.
     """
-
-    _CONFIG = (*WeightSyncScheme._CONFIG, "num_slots", "max_slots", "switch")
 
     def __init__(
         self,
         address: str | None = None,
         *,
-        num_slots: int = 2,
-        max_slots: int = 16,
-        switch: SwitchMode = "auto",
+        num_slots: int | None = None,
+        max_slots: int | None = None,
+        switch: SwitchMode | None = None,
         plane: DataPlane | None = None,
         **options: Unpack[SchemeOptions],
     ) -> None:
         options.setdefault("bind", LOCAL_BIND)
-        self.num_slots = num_slots
-        self.max_slots = max_slots
-        self.switch: SwitchMode = switch
-        super().__init__(
-            address,
-            plane=plane or SharedMemPlane(num_slots=num_slots, max_slots=max_slots, switch=switch),
-            **options,
-        )
+        if plane is None:
+            plane = SharedMemPlane(
+                num_slots=2 if num_slots is None else num_slots,
+                max_slots=16 if max_slots is None else max_slots,
+                switch="auto" if switch is None else switch,
+            )
+        else:
+            given = {"num_slots": num_slots, "max_slots": max_slots, "switch": switch}
+            refuse_both(given, "the shared-memory plane")
+        super().__init__(address, plane=plane, **options)

@@ -22,6 +22,9 @@ others are skipped and the report says so.
 
 Outputs, in ``--out`` (default ``./aiowsync-bench``): ``bench.json`` (every sample),
 ``bench.md`` (medians, ratios, checks against the project's targets) and ``bench.png``.
+
+May import: aiowsync, aiowsync._exceptions, aiowsync._config, aiowsync._util,
+aiowsync._channel, aiowsync._copy.
 """
 
 from __future__ import annotations
