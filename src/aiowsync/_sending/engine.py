@@ -11,30 +11,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 
 import anyio
 
 from .._channel import SenderChannel
 from .._config import Heartbeats, Timeouts
-from .._exceptions import (
-    WeightSyncError,
-    WeightSyncTimeout,
-    WorkerLostError,
-)
-from .._planes.base import Delivery, SenderPlane, WeightSource
+from .._exceptions import WeightSyncError, WeightSyncTimeout, WorkerLostError
+from .._planes.base import SenderPlane, WeightSource
 from .._planes.digest import Digests
-from .._planes.slot_table import SlotsFull
-from .._protocol import (
-    Bye,
-    Update,
-)
+from .._protocol import Bye
 from .._util.shield import to_the_end
 from .._weights.layout import Layout
 from .control import ControlLoop
-from .outcome import Answers, PendingSend, SendResult
-from .peers import Peer, PeerTable
+from .outcome import PendingSend, SendResult
+from .peers import PeerTable
 from .retries import AnswerRetries
+from .staging import Staged, stage_and_announce
 from .state import SenderState
 from .workers import explain_missing, unavailable_text
 
@@ -46,17 +38,6 @@ BYE_WINDOW_S = 1.0
 """How long closing spends telling connected workers goodbye, in all."""
 BYE_SEND_S = 0.2
 """How long one goodbye may wait for room on its socket."""
-
-
-@dataclass(slots=True)
-class _Staged:
-    """A version staged and announced, whose delivery and answers are still to come."""
-
-    version: int
-    pending: Answers
-    seconds: float
-    delivery: Delivery
-    members: list[Peer]
 
 
 class SenderCore:
@@ -256,7 +237,7 @@ class SenderCore:
         targets: list[int],
         stage_limit: float,
         version: int | None = None,
-    ) -> _Staged:
+    ) -> Staged:
         """Wait for the send before (by ``stage_limit``), then stage and announce; returns
         holding the send lock, which :meth:`_complete` releases."""
         self.check_targets(targets)
@@ -264,7 +245,7 @@ class SenderCore:
         late = WeightSyncTimeout(f"send did not stage within {stage_limit:g} s", targets)
         if self._send_lock.value == 0:
             # Only the wait for an earlier send can be cut short: a copy runs to its end, and
-            # its deadline is checked once it has (see _stage_and_announce).
+            # its deadline is checked once it has (see stage_and_announce).
             try:
                 with anyio.fail_after(stage_limit):
                     await self._send_lock.acquire()
@@ -276,7 +257,7 @@ class SenderCore:
             await self._send_lock.acquire()
         try:
             self.check_targets(targets)
-            return await self._stage_and_announce(source, targets, move_by, version)
+            return await stage_and_announce(self.state, source, targets, move_by, version)
         except TimeoutError:
             self._send_lock.release()
             raise late from None
@@ -285,7 +266,7 @@ class SenderCore:
             raise
 
     async def _complete(
-        self, staged: _Staged, ack_limit: float, deadline: float | None, started: float
+        self, staged: Staged, ack_limit: float, deadline: float | None, started: float
     ) -> SendResult:
         """Deliver a staged version (then release the send lock) and wait for its answers."""
         version, pending = staged.version, staged.pending
@@ -310,90 +291,3 @@ class SenderCore:
         return pending.result(
             self.state.layout.total_bytes, time.perf_counter() - started, staged.seconds
         )
-
-    def _slots_full(self, exc: SlotsFull) -> WeightSyncError:
-        """No slot is left: the error, naming the workers whose leases keep slots."""
-        leases = self.state.peers.leases_text()
-        if not leases:
-            return exc
-        return WeightSyncError(
-            f"{exc}; {leases}: a leased version keeps its slot until its last lease ends"
-        )
-
-    async def _stage_and_announce(
-        self, source: WeightSource, targets: list[int], move_by: float, at: int | None = None
-    ) -> _Staged:
-        state = self.state
-        if at is not None and at <= state.version:
-            raise ValueError(f"version {at} does not follow the latest, {state.version}")
-        version = state.version + 1 if at is None else at
-        plane = state.plane
-        try:
-            slot = plane.reserve(state.peers.pinned_versions(state.version))
-        except SlotsFull as exc:
-            raise self._slots_full(exc) from None
-        t0 = time.perf_counter()
-        try:
-            # The source checks the weights against the layout before any byte is written.
-            await plane.stage(slot, source)
-            await state.digests.take(slot, version)
-            if time.monotonic() >= move_by:
-                # A copy cannot be interrupted, so its deadline is checked here: a version
-                # staged too late is never announced.
-                raise TimeoutError
-        except BaseException as exc:
-            plane.release(slot)
-            if isinstance(exc, SlotsFull):  # a plane that takes its slots when staging
-                raise self._slots_full(exc) from None
-            raise
-        stage_s = time.perf_counter() - t0
-        channel = state.channel
-        if channel is None:
-            raise WeightSyncError("the sender shut down while this version was being staged")
-        # From here on the version exists: announce it to every target even if cancelled.
-        # Nothing below suspends unless a socket cannot take an update at once, and those
-        # announcements are shielded.
-        plane.publish(slot, version)
-        state.version = version
-        pending = Answers(version, set(targets))
-        state.pending[version] = pending
-        delivery: Delivery | None = None
-        try:
-            peers = state.peers.by_index
-            members = [peers[w] for w in targets if not peers[w].lost]
-            since = min((p.conn.acked_version for p in members), default=-1)
-            delivery = plane.deliver(
-                version,
-                [(p.worker_idx, p.session) for p in members],
-                move_by,
-                since=since if since >= 0 else None,
-            )
-            update = Update(
-                version=version,
-                params=state.with_digest(version, delivery.params),
-                proof=state.proof,
-            )
-            blocked: list[Peer] = []
-            for worker in targets:
-                peer = peers[worker]
-                if peer.lost:
-                    pending.lost.add(worker)
-                    pending.settle(worker)
-                elif not state.announcer.nowait(channel, peer, update):
-                    blocked.append(peer)
-            if blocked:
-                await to_the_end(state.announcer.all(channel, blocked, update, queued=True))
-            if not targets:
-                pending.done.set()
-        except BaseException:
-            # Cancelled or failed after the version was taken: nobody will wait for it. A
-            # delivery that will never run is given back, and the version is read from the
-            # caller's weights now, never after send() returned.
-            state.pending.pop(version, None)
-            if delivery is None:
-                await to_the_end(plane.seal(version))
-            else:
-                delivery.abandon()
-                await delivery.finish()
-            raise
-        return _Staged(version, pending, stage_s, delivery, members)

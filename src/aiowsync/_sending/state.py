@@ -1,9 +1,10 @@
-"""What the sender's engine shares with its control loop and its retries.
+"""What the sender's engine shares with the pieces it runs: its control loop, its staging
+and its retries.
 
-:class:`SenderState` holds the tables all three work on (the peers, the pending sends, the
-latest version, the channel once it serves). The engine creates it and hands it to the pieces
-it starts, so none of them holds the engine, and each can be built in a test from a plane, a
-layout and a config alone.
+:class:`SenderState` holds the tables they all work on (the peers, the pending sends, the
+latest version, the channel once it serves). The engine creates it and hands it to the pieces,
+so none of them holds the engine, and each can be built in a test from a plane, a layout and a
+config alone.
 """
 
 from __future__ import annotations
