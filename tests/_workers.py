@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import aiowsync
+from helpers import fill
 
 SPAWN = mp.get_context("spawn")
 
@@ -84,13 +85,6 @@ def randomize(model: nn.Module, seed: int) -> None:
                 t.copy_(torch.randn(t.shape, generator=g))
             else:
                 t.copy_(torch.randint(-1000, 1000, t.shape, generator=g))
-
-
-def fill(model: nn.Module, value: float) -> None:
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            if t.dtype != torch.bool:
-                t.fill_(value)
 
 
 def _check_uniform(model: nn.Module) -> float | None:

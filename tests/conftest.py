@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 import aiowsync._copy.engine
-from aiowsync import _copy
 from aiowsync._copy.engine import CopyPolicy, streams_available
 from helpers import Kind
 
@@ -90,7 +89,7 @@ def policy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     if streamed and not streams_available():
         pytest.skip("non-temporal copies are not available here")
     made = CopyPolicy(streaming=streamed)
-    monkeypatch.setattr(_copy, "_default", made)
+    monkeypatch.setattr(aiowsync._copy.engine, "_default", made)
     try:
         yield made
     finally:

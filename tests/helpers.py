@@ -36,11 +36,22 @@ def model(seed: int = 0, *, big: bool = False) -> nn.Module:
     return m
 
 
-def same(a: nn.Module, b: nn.Module) -> bool:
-    """Whether two models hold the same keys with equal tensors."""
-    sa, sb = a.state_dict(), b.state_dict()
+Weights = nn.Module | Mapping[str, torch.Tensor]
+"""A model, or its tensors by name (a state dict, a snapshot, a lease's parameters)."""
+
+
+def same(a: Weights, b: Weights) -> bool:
+    """Whether ``a`` and ``b`` hold the same names, and under each a tensor of the same dtype,
+    shape and values: the one comparison of weights in this suite."""
+    sa = a.state_dict() if isinstance(a, nn.Module) else a
+    sb = b.state_dict() if isinstance(b, nn.Module) else b
     # On the CPU: torch.equal refuses tensors of two devices (a CUDA receiver's, say).
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
+    return sa.keys() == sb.keys() and all(
+        sa[k].dtype == sb[k].dtype
+        and sa[k].shape == sb[k].shape
+        and torch.equal(sa[k].cpu(), sb[k].cpu())
+        for k in sa
+    )
 
 
 def bump(m: nn.Module, by: float = 1.0) -> None:
@@ -199,14 +210,17 @@ def rss() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> bool:
-    """Poll ``predicate`` until it holds, for at most ``within`` seconds; its last answer."""
+async def eventually(predicate: Callable[[], bool], within: float = 5.0, what: str = "") -> bool:
+    """Poll ``predicate`` until it holds, for at most ``within`` seconds; past that, fail the
+    test naming ``what`` (so a caller that forgets to assert still checks)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         if predicate():
             return True
         await asyncio.sleep(0.02)
-    return predicate()
+    if predicate():
+        return True
+    raise AssertionError(f"not within {within} s: {what or predicate}")
 
 
 def run_cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -290,10 +304,12 @@ def tensors(m: nn.Module) -> list[torch.Tensor]:
 
 
 def fill(m: nn.Module, value: float) -> None:
-    """Make every value of the model ``value``: a read that mixes two versions shows."""
+    """Make every value of the model ``value``, buffers included (boolean ones cannot hold it):
+    a read that mixes two versions shows."""
     with torch.no_grad():
-        for t in tensors(m):
-            t.fill_(value)
+        for t in [*m.parameters(), *m.buffers()]:
+            if t.dtype != torch.bool:
+                t.fill_(value)
 
 
 def values(m: nn.Module) -> set[float]:
@@ -302,13 +318,8 @@ def values(m: nn.Module) -> set[float]:
 
 
 def frozen(m: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the model's tensors by name, as they are now."""
     return {k: v.clone() for k, v in m.state_dict().items()}
-
-
-def holds(m: nn.Module, snapshot: Mapping[str, torch.Tensor]) -> bool:
-    """Whether the model holds exactly the bytes of ``snapshot``."""
-    sd = m.state_dict()
-    return sd.keys() == snapshot.keys() and all(torch.equal(sd[k], snapshot[k]) for k in sd)
 
 
 def nbytes_of(m: nn.Module) -> int:
@@ -450,7 +461,7 @@ def held(guard: aiowsync.ReadGuard) -> Iterator[None]:
 # -- several models: a policy and a value net ------------------------------------------------
 
 
-def policy(seed: int) -> nn.Module:
+def policy_net(seed: int) -> nn.Module:
     """A small policy with an integer buffer, for schemes of several models."""
     torch.manual_seed(seed)
     m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -470,7 +481,7 @@ async def policy_and_value(
 ) -> AsyncIterator[tuple[aiowsync.WeightSyncScheme, dict[str, nn.Module], list[Any]]]:
     """A sender of a policy and a value net, and ``n`` connected receivers of their own
     pair; yields (sender, its models, [(receiver, its models), ...])."""
-    models = {"policy": policy(0), "value": value_net(1)}
+    models = {"policy": policy_net(0), "value": value_net(1)}
     sender = kind.scheme(**kw)
     sender.init_on_sender(models=models, num_workers=n)
     hosts = [Hosted(sender)]
@@ -478,7 +489,7 @@ async def policy_and_value(
     try:
         await hosts[0].start()
         for i in range(n):
-            mine = {"policy": policy(100 + i), "value": value_net(200 + i)}
+            mine = {"policy": policy_net(100 + i), "value": value_net(200 + i)}
             options = dict(kw, **(each or {}).get(i, {}))
             factory = options.pop("models_of", None)
             if factory is not None:
@@ -527,14 +538,6 @@ class Mixed(nn.Module):
         with torch.no_grad():
             self.bn.running_mean.uniform_()
             self.bn.num_batches_tracked.fill_(11)
-
-
-def assert_same_values(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert a[key].dtype == b[key].dtype, key
-        assert a[key].shape == b[key].shape, key
-        assert torch.equal(a[key], b[key]), key
 
 
 def buffer_of(tensor: torch.Tensor, buffers: list[torch.Tensor]) -> int | None:

@@ -57,10 +57,6 @@ def test_the_digest_does_not_depend_on_where_the_buffers_live() -> None:
     assert digest(layout, a) == digest(layout, b)
 
 
-def _holds(m: nn.Module, state: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(m.state_dict()[k], v) for k, v in state.items())
-
-
 def _flip(buffers: list[torch.Tensor], where: int = 1000) -> None:
     flat = buffers[0]
     flat[where] = flat[where] ^ 0x5A
@@ -99,7 +95,7 @@ async def test_a_memory_plane_update_with_a_bad_bucket_is_refused_and_the_model_
             assert info.value.errors[worker].startswith("DigestMismatch: bucket 0 of 1 (bytes 0-")
         for (r, m), before in zip(receivers, kept, strict=True):
             assert r.version == 3
-            assert _holds(m, before)
+            assert same(m, before)
         monkeypatch.undo()
         bump(src)
         assert (await sender.send(timeout=20)).worker_ids == (0, 1)
@@ -134,7 +130,7 @@ async def test_a_shared_memory_slot_changed_after_its_digest_is_refused(
         assert sorted(info.value.errors) == [0, 1] and "bucket 0 of 1" in info.value.errors[0]
         for (r, m), before in zip(receivers, kept, strict=True):
             assert r.version == 1
-            assert _holds(m, before)
+            assert same(m, before)
         monkeypatch.undo()
         bump(src)
         await sender.send(timeout=20)
@@ -178,7 +174,7 @@ async def test_a_bucket_flipped_in_transit_over_gloo_is_refused_by_that_worker_a
         assert receivers[0][0].version == 2 and same(receivers[0][1], src)
         r1, m1 = receivers[1]
         assert r1.version == 1
-        assert _holds(m1, kept)
+        assert same(m1, kept)
         monkeypatch.undo()
         bump(src)
         await sender.send(timeout=30)

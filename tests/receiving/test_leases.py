@@ -12,7 +12,17 @@ import pytest
 import torch
 
 import aiowsync
-from helpers import Kind, fill, frozen, holds, model, policy, policy_and_value, sync_pair
+from helpers import (
+    Kind,
+    eventually,
+    fill,
+    frozen,
+    model,
+    policy_and_value,
+    policy_net,
+    same,
+    sync_pair,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -24,20 +34,6 @@ def slots_by_version(sender: aiowsync.WeightSyncScheme) -> dict[int, int]:
     plane: Any = sender._sender.plane  # type: ignore[attr-defined]
     table = plane._tables[""] if hasattr(plane, "_tables") else plane._slots
     return {s.version: i for i, s in enumerate(table) if s.version is not None}
-
-
-def same_bytes(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
-    return weights.keys() == expected.keys() and all(
-        torch.equal(weights[k], expected[k]) for k in expected
-    )
-
-
-async def eventually(check: Any, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -56,8 +52,8 @@ async def test_a_lease_keeps_its_version_across_five_sends_while_the_model_moves
                 result = await rig_.sender.send()
                 assert result.version == v
                 # The model runs the new version; the lease still reads version 1.
-                assert holds(m, frozen(rig_.src)) and r.version == v
-                assert same_bytes(held.params(), leased_bytes), f"after version {v}"
+                assert same(m, frozen(rig_.src)) and r.version == v
+                assert same(held.params(), leased_bytes), f"after version {v}"
             assert held.version == 1
             weights = held.weights
             assert weights.is_locked
@@ -76,7 +72,11 @@ async def test_a_lease_keeps_its_version_across_five_sends_while_the_model_moves
             _ = held.version
         if kind.name == "dist":
             return  # its slots are the sender's private copies: no lease reads them
-        await eventually(lambda: rig_.sender.workers[0].leased == (), "the lease's end reported")
+        await eventually(
+            lambda: rig_.sender.workers[0].leased == (),
+            what="the lease's end reported",
+            within=10.0,
+        )
         for v in range(7, 10):
             fill(rig_.src, float(v))
             await rig_.sender.send()
@@ -113,7 +113,11 @@ async def test_leases_that_exhaust_max_slots_are_refused_naming_the_worker(name:
                 ) in text
                 assert rig_.sender.workers[1].leased == (0, 1)
                 assert rig_.versions() == [2, 2]  # nothing moved
-        await eventually(lambda: rig_.sender.workers[1].leased == (), "the leases' end reported")
+        await eventually(
+            lambda: rig_.sender.workers[1].leased == (),
+            what="the leases' end reported",
+            within=10.0,
+        )
         result = await rig_.sender.send()
         assert result.version == 3 and rig_.versions() == [3, 3]
 
@@ -157,7 +161,7 @@ async def test_a_lease_in_a_thread_reads_one_version_while_sends_go_on(kind: Kin
             for v in range(2, 6):
                 fill(rig_.src, float(10 * v))
                 await rig_.sender.send()
-                assert holds(m, frozen(rig_.src))
+                assert same(m, frozen(rig_.src))
         finally:
             finish.set()
             thread.join(10)
@@ -174,12 +178,12 @@ async def test_a_lease_covers_every_model_of_a_scheme() -> None:
                     t.add_(1)
             await sender.send(weights={"value": models["value"]})
             assert held.version == 0 and r.version == 1
-            assert same_bytes(held.params("policy"), sent["policy"])
-            assert same_bytes(held.params("value"), sent["value"])
+            assert same(held.params("policy"), sent["policy"])
+            assert same(held.params("value"), sent["value"])
             assert torch.equal(held.weights["value", "0", "weight"], sent["value"]["0.weight"])
             x = torch.randn(2, 8)
             out = torch.func.functional_call(mine["policy"], held.params("policy"), (x,))
-            reference = policy(0)
+            reference = policy_net(0)
             assert torch.equal(out, reference(x))
             with pytest.raises(KeyError, match="critic"):
                 held.params("critic")
@@ -199,7 +203,7 @@ async def test_a_lease_outlives_its_receiver_with_the_same_bytes() -> None:
             for v in range(4, 9):  # two slots go round and round for worker 1
                 fill(rig_.src, float(v))
                 await rig_.sender.send(worker_ids=[1])
-            assert same_bytes(held.params(), leased_bytes)
+            assert same(held.params(), leased_bytes)
         finally:
             await lease.__aexit__(None, None, None)
         with pytest.raises(aiowsync.NotConnectedError, match="closed"):

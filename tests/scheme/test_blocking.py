@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import aiowsync
-from _workers import SPAWN, blocking_worker_main, digest, fill, make_model
-from helpers import BEATS, model, same, sync_pair
+from _workers import SPAWN, blocking_worker_main, digest, make_model
+from helpers import BEATS, fill, model, same, sync_pair
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,8 +19,8 @@ from helpers import (
     fill,
     frozen,
     held,
-    holds,
     model,
+    same,
     switch_waits,
     values,
 )
@@ -46,7 +46,7 @@ async def test_a_guard_held_past_the_deadline_times_out_naming_that_worker(kind:
             assert isinstance(info.value, TimeoutError)
             assert info.value.worker_ids == (1,)
             assert info.value.version == 1 and info.value.acked == (0, 2)
-            assert r1.version == 0 and holds(m1, before)  # no switch under the guard
+            assert r1.version == 0 and same(m1, before)  # no switch under the guard
             assert values(rig[0][1]) == {1.0} and values(rig[2][1]) == {1.0}
         # Released, the late worker switches to the version it was sent.
         assert await r1.wait_for_version(1, timeout=CONNECT) == 1
@@ -76,7 +76,7 @@ async def test_a_worker_that_left_fails_sends_at_once_and_rejoins_with_the_lates
         result = await rig.sender.send(worker_ids=[0, 2])
         assert result.version == 2 and result.worker_ids == (0, 2)
         # The model of the worker that left keeps the last version it ran, in memory of its own.
-        assert holds(rig[1][1], kept) and values(rig[1][1]) == {1.0}
+        assert same(rig[1][1], kept) and values(rig[1][1]) == {1.0}
         # A new receiver under the same index is welcomed with the latest version.
         newcomer = model(42)
         r = await rig.add(kind, 1, newcomer)
@@ -136,7 +136,7 @@ async def test_a_worker_closed_while_its_guard_blocks_the_switch(kind: Kind) -> 
         assert isinstance(info.value, aiowsync.RemoteApplyError), repr(info.value)
         assert info.value.errors == {1: "receiver shut down"}
         assert info.value.version == 1 and info.value.acked == (0,)
-        assert r1.version == 0 and holds(m1, before)
+        assert r1.version == 0 and same(m1, before)
         fill(rig.src, 2.0)
         assert (await rig.sender.send(worker_ids=[0])).version == 2
 
@@ -215,7 +215,7 @@ async def test_a_send_cancelled_while_staging_uses_no_version_and_breaks_nothing
             await send
         assert rig.sender.version == 0
         assert rig.versions() == [0, 0]
-        assert all(holds(m, k) for (_, m), k in zip(rig.receivers, kept, strict=True))
+        assert all(same(m, k) for (_, m), k in zip(rig.receivers, kept, strict=True))
         fill(rig.src, 2.0)
         result = await rig.sender.send()
         assert result.version == 1 and all(values(m) == {2.0} for _, m in rig.receivers)

@@ -26,7 +26,6 @@ from helpers import (
     fill,
     frozen,
     held,
-    holds,
     model,
     same,
     switch_waits,
@@ -173,7 +172,7 @@ async def test_a_sender_leaving_while_a_send_waits_names_the_workers_not_yet_ans
         assert values(rig[0][1]) == {1.0}
         # Released, worker 1 either switches to the version it had fetched or stays: never a mix.
         assert await eventually(lambda: not r1.read_guard()._idle_waiters, within=CONNECT)
-        assert (r1.version == 1 and values(m1) == {1.0}) or (r1.version == 0 and holds(m1, before))
+        assert (r1.version == 1 and values(m1) == {1.0}) or (r1.version == 0 and same(m1, before))
 
 
 async def test_a_receiver_built_from_the_pickled_sender_works(kind: Kind) -> None:
@@ -257,7 +256,7 @@ async def test_a_receiver_of_another_model_id_is_refused_naming_both(kind: Kind)
             with pytest.raises(aiowsync.RefusedError) as info:
                 await other.connect(timeout=CONNECT)
         assert "serves model 'policy', not 'critic'" in info.value.reason
-        assert holds(mine, before) and other.version == -1
+        assert same(mine, before) and other.version == -1
         assert rig[0][0].connected and rig[0][0].version == 0  # the real worker 0 is untouched
 
 

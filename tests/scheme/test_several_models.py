@@ -13,24 +13,19 @@ from tensordict import TensorDict
 from torch import nn
 
 import aiowsync
-from helpers import CONNECT, Kind, policy, policy_and_value, serving, value_net
+from helpers import (
+    CONNECT,
+    Kind,
+    fill,
+    frozen,
+    policy_and_value,
+    policy_net,
+    same,
+    serving,
+    value_net,
+)
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def state(m: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: t.clone() for k, t in m.state_dict().items()}
-
-
-def equal(m: nn.Module, expected: dict[str, torch.Tensor]) -> bool:
-    got = m.state_dict()
-    return got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
-
-
-def fill(m: nn.Module, v: float) -> None:
-    with torch.no_grad():
-        for t in m.parameters():
-            t.fill_(v)
 
 
 async def test_one_version_covers_every_model_and_hooks_run_once_per_switch(kind: Kind) -> None:
@@ -42,15 +37,15 @@ async def test_one_version_covers_every_model_and_hooks_run_once_per_switch(kind
         receivers[0][0].register_hook(switches.append)
         for r, mine in receivers:
             assert set(r.models) == {"policy", "value"} and r.models["policy"] is mine["policy"]
-            assert equal(mine["policy"], state(models["policy"]))
-            assert equal(mine["value"], state(models["value"]))
+            assert same(mine["policy"], frozen(models["policy"]))
+            assert same(mine["value"], frozen(models["value"]))
         fill(models["policy"], 1.0)
         fill(models["value"], 2.0)
         result = await sender.send()
         assert result.version == 1 and result.worker_ids == (0, 1)
         for _, mine in receivers:
-            assert equal(mine["policy"], state(models["policy"]))
-            assert equal(mine["value"], state(models["value"]))
+            assert same(mine["policy"], frozen(models["policy"]))
+            assert same(mine["value"], frozen(models["value"]))
         assert switches == [1]  # once per switch, not once per model
         # Every model given, as weights: a full send of those weights.
         given = {
@@ -58,7 +53,7 @@ async def test_one_version_covers_every_model_and_hooks_run_once_per_switch(kind
             for k, m in models.items()
         }
         assert (await sender.send(weights=given)).version == 2
-        assert all(equal(mine[k], given[k]) for _, mine in receivers for k in given)
+        assert all(same(mine[k], given[k]) for _, mine in receivers for k in given)
 
 
 async def test_a_send_of_some_models_moves_those_and_the_others_keep_their_bytes(
@@ -68,7 +63,7 @@ async def test_a_send_of_some_models_moves_those_and_the_others_keep_their_bytes
         fill(models["policy"], 1.0)
         fill(models["value"], 1.0)
         await sender.send()
-        sent_policy = state(models["policy"])
+        sent_policy = frozen(models["policy"])
         # The trainer changes both, but sends the value net alone (as a TensorDict).
         fill(models["policy"], 5.0)
         new_value = TensorDict.from_module(value_net(7)).apply(lambda t: t.detach().clone())
@@ -76,8 +71,8 @@ async def test_a_send_of_some_models_moves_those_and_the_others_keep_their_bytes
         assert result.version == 2
         for r, mine in receivers:
             assert r.version == 2
-            assert equal(mine["policy"], sent_policy)  # v1's bytes, not the trainer's 5.0
-            assert equal(mine["value"], state(value_net(7)))
+            assert same(mine["policy"], sent_policy)  # v1's bytes, not the trainer's 5.0
+            assert same(mine["value"], frozen(value_net(7)))
         # Again, a few times: slots are reused, and still only the value net changes.
         for step in range(3, 7):
             new_value = {
@@ -85,10 +80,10 @@ async def test_a_send_of_some_models_moves_those_and_the_others_keep_their_bytes
             }
             assert (await sender.send(weights={"value": new_value})).version == step
             for _, mine in receivers:
-                assert equal(mine["policy"], sent_policy) and equal(mine["value"], new_value)
+                assert same(mine["policy"], sent_policy) and same(mine["value"], new_value)
         # A full send brings the trainer's policy again.
         await sender.send()
-        assert all(equal(mine["policy"], state(models["policy"])) for _, mine in receivers)
+        assert all(same(mine["policy"], frozen(models["policy"])) for _, mine in receivers)
 
 
 async def test_digests_cover_every_model_of_a_version_those_carried_too(kind: Kind) -> None:
@@ -103,13 +98,13 @@ async def test_digests_cover_every_model_of_a_version_those_carried_too(kind: Ki
             result = await sender.send(weights={"policy": models["policy"].state_dict()})
             assert result.version == step and result.worker_ids == (0, 1)
             for _, mine in receivers:
-                assert equal(mine["policy"], state(models["policy"]))
-                assert equal(mine["value"], state(models["value"]))
+                assert same(mine["policy"], frozen(models["policy"]))
+                assert same(mine["value"], frozen(models["value"]))
 
 
 async def test_sends_that_do_not_fit_are_refused_before_a_byte_moves(kind: Kind) -> None:
     async with policy_and_value(kind) as (sender, models, receivers):
-        before = [(state(m["policy"]), state(m["value"])) for _, m in receivers]
+        before = [(frozen(m["policy"]), frozen(m["value"])) for _, m in receivers]
         with pytest.raises(ValueError) as unknown:
             await sender.send(weights={"value": models["value"], "critic": models["value"]})
         assert str(unknown.value) == (
@@ -127,19 +122,19 @@ async def test_sends_that_do_not_fit_are_refused_before_a_byte_moves(kind: Kind)
             await sender.send(weights=[1, 2])  # type: ignore[arg-type]
         assert sender.version == 0
         for (r, m), (p, v) in zip(receivers, before, strict=True):
-            assert r.version == 0 and equal(m["policy"], p) and equal(m["value"], v)
+            assert r.version == 0 and same(m["policy"], p) and same(m["value"], v)
 
 
 async def test_a_receiver_whose_value_net_differs_is_refused_naming_the_model(
     kind: Kind,
 ) -> None:
-    models = {"policy": policy(0), "value": value_net(1)}
+    models = {"policy": policy_net(0), "value": value_net(1)}
     sender = kind.scheme()
     sender.init_on_sender(models=models, num_workers=1)
     async with serving(sender):
         r = kind.scheme(sender.address, plane=sender.plane)
         r.init_on_receiver(
-            models={"policy": policy(2), "value": value_net(3, width=17)}, worker_idx=0
+            models={"policy": policy_net(2), "value": value_net(3, width=17)}, worker_idx=0
         )
         async with r:
             with pytest.raises(aiowsync.RefusedError) as info:
@@ -151,7 +146,7 @@ async def test_a_receiver_whose_value_net_differs_is_refused_naming_the_model(
             "  model 'value', key 2.weight: expected float32[1, 16], got float32[1, 17]"
         )
         one = kind.scheme(sender.address, plane=sender.plane)
-        one.init_on_receiver(model=policy(4), worker_idx=0)
+        one.init_on_receiver(model=policy_net(4), worker_idx=0)
         async with one:
             with pytest.raises(aiowsync.RefusedError) as single:
                 await one.connect(timeout=CONNECT)
@@ -163,7 +158,7 @@ async def test_a_wire_dtype_halves_the_bytes_and_each_worker_holds_the_cast_valu
 ) -> None:
     def halves(i: int) -> dict[str, nn.Module]:
         # Worker 0 runs bf16 (swap onto the bf16 slots); worker 1 fp32 (copies with a cast).
-        mine = {"policy": policy(100 + i), "value": value_net(200 + i)}
+        mine = {"policy": policy_net(100 + i), "value": value_net(200 + i)}
         return {k: m.to(torch.bfloat16) for k, m in mine.items()} if i == 0 else mine
 
     each = {0: {"models_of": halves}, 1: {"models_of": halves}}
@@ -207,7 +202,7 @@ def test_bad_wire_dtypes_and_swaps_that_cannot_be_are_refused_with_the_fix() -> 
         address="ipc://@x", wire_dtype=torch.bfloat16, apply_mode="swap"
     )
     with pytest.raises(ValueError) as swap:
-        r.init_on_receiver(models={"policy": policy(0)}, worker_idx=0)
+        r.init_on_receiver(models={"policy": policy_net(0)}, worker_idx=0)
     assert str(swap.value) == (
         "apply_mode='swap' needs the model to hold the wire dtype torch.bfloat16, and "
         "policy.0.bias is torch.float32; use apply_mode='copy' (or 'auto', which picks it) "
@@ -215,9 +210,9 @@ def test_bad_wire_dtypes_and_swaps_that_cannot_be_are_refused_with_the_fix() -> 
     )
     s = aiowsync.SharedMemWeightSyncScheme()
     with pytest.raises(ValueError, match=r"model id 'a\.b' must be"):
-        s.init_on_sender(models={"a.b": policy(0)}, num_workers=1)
+        s.init_on_sender(models={"a.b": policy_net(0)}, num_workers=1)
     with pytest.raises(ValueError, match="give models= alone"):
-        s.init_on_sender(model=policy(0), models={"a": policy(0)}, num_workers=1)
+        s.init_on_sender(model=policy_net(0), models={"a": policy_net(0)}, num_workers=1)
 
 
 @pytest.mark.parametrize("name", ["shm", "dist"])
@@ -242,16 +237,16 @@ async def test_a_model_not_sent_stays_where_it_is(name: str) -> None:
             await sender.send(weights={name: models[name]})
             assert where(other) == kept, f"step {step}: {other} was rewritten"
             assert where(name) != moved
-            assert equal(mine[name], state(models[name]))
+            assert same(mine[name], frozen(models[name]))
 
 
 async def test_a_receiver_without_the_senders_wire_dtype_is_told_so() -> None:
     kind = Kind("memory")
     sender = kind.scheme(wire_dtype=torch.bfloat16)
-    sender.init_on_sender(model=policy(0), num_workers=1)
+    sender.init_on_sender(model=policy_net(0), num_workers=1)
     async with serving(sender):
         r = kind.scheme(sender.address, plane=sender.plane)  # built from the address alone
-        r.init_on_receiver(model=policy(1), worker_idx=0)
+        r.init_on_receiver(model=policy_net(1), worker_idx=0)
         async with r:
             with pytest.raises(aiowsync.RefusedError) as info:
                 await r.connect(timeout=CONNECT)
@@ -338,35 +333,35 @@ async def test_a_worker_left_out_of_a_send_gets_what_it_lacks_with_the_next_part
         for m in models.values():
             fill(m, 2.0)
         await sender.send(worker_ids=[0])  # worker 1 stays on version 1
-        policy_v2 = state(models["policy"])
+        policy_v2 = frozen(models["policy"])
         fill(models["value"], 3.0)
         result = await sender.send(weights={"value": models["value"]})
         assert result.version == 3 and result.worker_ids == (0, 1)
         for _, mine in receivers:
             # Worker 1 never got version 2: its policy comes with version 3 all the same.
-            assert equal(mine["policy"], policy_v2)
-            assert equal(mine["value"], state(models["value"]))
+            assert same(mine["policy"], policy_v2)
+            assert same(mine["value"], frozen(models["value"]))
         # More sends of one model or the other, in turn, to everyone.
         for step in range(4, 8):
             name = "policy" if step % 2 else "value"
             fill(models[name], float(step))
             assert (await sender.send(weights={name: models[name]})).version == step
             for _, mine in receivers:
-                assert equal(mine[name], state(models[name]))
+                assert same(mine[name], frozen(models[name]))
 
 
 async def test_model_ids_that_are_module_attributes_work_too() -> None:
     kind = Kind("memory")
-    models = {"training": policy(0), "eval": value_net(1)}
+    models = {"training": policy_net(0), "eval": value_net(1)}
     sender = kind.scheme()
     sender.init_on_sender(models=models, num_workers=1)
     async with serving(sender):
-        mine = {"training": policy(2), "eval": value_net(3)}
+        mine = {"training": policy_net(2), "eval": value_net(3)}
         r = kind.scheme(sender.address, plane=sender.plane)
         r.init_on_receiver(models=mine, worker_idx=0)
         async with r:
             await asyncio.gather(sender.connect(timeout=CONNECT), r.connect(timeout=CONNECT))
             fill(models["eval"], 4.0)
             await sender.send(weights={"eval": models["eval"]})
-            assert equal(mine["eval"], state(models["eval"]))
-            assert equal(mine["training"], state(models["training"]))
+            assert same(mine["eval"], frozen(models["eval"]))
+            assert same(mine["training"], frozen(models["training"]))

@@ -13,7 +13,7 @@ from aiowsync import Layout, TensorSpec
 from aiowsync._copy.engine import CopyPolicy
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, TensorDesc, decode, encode
 from aiowsync._weights.flatten import flatten_weights
-from helpers import Mixed, assert_same_values, buffer_of
+from helpers import Mixed, buffer_of, same
 
 # -- the table ------------------------------------------------------------------------------
 
@@ -92,7 +92,7 @@ def test_pack_and_views_round_trip_every_dtype(policy: CopyPolicy) -> None:
     assert all(b.dtype == torch.uint8 for b in buffers)
     views = layout.views(buffers)
     layout.pack(source, views, policy)
-    assert_same_values(views, source)
+    assert same(views, source)
     for key, view in views.items():
         spec = layout.specs[layout.keys.index(key)]
         if view.numel():
@@ -155,7 +155,7 @@ def test_thousand_tensor_round_trip(policy: CopyPolicy) -> None:
     assert len(layout.buffer_sizes) > 1
     views = layout.views(layout.allocate())
     layout.pack(source, views, policy)
-    assert_same_values(views, source)
+    assert same(views, source)
     again = Layout.from_descs(decode(encode(hello_for(layout))).layout)  # type: ignore[union-attr]
     assert again.fingerprint == layout.fingerprint
 
@@ -177,7 +177,7 @@ def test_bucket_bytes_splits_into_several_buffers() -> None:
     buffers = layout.allocate()
     views = layout.views(buffers)
     layout.pack(source, views)
-    assert_same_values(views, source)
+    assert same(views, source)
     for spec in layout.specs:
         assert buffer_of(views[spec.key], buffers) == spec.buffer
     # bucketing changes where tensors live, not what the model is

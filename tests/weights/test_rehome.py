@@ -13,7 +13,7 @@ from aiowsync import Layout
 from aiowsync._copy.engine import CopyPolicy
 from aiowsync._weights.binding import bind_views, is_homed, module_targets, rehome
 from aiowsync._weights.flatten import flatten_weights
-from helpers import Mixed, assert_same_values, buffer_of
+from helpers import Mixed, buffer_of, same
 
 # -- re-homing a module ---------------------------------------------------------------------
 
@@ -31,7 +31,7 @@ def test_rehome_keeps_identity_values_and_optimizer() -> None:
     targets = module_targets(model)
     assert all(params[k] is p for k, p in model.named_parameters())
     assert all(isinstance(p, nn.Parameter) and p.requires_grad for p in params.values())
-    assert_same_values({k: t.detach() for k, t in targets.items()}, before)
+    assert same({k: t.detach() for k, t in targets.items()}, before)
     views = layout.views(buffers)
     assert is_homed(targets, views)
     for key, t in targets.items():
@@ -106,7 +106,7 @@ def test_rehome_a_thousand_parameter_model(policy: CopyPolicy) -> None:
     buffers = rehome(model, layout, policy)
     assert len(buffers) == 1
     assert is_homed(module_targets(model), layout.views(buffers))
-    assert_same_values({k: t.detach() for k, t in module_targets(model).items()}, before)
+    assert same({k: t.detach() for k, t in module_targets(model).items()}, before)
 
 
 def test_tied_weights_stay_tied() -> None:

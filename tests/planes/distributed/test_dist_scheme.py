@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 
 import aiowsync
-import helpers
 from aiowsync._planes.base import Source
 from aiowsync._planes.dist.buckets import Buckets
 from aiowsync._planes.dist.receiver import DistReceiverPlane

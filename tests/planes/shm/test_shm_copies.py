@@ -24,7 +24,7 @@ from helpers import SHM_BEATS, bump, model, same, shm_pair, slow_writes
 pytestmark = pytest.mark.timeout(60)
 
 
-def big_model(seed: int) -> nn.Module:
+def two_mib_layers(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 8 MiB: copied in a thread
 
@@ -33,7 +33,7 @@ def big_model(seed: int) -> nn.Module:
 async def test_asyncio_cancel_during_a_copy_returns_only_after_the_copy(how: str) -> None:
     # asyncio cancels with Task.cancel(), which anyio's shields do not hold back: the send must
     # still not give its slot back (to the next send) while the copy writes into it.
-    src, mirror = big_model(0), big_model(1)
+    src, mirror = two_mib_layers(0), two_mib_layers(1)
     async with shm_pair(src, mirror) as (sender, r):
         events = slow_writes(sender, 0.3)
         bump(src)
@@ -53,7 +53,7 @@ async def test_asyncio_cancel_during_a_copy_returns_only_after_the_copy(how: str
 
 
 async def test_a_copy_that_ends_past_the_deadline_is_not_announced() -> None:
-    src, mirror = big_model(0), big_model(1)
+    src, mirror = two_mib_layers(0), two_mib_layers(1)
     async with shm_pair(src, mirror) as (sender, r):
         before = mirror[0].weight.clone()
         events = slow_writes(sender, 0.5)
@@ -69,7 +69,7 @@ async def test_a_copy_that_ends_past_the_deadline_is_not_announced() -> None:
 
 
 async def test_without_a_timeout_staging_is_bounded_by_timeouts_transfer() -> None:
-    src, mirror = big_model(0), big_model(1)
+    src, mirror = two_mib_layers(0), two_mib_layers(1)
     async with shm_pair(src, mirror) as (sender, r):
         sender.timeouts = aiowsync.Timeouts(transfer=0.2)
         events = slow_writes(sender, 0.5)

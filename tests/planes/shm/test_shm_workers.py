@@ -22,7 +22,7 @@ from torch import nn
 
 import aiowsync
 from aiowsync._protocol import Update
-from helpers import SHM_BEATS, bump, eventually, model, same, shm_system
+from helpers import SHM_BEATS, bump, eventually, frozen, model, same, shm_system
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -180,7 +180,7 @@ async def test_a_worker_that_writes_a_rebound_model_fails_alone_and_loudly() -> 
                 with torch.no_grad():
                     for p in src.parameters():
                         p.add_(0.5)
-                sent = _state(src)
+                sent = frozen(src)
                 await sender.send(timeout=20)
                 out, err = await asyncio.wait_for(writer.communicate(), 60)
                 # The writer died on its write (SIGSEGV), saying where.
@@ -188,14 +188,14 @@ async def test_a_worker_that_writes_a_rebound_model_fails_alone_and_loudly() -> 
                 assert b"running version 1" in out and b"wrote into the model" not in out
                 assert b"Segmentation fault" in err and b"batchnorm" in err.lower()
                 # Nothing changed for the sender or the other worker.
-                assert _holds(other, sent) and _holds(src, sent)
+                assert same(other, sent) and same(src, sent)
                 assert await eventually(lambda: sender.workers[0].state in ("lost", "gone"), 30)
                 with torch.no_grad():
                     for p in src.parameters():
                         p.add_(0.5)
-                sent = _state(src)
+                sent = frozen(src)
                 assert (await sender.send(worker_ids=[1], timeout=20)).worker_ids == (1,)
-                assert _holds(other, sent)
+                assert same(other, sent)
         finally:
             if writer.returncode is None:
                 writer.kill()
@@ -205,14 +205,6 @@ async def test_a_worker_that_writes_a_rebound_model_fails_alone_and_loudly() -> 
 def _bn_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
-
-
-def _state(m: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in m.state_dict().items()}
-
-
-def _holds(m: nn.Module, expected: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(v, expected[k]) for k, v in m.state_dict().items())
 
 
 async def test_a_worker_that_writes_its_swap_mode_model_changes_only_its_own() -> None:
@@ -240,11 +232,11 @@ async def test_a_worker_that_writes_its_swap_mode_model_changes_only_its_own() -
                 with torch.no_grad():
                     for p in src.parameters():
                         p.add_(0.5)
-                sent = _state(src)
+                sent = frozen(src)
                 await sender.send(timeout=10)
                 # Every worker runs exactly what was sent: what worker 0 wrote into the
                 # version before is gone, also when the sender reuses that slot.
-                assert all(_holds(m, sent) for m in models), version
+                assert all(same(m, sent) for m in models), version
                 # Worker 0 writes into its model: BatchNorm's running stats in train mode,
                 # and noise added to a weight.
                 writer = models[0].train()
@@ -254,4 +246,4 @@ async def test_a_worker_that_writes_its_swap_mode_model_changes_only_its_own() -
                 assert not torch.equal(writer[1].running_mean, sent["1.running_mean"])
                 assert not torch.equal(writer[0].weight, sent["0.weight"])
                 # ... and changes nothing of the sender's or of the other worker.
-                assert _holds(models[1], sent), version
+                assert same(models[1], sent), version
