@@ -1,4 +1,5 @@
-"""The sender's background task: reading the control channel, beating, handshakes, answers.
+"""The sender's background task: reading the control channel, beating, answers (hellos go to
+:class:`Greeter`).
 
 :class:`ControlLoop` works on the engine's shared tables (a :class:`SenderState`: the peers,
 the pending sends, the version) and never sends a version itself.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 
 import anyio
@@ -17,11 +17,10 @@ import anyio
 from .. import _protocol as wire
 from .._channel import PeerId, SenderChannel
 from .._exceptions import ProtocolError, TransportError, WeightSyncError, WeightSyncTimeout
-from .._planes.base import Delivery
 from .._util.text import excerpt, worth_logging
-from .handshake import probe_gone, refusal
 from .peers import DEAD_STATES, Peer, PeerTable
 from .state import SenderState
+from .welcome import Greeter
 
 __all__ = ["ControlLoop"]
 
@@ -33,21 +32,22 @@ MESSAGES_PER_TURN = 8
 """Messages handled before the event loop gets a turn (see :meth:`ControlLoop._turn`)."""
 QUEUED_PER_BEAT = 256
 """Queued messages read before each round of beats, at most (a flood must not delay them)."""
-REFUSAL_CHARS = 60000
-"""The longest refusal text sent (a layout mismatch lists its differences)."""
-NOTE_CHARS = 4000
-"""The longest refusal text kept for the worker table and ``connect()``'s error."""
 
 
 class ControlLoop:
     def __init__(self, state: SenderState) -> None:
         self._state = state
         self._tasks: anyio.abc.TaskGroup | None = None
+        self._greeter = Greeter(state)
         self._disowned: dict[PeerId, None] = {}
         """Routing ids lately told that their session is not one of ours, oldest first."""
         self.dropped = 0
-        self.refusals = 0
         self.handled = 0
+
+    @property
+    def refusals(self) -> int:
+        """Hellos refused so far."""
+        return self._greeter.refusals
 
     # -- background task ----------------------------------------------------------------------
 
@@ -97,20 +97,12 @@ class ControlLoop:
                 continue
             try:
                 # A beat that cannot be queued at once is skipped, never waited for.
-                await channel.send(peer.routing, self._beat_for(peer), timeout=0)
+                await channel.send(peer.routing, self._state.beat_for(peer), timeout=0)
             except TransportError:
                 self._state.peers.connection_closed(peer)
                 self._state.peers.mark_lost(peer, "its connection is closed")
             except WeightSyncError:
                 pass
-
-    def _beat_for(self, peer: Peer) -> wire.Heartbeat:
-        return wire.Heartbeat(
-            worker_idx=wire.SENDER_INDEX,
-            session=peer.session,
-            version=self._state.version,
-            proof=self._state.proof,
-        )
 
     def _routable(self, peer: Peer) -> bool:
         """Whether a beat to ``peer``'s main connection is taken at once.
@@ -123,7 +115,7 @@ class ControlLoop:
         if channel is None:
             return False
         try:
-            return channel.send_nowait(peer.routing, self._beat_for(peer))
+            return channel.send_nowait(peer.routing, self._state.beat_for(peer))
         except WeightSyncError:
             return False
 
@@ -160,7 +152,7 @@ class ControlLoop:
 
     async def _dispatch(self, routing: PeerId, message: wire.Message) -> None:
         if isinstance(message, wire.Hello):
-            await self._on_hello(routing, message)
+            await self._greeter.answer(routing, message, self._tasks)
             return
         if isinstance(message, wire.Heartbeat):
             self._on_beat(routing, message)
@@ -238,116 +230,3 @@ class ControlLoop:
                 version,
                 excerpt(error),
             )
-
-    async def _on_hello(self, routing: PeerId, hello: wire.Hello) -> None:
-        channel = self._state.channel
-        assert channel is not None
-        refused = refusal(hello, self._state.layout, self._state.model_id, self._state.num_workers)
-        reason, told = refused if refused is not None else (None, None)
-        if hello.problem and 0 <= hello.worker_idx < self._state.num_workers:
-            reason = told = f"it could not start its receiver: {hello.problem}"
-        if reason is None:
-            old = self._state.peers.get(hello.worker_idx)
-            gone = old is None or old.lost
-            if not gone and old is not None:
-                gone = await probe_gone(self._state.peers, channel, old, self._beat_for(old))
-            if not gone and old is not None:
-                reason = told = (
-                    f"worker index {hello.worker_idx} is already connected "
-                    f"(pid {old.pid}); a second claimant is refused"
-                )
-        if reason is not None:
-            self.refusals += 1
-            if worth_logging(self.refusals):  # a flood of hellos must not flood the log
-                log.warning(
-                    "refused worker %d: %s (%d refusal(s) so far)",
-                    hello.worker_idx,
-                    excerpt(reason, 2000),
-                    self.refusals,
-                )
-            self._note_refusal(hello.worker_idx, reason)
-            with contextlib.suppress(WeightSyncError):
-                await channel.refuse(
-                    routing,
-                    wire.Refuse(reason=(told or reason)[:REFUSAL_CHARS]),
-                    protocol=_answer_in(hello.protocol),
-                    timeout=self._state.timeouts.control,
-                )
-            return
-        # Where the kernel names the peer's process (a Unix socket), liveness follows that
-        # pid, not the one the hello gives (a peer could name a process that never ends).
-        pid = channel.peer_pid(routing) or hello.pid
-        self._state.peers.replace(hello.worker_idx, pid)
-        conn = wire.Connection(wire.Role.SENDER, hello.worker_idx)
-        conn.receive(hello)
-        session = secrets.token_hex(16)
-        join = self._state.plane.deliver(
-            self._state.version,
-            [(hello.worker_idx, session)],
-            time.monotonic() + self._state.timeouts.handshake,
-            purpose="join",
-        )
-        welcome = wire.Welcome(
-            model_id=self._state.model_id,
-            worker_idx=hello.worker_idx,
-            session=session,
-            version=self._state.version,
-            params=self._state.with_digest(
-                self._state.version, {**self._state.plane.welcome_params(), **join.params}
-            ),
-            heartbeat_interval=self._state.beats.interval,
-            proof=self._state.proof,
-        )
-        conn.send(welcome)
-        peer = Peer(
-            worker_idx=hello.worker_idx,
-            routing=routing,
-            conn=conn,
-            session=session,
-            pid=pid,
-            welcome_version=self._state.version,
-            last_seen=time.monotonic(),
-            inflight={self._state.version},
-            host=hello.host,
-        )
-        self._state.peers.add(peer)
-        try:
-            await channel.send(routing, welcome, timeout=self._state.timeouts.control)
-        except WeightSyncError as exc:
-            if isinstance(exc, TransportError):
-                self._state.peers.connection_closed(peer)
-            self._state.peers.mark_lost(peer, f"could not be welcomed: {exc}")
-            join.abandon()
-        else:
-            if self._tasks is not None:
-                self._tasks.start_soon(self._bring_up, peer, welcome.version, join)
-            else:
-                join.abandon()
-        self._state.notify()
-
-    def _note_refusal(self, worker: int, reason: str) -> None:
-        """Keep why ``worker`` was refused, for the worker table and ``connect()``'s error,
-        unless the index is held by a worker that takes updates (a refused second claimant
-        says nothing about it)."""
-        peers = self._state.peers
-        if not 0 <= worker < self._state.num_workers:
-            return
-        holder = peers.get(worker)
-        if holder is None or holder.lost:
-            peers.notes[worker] = f"refused: {reason[:NOTE_CHARS]}"
-
-    async def _bring_up(self, peer: Peer, version: int, join: Delivery) -> None:
-        """Move the welcome version to a joining worker, where the plane moves bytes."""
-        try:
-            await join.run(None)
-        except WeightSyncError as exc:
-            # The worker hears of it too (its receive fails) and its connect() raises.
-            log.warning(
-                "worker %d could not be brought up to version %d: %s", peer.worker_idx, version, exc
-            )
-
-
-def _answer_in(protocol: int) -> int:
-    """The version a refusal goes back in: the hello's own, which a peer of another version
-    reads, unless no frame header can carry it (a hello that names an impossible one)."""
-    return protocol if 0 <= protocol <= 255 else wire.PROTOCOL_VERSION

@@ -16,6 +16,7 @@ from .._channel import SenderChannel
 from .._config import Heartbeats, Timeouts
 from .._planes.base import Params, SenderPlane
 from .._planes.digest import Digests
+from .._protocol import SENDER_INDEX, Heartbeat
 from .._util.signal import Signal
 from .._weights.layout import Layout
 from .announce import Announcer
@@ -64,6 +65,12 @@ class SenderState:
     def with_digest(self, version: int, params: Params) -> Params:
         """``params`` for an update of ``version``, with its digest when there is one."""
         return self.digests.add_to(version, params)
+
+    def beat_for(self, peer: Peer) -> Heartbeat:
+        """The sender's beat to ``peer``: its session, the latest version and the proof."""
+        return Heartbeat(
+            worker_idx=SENDER_INDEX, session=peer.session, version=self.version, proof=self.proof
+        )
 
     def abandon_pending(self) -> None:
         """Settle every send still waiting: its silent workers count as lost (on close)."""
