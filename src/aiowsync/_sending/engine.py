@@ -41,8 +41,8 @@ BYE_SEND_S = 0.2
 
 
 class SenderCore:
-    """The sender's engine; the tables it shares with its control loop and its retries are
-    in :attr:`state`."""
+    """The sender's engine; the tables it shares with the pieces it runs (its control loop,
+    staging and retries) are in :attr:`state`."""
 
     def __init__(
         self,
