@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 import aiowsync
 
 
@@ -44,7 +46,22 @@ def test_receiver_takes_the_same_constructor_arguments_as_the_sender() -> None:
     b = aiowsync.SharedMemWeightSyncScheme(
         address="tcp://127.0.0.1:1", num_slots=3, model_id="critic"
     )
-    assert (a.num_slots, a.model_id) == (b.num_slots, b.model_id)
+    assert (a.plane, a.model_id) == (b.plane, b.model_id)
+    assert a.plane == aiowsync.SharedMemPlane(num_slots=3)
+
+
+def test_a_plane_and_the_options_it_would_replace_are_refused_together() -> None:
+    with pytest.raises(ValueError, match="give plane= or num_slots=, not both"):
+        aiowsync.SharedMemWeightSyncScheme(num_slots=3, plane=aiowsync.MemoryPlane())
+    with pytest.raises(ValueError, match="give plane= or backend=, topology=, not both"):
+        aiowsync.DistributedWeightSyncScheme(
+            backend="gloo", topology="chain", plane=aiowsync.MemoryPlane()
+        )
+    # A plane alone, or the options alone, are fine.
+    assert isinstance(
+        aiowsync.SharedMemWeightSyncScheme(plane=aiowsync.MemoryPlane()).plane, aiowsync.MemoryPlane
+    )
+    assert aiowsync.DistributedWeightSyncScheme(topology="chain").plane.topology == "chain"
 
 
 def test_every_public_class_method_and_property_is_documented() -> None:

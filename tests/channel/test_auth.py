@@ -576,7 +576,7 @@ async def test_liveness_follows_the_pid_the_kernel_gives_not_the_hellos() -> Non
     src = model(0)
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=FAST)
     sender.init_on_sender(model=src, num_workers=1)
-    layout = sender._layout  # type: ignore[attr-defined]
+    layout = sender._sending.layout  # type: ignore[union-attr]
     hello = Hello(
         protocol=PROTOCOL_VERSION,
         model_id=sender.model_id,

@@ -222,7 +222,7 @@ async def test_a_hello_larger_than_any_receiver_of_the_model_sends_is_never_read
     frame = encode(_hello(descs))
     sender = aiowsync.SharedMemWeightSyncScheme()
     sender.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
-    assert len(frame) > hello_limit(sender._layout) + 1024  # type: ignore[attr-defined]
+    assert len(frame) > hello_limit(sender._sending.layout) + 1024  # type: ignore[union-attr]
     ctx = zmq.Context()
     async with sender:
         raw = _intruder(ctx, sender.address)

@@ -180,3 +180,10 @@ def test_a_sync_trainer_and_two_sync_workers_never_read_a_torn_model() -> None:
                 p.kill()
                 p.join(5)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def test_blocking_is_the_one_way_to_a_blocking_scheme() -> None:
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    with pytest.raises(TypeError, match=r"use aiowsync.blocking\(scheme\)"):
+        aiowsync.BlockingScheme(scheme)
+    assert isinstance(aiowsync.blocking(scheme), aiowsync.BlockingScheme)

@@ -77,13 +77,13 @@ async def test_a_rehomed_parameter_transposed_in_place_arrives_transposed() -> N
     torch.manual_seed(0)
     src, mirror = nn.Linear(6, 6), nn.Linear(6, 6)
     async with pair(src, mirror, rehome=True) as (sender, r):
-        assert sender._source._flat is not None  # re-homed
+        assert sender._sending.source._flat is not None  # re-homed
         with torch.no_grad():
             src.weight.t_()  # same data pointer, other strides
         await sender.send(timeout=10)
         # Before: the flat buffer was sent as it was, untransposed.
         assert torch.equal(mirror.weight, src.weight)
-        assert sender._source._flat is None  # fell back to per-tensor copies
+        assert sender._sending.source._flat is None  # fell back to per-tensor copies
 
 
 async def test_a_module_whose_tensors_share_memory_is_not_rehomed() -> None:
@@ -95,7 +95,7 @@ async def test_a_module_whose_tensors_share_memory_is_not_rehomed() -> None:
 
     src, mirror = Shared(), Shared()
     async with pair(src, mirror, rehome=True) as (sender, r):
-        assert sender._source._flat is None  # refused: it would have split w and head apart
+        assert sender._sending.source._flat is None  # refused: it would have split w and head apart
         with torch.no_grad():
             src.w.add_(1.0)
         assert torch.equal(src.head, torch.ones(2))  # still a view of w
@@ -156,7 +156,7 @@ async def test_a_rehomed_model_is_rehomed_again_in_a_later_session() -> None:
         mirror = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
         async with pair(src, mirror, rehome=True) as (sender, r):
             # Its tensors are views of one buffer now, side by side: not "sharing memory".
-            assert sender._source._flat is not None
+            assert sender._sending.source._flat is not None
             with torch.no_grad():
                 src[0].weight.add_(1.0)
             await sender.send(timeout=10)

@@ -48,7 +48,11 @@ def blocking(scheme: WeightSyncScheme) -> BlockingScheme:
     not be entered: the context manager enters it on its own loop and leaves it on exit, also
     when the body raises (``KeyboardInterrupt`` included).
     """
-    return BlockingScheme(scheme)
+    return BlockingScheme(scheme, _made=_BY_BLOCKING)
+
+
+_BY_BLOCKING = object()
+"""Proof that :func:`blocking` made the object: it is the one way to a :class:`BlockingScheme`."""
 
 
 class BlockingScheme:
@@ -56,10 +60,16 @@ class BlockingScheme:
 
     Every method has the name, arguments, result and exceptions of the scheme's coroutine of
     the same name. Calls made from inside a running event loop, or after the ``with`` block
-    ended, raise :class:`RuntimeError` instead of blocking.
+    ended, raise :class:`RuntimeError` instead of blocking. Made by :func:`blocking` only;
+    the class is public for type annotations.
     """
 
-    def __init__(self, scheme: WeightSyncScheme) -> None:
+    def __init__(self, scheme: WeightSyncScheme, *, _made: object = None) -> None:
+        if _made is not _BY_BLOCKING:
+            raise TypeError(
+                "use aiowsync.blocking(scheme): BlockingScheme is the type it returns, not a "
+                "second way to build one"
+            )
         self.scheme = scheme
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

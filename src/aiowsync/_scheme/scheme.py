@@ -167,7 +167,7 @@ class WeightSyncScheme(SchemeRuntime):
 
         Concurrent calls are served one at a time in call order.
         """
-        return await self._need_sending("send").send(weights, worker_ids, timeout)
+        return await self._need_sending("send").send(weights, worker_ids, timeout, self.timeouts)
 
     async def publish(
         self,
@@ -186,7 +186,8 @@ class WeightSyncScheme(SchemeRuntime):
         raised by ``publish()`` itself. Await every pending send before leaving
         ``async with``: leaving ends the ones still waiting, with an error.
         """
-        return await self._need_sending("publish").publish(weights, worker_ids, timeout)
+        sending = self._need_sending("publish")
+        return await sending.publish(weights, worker_ids, timeout, self.timeouts)
 
     def extract_weights(self, source: WeightsLike | None = None) -> Any:
         """The weights of ``source`` (default: the sender's model) in the strategy's format."""

@@ -259,8 +259,12 @@ class SenderSession:
         weights: WeightsLike | str | None,
         worker_ids: int | Sequence[int] | None,
         timeout: float | None,
+        timeouts: Timeouts,
     ) -> SendResult:
-        core, source, targets, limits = self._send_args("send", weights, worker_ids, timeout)
+        """``timeouts``: the scheme's, as they are now (they may change between sends)."""
+        core, source, targets, limits = self._send_args(
+            "send", weights, worker_ids, timeout, timeouts
+        )
         return await core.send(source, targets, **limits)
 
     async def publish(
@@ -268,8 +272,11 @@ class SenderSession:
         weights: WeightsLike | str | None,
         worker_ids: int | Sequence[int] | None,
         timeout: float | None,
+        timeouts: Timeouts,
     ) -> PendingSend:
-        core, source, targets, limits = self._send_args("publish", weights, worker_ids, timeout)
+        core, source, targets, limits = self._send_args(
+            "publish", weights, worker_ids, timeout, timeouts
+        )
         assert self._tasks is not None
         return await core.publish(source, targets, tasks=self._tasks.tg, **limits)
 
@@ -279,6 +286,7 @@ class SenderSession:
         weights: WeightsLike | str | None,
         worker_ids: int | Sequence[int] | None,
         timeout: float | None,
+        timeouts: Timeouts,
     ) -> tuple[SenderCore, WeightSource, list[int], dict[str, Any]]:
         if self.relay is not None:
             raise RuntimeError(
@@ -296,7 +304,6 @@ class SenderSession:
             # The model given at init, passed again: the same as send(), whose watch knows its
             # tensors without walking the model.
             weights = None
-        timeouts = self.options.timeouts
         if timeout is None:
             stage_limit, ack_limit, deadline = timeouts.transfer, timeouts.ack, None
         else:

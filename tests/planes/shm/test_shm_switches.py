@@ -223,7 +223,7 @@ async def test_a_window_whose_model_torch_moved_elsewhere_is_not_remapped_blindl
 def test_the_switch_setting_travels_with_the_scheme_and_is_checked() -> None:
     sender = aiowsync.SharedMemWeightSyncScheme(switch="rebind")
     sender.init_on_sender(model=model(0), num_workers=1)
-    assert pickle.loads(pickle.dumps(sender)).switch == "rebind"
+    assert pickle.loads(pickle.dumps(sender)).plane.switch == "rebind"
     with pytest.raises(ValueError, match="switch must be"):
         aiowsync.SharedMemWeightSyncScheme(switch="mmap")  # type: ignore[arg-type]
 
@@ -311,12 +311,12 @@ async def test_a_big_rehomed_parameter_transposed_in_place_arrives_transposed() 
     torch.manual_seed(0)
     src, mirror = model(0, big=True), model(1, big=True)
     async with shm_pair(src, mirror, rehome=True) as (sender, r):
-        assert sender._source._flat is not None
+        assert sender._sending.source._flat is not None
         with torch.no_grad():
             src[3].weight.t_()
         await sender.send(timeout=10)
         assert torch.equal(mirror[3].weight, src[3].weight)
-        assert sender._source._flat is None  # fell back to per-tensor copies
+        assert sender._sending.source._flat is None  # fell back to per-tensor copies
         bump(src)
         await sender.send(timeout=10)
         assert same(mirror, src)
