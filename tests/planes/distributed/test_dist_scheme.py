@@ -406,7 +406,7 @@ async def test_receivers_reach_the_store_on_the_data_host_not_the_control_host()
 
 
 def test_a_wait_shorter_than_a_millisecond_still_has_a_limit() -> None:
-    from aiowsync._planes.dist.groups import finish
+    from aiowsync._planes.dist.collectives import finish
 
     seen: list[Any] = []
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch._C._distributed_c10d import TCPStore
 
-from aiowsync._planes.dist.groups import ReceiverGroups, new_group
+from aiowsync._planes.dist.collectives import new_group
+from aiowsync._planes.dist.groups import ReceiverGroups
 from aiowsync._planes.dist.store import StoreServer
 from aiowsync._planes.dist.store_client import StoreClient
 
@@ -233,7 +234,7 @@ def test_a_group_dropped_while_it_forms_fails_its_waiting_members_at_once(
 _STOPS_AFTER_PUBLISHING = """
 import os, signal, sys
 sys.path[:0] = sys.argv[4:]
-from aiowsync._planes.dist.groups import new_group
+from aiowsync._planes.dist.collectives import new_group
 from aiowsync._planes.dist.store_client import StoreClient
 
 class Client(StoreClient):

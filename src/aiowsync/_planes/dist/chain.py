@@ -22,7 +22,7 @@ from aiowsync._exceptions import TransportError
 from aiowsync._util.text import first_line
 
 from ..base import Params
-from .groups import Backend, finish, seconds_left
+from .collectives import Backend, finish, seconds_left
 
 __all__ = ["CHAIN_STALL", "SLOW_LINK", "ChainLimits", "receive_and_forward", "wait_link"]
 

@@ -13,9 +13,7 @@ Every blocking call here runs in a worker thread and has a deadline.
 
 from __future__ import annotations
 
-import datetime
 import logging
-import math
 import secrets
 import socket
 import threading
@@ -25,33 +23,27 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 from urllib.parse import urlsplit
 
-import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store
+from torch._C._distributed_c10d import Store
 
 from aiowsync._exceptions import TransportError
 
 from ..base import Member, Params
-from .store import StoreServer, group_prefix
+from .collectives import Backend, new_group, reap, seconds_left
+from .store import StoreServer
 from .store_client import StoreClient
 
 __all__ = [
     "FORM_TIMEOUT",
-    "Backend",
     "Group",
     "ReceiverGroups",
     "SenderGroups",
     "Topology",
-    "finish",
     "host_of",
     "local_ip_towards",
-    "new_group",
-    "seconds_left",
 ]
 
 log = logging.getLogger("aiowsync.dist")
 
-Backend: TypeAlias = Literal["gloo", "nccl"]
 Topology: TypeAlias = Literal["star", "chain"]
 """How a version travels to a group's members: from the sender to each (star), or from each
 member to the next (chain)."""
@@ -62,15 +54,8 @@ member that never joins fails the transfer early, so that its retry on a fresh g
 time. A group that brings a joining worker up to date has no retry, and may take its whole
 deadline (a worker starting beside many others on a busy host may be slow to join)."""
 
-_CONNECT_TIMEOUT = 2.0
-"""gloo's own limit while a group forms (see :func:`new_group`)."""
-
 _STORE_TIMEOUT = 60.0
 """The sender's limit on one store request; every wait that matters has its own deadline."""
-
-_OP_TIMEOUT = datetime.timedelta(hours=1)
-"""The groups' own limit on one send or receive. Deadlines are enforced by each wait instead:
-a cached group outlives the deadline of the send that formed it."""
 
 _MAX_GROUPS = 8
 """Idle groups each side keeps: each holds connections to all its members."""
@@ -93,82 +78,6 @@ def local_ip_towards(host: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))
         return str(probe.getsockname()[0])
-
-
-def seconds_left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TransportError("the transfer ran out of time")
-    return left
-
-
-def new_group(
-    backend: Backend,
-    store: Store,
-    name: str,
-    rank: int,
-    size: int,
-    hostname: str,
-    timeout: float,
-) -> dist.ProcessGroup:
-    """A process group of ``size`` ranks under prefix ``name``: blocks until all have joined."""
-    # gloo's own timeout also bounds connecting to the members once they have published
-    # their addresses, which it tries several times over: a member that died just after
-    # publishing held the others for about five times that timeout. So gloo gets a short
-    # one, and waiting for members that are slow to join keeps the whole ``timeout``.
-    # (The view must outlive the constructor: torch keeps only its C++ half.)
-    view = _KeyWaits(store, timeout)
-    prefixed = PrefixStore(group_prefix(name), view)
-    span = datetime.timedelta(seconds=min(timeout, _CONNECT_TIMEOUT))
-    pg: Any
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._timeout = span
-        # Two devices, so two I/O threads: consecutive buckets (tags) alternate between them.
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)] * 2
-        pg = dist.ProcessGroupGloo(prefixed, rank, size, options)
-    elif backend == "nccl":  # pragma: no cover - needs GPUs
-        nccl_options = dist.ProcessGroupNCCL.Options()
-        nccl_options._timeout = span
-        pg = dist.ProcessGroupNCCL(prefixed, rank, size, nccl_options)
-    else:
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    # ``timeout`` bounded the rendezvous above; from here on each wait has its own deadline.
-    set_default = getattr(pg, "_set_default_timeout", None)
-    if set_default is not None:
-        set_default(_OP_TIMEOUT)
-    del view  # the group formed: its members are connected, and the store is not used again
-    return pg  # type: ignore[no-any-return]
-
-
-class _KeyWaits(Store):
-    """``store`` whose waits for keys take ``limit`` seconds, whatever limit the caller gives."""
-
-    def __init__(self, store: Store, limit: float) -> None:
-        super().__init__()
-        self._store = store
-        self._limit = datetime.timedelta(seconds=limit)
-
-    def set(self, key: str, value: Any) -> None:
-        self._store.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return self._store.get(key)
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        del timeout
-        self._store.wait(keys, self._limit)
-
-    def check(self, keys: list[str]) -> bool:
-        return self._store.check(keys)
-
-
-def finish(work: Any, backend: Backend, timeout: float, device: torch.device) -> None:
-    """Wait for one send or receive for at most ``timeout`` seconds."""
-    # c10d keeps whole milliseconds and reads 0 as "no limit" (the group's own, far longer).
-    work.wait(datetime.timedelta(milliseconds=max(1, math.ceil(timeout * 1000))))
-    if backend == "nccl":  # pragma: no cover - needs GPUs
-        torch.cuda.synchronize(device)
 
 
 @dataclass(slots=True)
@@ -412,15 +321,3 @@ class ReceiverGroups:
         while len(self._dead) > _DEAD_NAMES:
             self._dead.pop(next(iter(self._dead)))
         return entry
-
-
-def reap(*objects: Any) -> None:
-    """Drop the last references to ``objects`` (process groups, their pending work) in a
-    daemon thread: a group torn down closes its connections, so that its other members fail
-    at once, but the teardown itself may wait on them."""
-    if any(o is not None for o in objects):
-        threading.Thread(target=_hold, args=objects, name="aiowsync-reap", daemon=True).start()
-
-
-def _hold(*objects: Any) -> None:
-    """Nothing: the thread's arguments go when it ends, and with them the objects."""

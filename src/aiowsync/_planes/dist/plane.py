@@ -32,10 +32,10 @@ from ..base import Delivery, Member, Params, SenderPlane, WeightSource
 from ..slot_table import Slot, SlotTable
 from .buckets import Image, Packer
 from .chain import SLOW_LINK, ChainLimits
+from .collectives import Backend
 from .delivery import DistDelivery, TransferChain
 from .groups import (
     FORM_TIMEOUT,
-    Backend,
     Group,
     SenderGroups,
     Topology,

@@ -26,14 +26,8 @@ from ..base import ReceiverPlane, Staged
 from ..double import DoubleBuffer
 from .buckets import Buckets, section_spans
 from .chain import ChainLimits, receive_and_forward
-from .groups import (
-    Backend,
-    ReceiverGroups,
-    finish,
-    host_of,
-    local_ip_towards,
-    seconds_left,
-)
+from .collectives import Backend, finish, seconds_left
+from .groups import ReceiverGroups, host_of, local_ip_towards
 
 __all__ = ["DistReceiverPlane"]
 

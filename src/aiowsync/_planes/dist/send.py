@@ -13,7 +13,7 @@ from aiowsync._util.text import first_line
 
 from .buckets import Image, Packer
 from .chain import ChainLimits, wait_link
-from .groups import Backend, finish, seconds_left
+from .collectives import Backend, finish, seconds_left
 
 __all__ = ["send_buckets"]
 
