@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from .._planes.base import DataPlane
 from .._planes.dist.config import DEFAULT_BUCKET_BYTES, DistributedPlane
@@ -78,3 +78,32 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         else:
             refuse_both(given, "the torch.distributed plane")
         super().__init__(address, plane=plane, **options)
+
+    def _option(self, name: str) -> Any:
+        plane = self.plane
+        return getattr(plane, name) if isinstance(plane, DistributedPlane) else None
+
+    @property
+    def backend(self) -> Backend | None:
+        """The plane's backend (None when the scheme was given another plane)."""
+        return cast("Backend | None", self._option("backend"))
+
+    @property
+    def bucket_bytes(self) -> int | None:
+        """The plane's bucket size in bytes (None when given another plane)."""
+        return cast("int | None", self._option("bucket_bytes"))
+
+    @property
+    def data_host(self) -> str | None:
+        """The address the sender's store and groups listen on, if one was given."""
+        return cast("str | None", self._option("data_host"))
+
+    @property
+    def max_slots(self) -> int | None:
+        """The most version copies the sender keeps (None when given another plane)."""
+        return cast("int | None", self._option("max_slots"))
+
+    @property
+    def topology(self) -> Topology | None:
+        """``"star"`` or ``"chain"`` (None when the scheme was given another plane)."""
+        return cast("Topology | None", self._option("topology"))

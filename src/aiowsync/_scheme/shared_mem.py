@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from .._channel import LOCAL_BIND
 from .._planes.base import DataPlane
@@ -68,3 +68,22 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
             given = {"num_slots": num_slots, "max_slots": max_slots, "switch": switch}
             refuse_both(given, "the shared-memory plane")
         super().__init__(address, plane=plane, **options)
+
+    def _option(self, name: str) -> Any:
+        plane = self.plane
+        return getattr(plane, name) if isinstance(plane, SharedMemPlane) else None
+
+    @property
+    def num_slots(self) -> int | None:
+        """Slots the plane creates up front (None when the scheme was given another plane)."""
+        return cast("int | None", self._option("num_slots"))
+
+    @property
+    def max_slots(self) -> int | None:
+        """The most slots the plane creates (None when the scheme was given another plane)."""
+        return cast("int | None", self._option("max_slots"))
+
+    @property
+    def switch(self) -> SwitchMode | None:
+        """How swap-mode receivers switch (None when the scheme was given another plane)."""
+        return cast("SwitchMode | None", self._option("switch"))
