@@ -289,11 +289,15 @@ class Kind:
         make: Callable[[int], nn.Module] = model,
         plane: Any = None,
         each: Mapping[int, Mapping[str, Any]] | None = None,
+        sender_kw: Mapping[str, Any] | None = None,
         **receiver_kw: Any,
     ) -> contextlib.AbstractAsyncContextManager[System]:
-        """A sender of ``make(0)`` and ``n`` connected receivers into ``make(100 + i)``, each
-        built from the sender's address with ``receiver_kw`` (and ``each[i]`` for worker i)."""
-        return _kind_system(self, n, make=make, plane=plane, each=each, **receiver_kw)
+        """A sender of ``make(0)`` (built with ``sender_kw``) and ``n`` connected receivers
+        into ``make(100 + i)``, each built from the sender's address with ``receiver_kw`` (and
+        ``each[i]`` for worker i)."""
+        return _kind_system(
+            self, n, make=make, plane=plane, each=each, sender_kw=sender_kw, **receiver_kw
+        )
 
 
 # -- models and their values ------------------------------------------------------------------
@@ -422,10 +426,11 @@ async def _kind_system(
     make: Callable[[int], nn.Module] = model,
     plane: Any = None,
     each: Mapping[int, Mapping[str, Any]] | None = None,
+    sender_kw: Mapping[str, Any] | None = None,
     **receiver_kw: Any,
 ) -> AsyncIterator[System]:
     src = make(0)
-    sender = kind.scheme(plane=plane)
+    sender = kind.scheme(plane=plane, **(sender_kw or {}))
     sender.init_on_sender(model=src, num_workers=n)
     rig = System(sender, src)
     try:

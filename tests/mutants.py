@@ -34,6 +34,8 @@ DEFAULT_TESTS = [
     "tests/weights/test_rehome.py",
     "tests/copy/test_copy_jobs.py",
     "tests/copy/test_gather.py",
+    "tests/receiving/test_leases.py",
+    "tests/planes/distributed/test_dist_scheme.py",
 ]
 FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 
@@ -84,6 +86,34 @@ MUTANTS = [
         "                await self._applier.run_hooks(version)\n"
         "            answer = Ack(",
         "            answer = Ack(",
+    ),
+    Mutant(
+        "chain-last-bucket",
+        "a chain member never forwards its last bucket (the sender's retry still delivers)",
+        "src/aiowsync/_planes/dist/chain.py",
+        "        if after is not None and not broken:\n",
+        "        if after is not None and not broken and number < len(targets) - 1:\n",
+    ),
+    Mutant(
+        "publish-unsealed",
+        "publish() returns before the version's bytes are its own (packed later, on the wire)",
+        "src/aiowsync/_sending/engine.py",
+        "            await to_the_end(self.state.plane.seal(staged.version))\n        finally:",
+        "            pass\n        finally:",
+    ),
+    Mutant(
+        "one-lease-ends-all",
+        "ending one of two leases of a version gives the version up",
+        "src/aiowsync/_receiving/lease.py",
+        "            if held.count > 0:\n                return\n",
+        "            if False:\n                return\n",
+    ),
+    Mutant(
+        "oldest-in-flight",
+        "a worker's in_flight reports the oldest version in flight, not the newest",
+        "src/aiowsync/_sending/workers.py",
+        "    inflight = max(peer.inflight) if peer.inflight else None\n",
+        "    inflight = min(peer.inflight) if peer.inflight else None\n",
     ),
 ]
 

@@ -137,6 +137,27 @@ async def test_leases_of_one_version_share_one_copy_in_copy_mode(kind: Kind) -> 
             assert c.params()["0.weight"].data_ptr() != pa["0.weight"].data_ptr()
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_ending_one_of_two_leases_of_a_version_leaves_the_other_its_bytes(
+    kind: Kind, mode: str
+) -> None:
+    # Two readers lease the same version; the first lets go, the model moves on twice (slots
+    # are reused, copies made): the second still reads exactly the version it leased.
+    async with kind.system(1, apply_mode=mode) as rig_:
+        r, _ = rig_[0]
+        fill(rig_.src, 1.0)
+        await rig_.sender.send()
+        leased = frozen(rig_.src)
+        async with r.lease() as second:
+            async with r.lease() as first:
+                assert first.version == second.version == 1
+            for v in (2, 3, 4):
+                fill(rig_.src, float(v))
+                assert (await rig_.sender.send()).version == v
+                assert same(second.params(), leased), f"after version {v}"
+            assert second.version == 1
+
+
 async def test_a_lease_in_a_thread_reads_one_version_while_sends_go_on(kind: Kind) -> None:
     async with kind.system(1) as rig_:
         r, m = rig_[0]

@@ -36,6 +36,12 @@ class SendResult:
     """Wall time of the whole call."""
     stage_seconds: float
     """Time spent copying the weights into the data plane."""
+    retries: int = 0
+    """How many times the version was sent again to workers whose transfer failed (on a
+    fresh group, or a fresh chain without a lost member); 0 when the first attempt
+    delivered it everywhere."""
+    retried: tuple[int, ...] = ()
+    """The workers that needed another attempt."""
 
 
 class PendingSend:
@@ -105,6 +111,8 @@ class Answers:
     nacks: dict[int, str] = field(default_factory=dict)
     retryable: set[int] = field(default_factory=set)
     lost: set[int] = field(default_factory=set)
+    retries: int = 0
+    retried: set[int] = field(default_factory=set)
     changed: Signal = field(default_factory=Signal)
 
     def settle(self, worker: int) -> None:
@@ -135,10 +143,21 @@ class Answers:
             )
         if self.nacks:
             raise with_outcome(RemoteApplyError(version, self.nacks), version, self)
-        return SendResult(version, tuple(sorted(self.acked)), nbytes, seconds, stage_seconds)
+        return SendResult(
+            version,
+            tuple(sorted(self.acked)),
+            nbytes,
+            seconds,
+            stage_seconds,
+            retries=self.retries,
+            retried=tuple(sorted(self.retried)),
+        )
 
     def reopen(self, workers: list[int]) -> None:
         """``workers`` get another attempt: their failed answers no longer count."""
+        if workers:
+            self.retries += 1
+            self.retried.update(workers)
         for worker in workers:
             self.nacks.pop(worker, None)
             self.retryable.discard(worker)
