@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import re
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -220,13 +222,14 @@ async def test_a_receiver_killed_mid_chain_leaves_no_survivor_on_a_mix() -> None
         await _latest(w, {k: (3, digest(model)) for k in (0, 2, 3)})
 
 
-async def test_a_chain_member_stopped_before_the_version_reached_it_is_named_the_rest_get_it() -> (
-    None
-):
+async def test_a_chain_member_stopped_before_the_version_reached_it_is_named_the_rest_get_it(
+    caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
     # Worker 1 is stopped (SIGSTOP) before the send: its connections stay open, so nothing
     # fails on its own, and the members after it wait on a link that moves nothing. They give
     # up on it after the chain's stall limit (seconds, far below the deadline) and are sent
     # the version again on a chain without it; the send names worker 1, lost by its beats.
+    caplog.set_level(logging.WARNING, logger="aiowsync.sender")
     beats = aiowsync.Heartbeats(interval=0.2, missed=10)
     scheme = aiowsync.DistributedWeightSyncScheme(
         backend="gloo", bucket_bytes=16 << 10, topology="chain", heartbeats=beats
@@ -244,12 +247,40 @@ async def test_a_chain_member_stopped_before_the_version_reached_it_is_named_the
             assert info.value.worker_ids == (1,) and info.value.acked == (0, 2, 3)
             await _latest(w, {k: (2, digest(model)) for k in (0, 2, 3)})
             print(f"stopped chain member: {info.value} in {took:.2f} s")
+            # Worker 2 gave up on the link from the stopped worker 1 and said so: a member
+            # names the member before it (on the first chain 0-1-2-3, or the sender on the
+            # retry's chain 2-3), never the one after.
+            stalls = _stalled_links(caplog.records, version=2)
+            assert stalls.get(2) == ["worker 1"], stalls
+            before = {2: {"worker 1", "the sender"}, 3: {"worker 2"}}
+            assert all(set(named) <= before[k] for k, named in stalls.items()), stalls
+            # Worker 0, whose forward to worker 1 stalled, names the member after it: worker 0
+            # holds the version and acked, so only its own log (its stderr) says so.
+            logged = capfd.readouterr().err
+            forward = "worker 0: forwarding to the next member failed: nothing moved on the link"
+            assert f"{forward} to worker 1 for " in logged, logged[-3000:]
             randomize(model, 3)
             result = await scheme.send(worker_ids=[0, 2, 3], timeout=30)
             assert result.worker_ids == (0, 2, 3)
             await _latest(w, {k: (3, digest(model)) for k in (0, 2, 3)})
         finally:
             w.kill(1)  # a stopped process takes SIGKILL too
+
+
+_STALLED = re.compile(r"nothing moved on the link to (the sender|worker \d+) for ")
+
+
+def _stalled_links(records: list[logging.LogRecord], version: int) -> dict[int, list[str]]:
+    """For each worker whose answer to ``version`` (as the sender logged it) said a link
+    stalled, the peers those answers named."""
+    named: dict[int, list[str]] = {}
+    for record in records:
+        if record.name != "aiowsync.sender" or not record.msg.startswith("worker %d could not"):
+            continue
+        worker, answered, text = record.args  # type: ignore[misc]
+        if answered == version and (found := _STALLED.search(text)):
+            named.setdefault(worker, []).append(found.group(1))
+    return named
 
 
 def iter_events(w: Workers) -> list[tuple[Any, ...]]:
