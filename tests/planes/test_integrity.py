@@ -75,7 +75,7 @@ async def test_a_memory_plane_update_with_a_bad_bucket_is_refused_and_the_model_
     async with helpers.system(scheme, 2) as (sender, src, receivers):
         for _ in range(3):
             bump(src)
-            await sender.send(timeout=20)
+            assert (await sender.send(timeout=20)).retries == 0
             assert all(same(m, src) for _, m in receivers)
         kept = [copy.deepcopy(m.state_dict()) for _, m in receivers]
         # The slot changes after the sender digested it, before any receiver reads it.
@@ -98,7 +98,8 @@ async def test_a_memory_plane_update_with_a_bad_bucket_is_refused_and_the_model_
             assert same(m, before)
         monkeypatch.undo()
         bump(src)
-        assert (await sender.send(timeout=20)).worker_ids == (0, 1)
+        result = await sender.send(timeout=20)
+        assert result.worker_ids == (0, 1) and result.retries == 0
         assert all(r.version == 5 and same(m, src) for r, m in receivers)
 
 
@@ -155,7 +156,9 @@ async def test_a_bucket_flipped_in_transit_over_gloo_is_refused_by_that_worker_a
     ) as (sender, src, receivers):
         assert sender._sender.digests.enabled  # type: ignore[union-attr]  # on by default here
         bump(src)
-        await sender.send(timeout=30)
+        # Checked and switched at the first attempt: a check that refused good bytes must
+        # show, not pass unseen on a retry.
+        assert (await sender.send(timeout=30)).retries == 0
         kept = copy.deepcopy(receivers[1][1].state_dict())
         fetch = DistReceiverPlane.fetch
 
@@ -177,7 +180,7 @@ async def test_a_bucket_flipped_in_transit_over_gloo_is_refused_by_that_worker_a
         assert same(m1, kept)
         monkeypatch.undo()
         bump(src)
-        await sender.send(timeout=30)
+        assert (await sender.send(timeout=30)).retries == 0
         assert all(r.version == 3 and same(m, src) for r, m in receivers)
 
 
