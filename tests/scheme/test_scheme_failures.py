@@ -7,12 +7,15 @@ Same rig as test_scheme_sends.py: one suite over each kind of plane, in this pro
 from __future__ import annotations
 
 import asyncio
+import math
+from typing import Any
 
 import pytest
 
 import aiowsync
 from helpers import (
     CONNECT,
+    KIND_BEATS,
     Kind,
     big_model,
     eventually,
@@ -34,8 +37,23 @@ pytestmark = [
 # -- deadlines, losses, and which error a send raises -----------------------------------------
 
 
+def late_not_lost(deadline: float) -> dict[str, Any]:
+    """Options of a rig whose worker a test holds late through a send of ``deadline``: beats
+    that judge it lost only well after that deadline.
+
+    The sender and its receivers share this process: a stall of the whole process (a busy
+    host, an operation that holds the GIL) silences the receivers' beat threads too, and
+    the sender, reading no beat when it resumes, would call the late worker lost (a
+    LostDuringSendError, not the timeout the test is about) if its liveness limit were
+    shorter than the send.
+    """
+    interval = KIND_BEATS.interval
+    beats = aiowsync.Heartbeats(interval, missed=math.ceil((deadline + CONNECT) / interval))
+    return {"heartbeats": beats, "sender_kw": {"heartbeats": beats}}
+
+
 async def test_a_guard_held_past_the_deadline_times_out_naming_that_worker(kind: Kind) -> None:
-    async with kind.system(3) as rig:
+    async with kind.system(3, **late_not_lost(kind.late)) as rig:
         r1, m1 = rig[1]
         fill(rig.src, 1.0)
         before = frozen(m1)
@@ -148,7 +166,7 @@ def failing_hook(version: int) -> None:
 async def test_a_timeout_outranks_a_failed_apply(kind: Kind) -> None:
     """docs/failures.md: a send that meets several failures raises WeightSyncTimeout if any
     worker neither answered nor was lost by the deadline."""
-    async with kind.system(3) as rig:
+    async with kind.system(3, **late_not_lost(kind.late)) as rig:
         rig[0][0].register_hook(failing_hook)
         with held(rig[1][0].read_guard()), pytest.raises(aiowsync.WeightSyncTimeout) as info:
             await rig.sender.send(timeout=kind.late)
@@ -162,10 +180,16 @@ async def test_a_timeout_outranks_a_loss(kind: Kind) -> None:
     # Worker 0 pulls, and does not, until it leaves; worker 1 holds its guard past the deadline.
     # (On dist, worker 0 holds up the group until it leaves: the group is then dropped, and
     # the others, who were waiting for it to join, are retried on a fresh one.)
-    async with kind.system(3, each={0: {"background": False}}) as rig:
-        with held(rig[1][0].read_guard()):
-            send = asyncio.create_task(rig.sender.send(timeout=2 * kind.late))
+    deadline = 2 * kind.late
+    async with kind.system(3, each={0: {"background": False}}, **late_not_lost(deadline)) as rig:
+        r1 = rig[1][0]
+        with held(r1.read_guard()):
+            send = asyncio.create_task(rig.sender.send(timeout=deadline))
             assert await eventually(lambda: rig.sender.version == 1, within=CONNECT)
+            if kind.name != "dist":  # (there worker 1 waits for the group worker 0 holds up)
+                # Worker 1's switch waits for the guard, held past the deadline: its timeout
+                # is certain before worker 0 is lost.
+                assert await eventually(lambda: switch_waits(r1), within=CONNECT)
             await rig.leave(0)
             with pytest.raises(aiowsync.WeightSyncTimeout) as info:
                 await send
