@@ -12,7 +12,8 @@ import hashlib
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from queue import Empty
 from typing import Any
 
 import torch
@@ -22,6 +23,12 @@ import aiowsync
 from helpers import fill
 
 SPAWN = mp.get_context("spawn")
+
+LOADED_WITHIN = 75.0
+"""How long spawned processes started together may take to import torch and build their
+models before they say they have: a bound on the start-up alone, which no connect deadline
+includes (their connects start after): several times what six at once take beside two
+CPU-bound processes on two cores."""
 
 
 class BigModel(nn.Module):
@@ -108,13 +115,16 @@ def worker_main(
     events: Any,
     stop: Any,
     options: dict[str, Any],
+    loaded: Any = None,
 ) -> None:
     """Run one receiver until ``stop`` is set, reporting to ``events``:
-    ("ready", idx, version, digest), ("version", idx, version, digest), ("done", idx, stats).
+    ("ready", idx, version, digest), ("version", idx, version, digest), ("done", idx, stats);
+    and its index to ``loaded`` once it has imported torch and built its model, before it
+    connects.
     """
     torch.set_num_threads(1)
     torch.manual_seed(1000 + worker_idx)
-    asyncio.run(_worker(scheme, address, worker_idx, kind, events, stop, options))
+    asyncio.run(_worker(scheme, address, worker_idx, kind, events, stop, options, loaded))
 
 
 async def _worker(
@@ -125,6 +135,7 @@ async def _worker(
     events: Any,
     stop: Any,
     options: dict[str, Any],
+    loaded: Any = None,
 ) -> None:
     if scheme is None:
         kind_of_scheme = (
@@ -138,6 +149,8 @@ async def _worker(
         scheme.init_on_receiver(models=dict(model.items()), worker_idx=worker_idx)
     else:
         scheme.init_on_receiver(model=model, worker_idx=worker_idx)
+    if loaded is not None:
+        loaded.put(worker_idx)
     report_digests = options.get("digests", True)
     tear = options.get("tear", False)
     tear_from = options.get("tear_from", 0)
@@ -216,6 +229,8 @@ class Workers:
 
     def __init__(self) -> None:
         self.events = SPAWN.Queue()
+        self.loaded = SPAWN.Queue()
+        """Each worker's index, once it has started and imported torch (see :meth:`started`)."""
         self.stop = SPAWN.Event()
         self.procs: dict[int, Any] = {}
         self.other: list[tuple[Any, ...]] = []
@@ -231,12 +246,27 @@ class Workers:
     ) -> Any:
         proc = SPAWN.Process(
             target=worker_main,
-            args=(scheme, address, worker_idx, kind, self.events, self.stop, options),
+            args=(scheme, address, worker_idx, kind, self.events, self.stop, options, self.loaded),
             daemon=True,
         )
         proc.start()
         self.procs[worker_idx] = proc
         return proc
+
+    def started(self, count: int) -> None:
+        """Wait until ``count`` more workers have imported torch and built their models, so
+        that a connect deadline started after this bounds their handshakes alone (a busy host
+        takes many seconds to start a process)."""
+        deadline = time.monotonic() + LOADED_WITHIN
+        for _ in range(count):
+            left = deadline - time.monotonic()
+            try:
+                self.loaded.get(timeout=max(0.1, left))
+            except Empty:
+                raise AssertionError(
+                    f"workers did not start within {LOADED_WITHIN:g} s "
+                    f"(alive: {[i for i, p in self.procs.items() if p.is_alive()]})"
+                ) from None
 
     def next_event(self, timeout: float = 60) -> tuple[Any, ...]:
         return self.events.get(timeout=timeout)  # type: ignore[no-any-return]
@@ -279,8 +309,10 @@ def workers() -> Iterator[Workers]:
 
 
 async def connect_all(scheme: aiowsync.WeightSyncScheme, w: Workers, n: int) -> dict[int, str]:
-    """The sender's connect(); then each worker's ready report: {worker: digest}."""
-    await asyncio.wait_for(scheme.connect(timeout=150), 180)
+    """Once the ``n`` workers started have loaded, the sender's connect(); then each worker's
+    ready report: {worker: digest}."""
+    await asyncio.to_thread(w.started, n)
+    await asyncio.wait_for(scheme.connect(timeout=60), 90)
     ready = await asyncio.to_thread(w.collect, "ready", n)
     return {e[1]: e[3] for e in ready}
 
@@ -475,12 +507,35 @@ def forked_worker_main(scheme: aiowsync.WeightSyncScheme, events: Any) -> None:
         events.put(("accepted", ""))
 
 
+async def _told(told: Callable[[float], Any], stop: Any, what: str) -> Any:
+    """What ``told(seconds)`` gives once it gives something (it raises or returns None
+    while it has nothing); None if ``stop`` is set first."""
+    deadline = time.monotonic() + LOADED_WITHIN
+    while not stop.is_set():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not told within {LOADED_WITHIN:g} s")
+        with contextlib.suppress(Empty):
+            if (got := await asyncio.to_thread(told, 0.1)) is not None:
+                return got
+    return None
+
+
 def relay_main(
-    root: aiowsync.WeightSyncScheme, relay_idx: int, leaves: int, events: Any, stop: Any
+    root: aiowsync.WeightSyncScheme,
+    relay_idx: int,
+    leaves: int,
+    go: Any,
+    events: Any,
+    stop: Any,
 ) -> None:
     """A relay process: a receiver of ``root`` (as worker ``relay_idx``) relaying to a
-    shared-memory sender of ``leaves`` leaves; reports ("address", relay_idx, address), then
-    ("relay ready", relay_idx, version), then serves until ``stop`` is set."""
+    shared-memory sender of ``leaves`` leaves; reports ("address", relay_idx, address), waits
+    for ``go``, then reports ("relay ready", relay_idx, version) once connected, and serves
+    until ``stop`` is set.
+
+    Set ``go`` once its leaves have loaded: the relay's first version waits for them only
+    for about ``root``'s ack timeout, which must not be spent on their start-up.
+    """
     torch.set_num_threads(1)
 
     async def main() -> None:
@@ -491,6 +546,8 @@ def relay_main(
         root.relay_to(local)
         async with local:  # the usual order: the leaves' sender first, then the upstream
             events.put(("address", relay_idx, local.address))
+            if not await _told(lambda s: go.wait(s) or None, stop, f"relay {relay_idx}"):
+                return
             async with root:
                 await root.connect(timeout=60)
                 await local.connect(timeout=60)
@@ -501,13 +558,22 @@ def relay_main(
     asyncio.run(main())
 
 
-def leaf_main(address: str, tag: int, worker_idx: int, events: Any, stop: Any) -> None:
-    """A leaf of a relay: a shared-memory receiver of a "small" model at ``address``;
-    reports ("leaf", tag, version, digest) when it connects and at every switch."""
+def leaf_main(tag: int, worker_idx: int, inbox: Any, events: Any, stop: Any) -> None:
+    """A leaf of a relay: a shared-memory receiver of a "small" model; reports ("loaded",
+    tag, pid), then connects to the address it is given on ``inbox`` and reports ("leaf", tag,
+    version, digest) when it has and at every switch.
+
+    Its connect starts when it is given the address, so that its deadline bounds the
+    handshake (its relay's own connect included) and not its start-up or its siblings'.
+    """
     torch.set_num_threads(1)
 
     async def main() -> None:
         model = make_model("small")
+        events.put(("loaded", tag, os.getpid()))
+        address = await _told(lambda s: inbox.get(True, s), stop, f"leaf {tag}")
+        if address is None:
+            return
         scheme = aiowsync.SharedMemWeightSyncScheme(address=address)
         scheme.init_on_receiver(model=model, worker_idx=worker_idx)
         scheme.register_hook(lambda v: events.put(("leaf", tag, v, digest(model))))

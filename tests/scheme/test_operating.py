@@ -116,7 +116,8 @@ async def test_the_worker_table_through_a_worker_killed_and_restarted() -> None:
             watcher = asyncio.create_task(watch())
             try:
                 w.start(0, "small", scheme=scheme)
-                await scheme.connect(timeout=150)
+                await asyncio.to_thread(w.started, 1)  # start-up counts for no deadline
+                await scheme.connect(timeout=60)
                 randomize(m, 1)
                 await scheme.send(timeout=30)
                 assert scheme.workers[0].version == 1
@@ -126,7 +127,8 @@ async def test_the_worker_table_through_a_worker_killed_and_restarted() -> None:
                 assert await eventually(lambda: scheme.workers[0].state == "gone", within=60)
                 assert scheme.workers[0].version == 1  # what it last held
                 w.start(0, "small", scheme=scheme)
-                await scheme.connect(timeout=150)
+                await asyncio.to_thread(w.started, 1)
+                await scheme.connect(timeout=60)
                 assert scheme.workers[0].pid not in (None, pid)
                 assert scheme.workers[0].version == 1
             finally:

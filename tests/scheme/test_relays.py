@@ -146,55 +146,112 @@ async def test_a_relays_local_scheme_is_not_sent_to_directly_and_takes_one_relay
             await t.local.send()
 
 
-async def _leaf_reports(events: Any, want: dict[int, int], timeout: float = 60) -> dict[int, str]:
-    """Wait until each leaf ``tag`` of ``want`` reported version ``want[tag]``; the digests."""
-    import queue
-    import time
+class _Reports:
+    """The relays' and leaves' reports, from one queue: a wait takes the reports it waits
+    for, keeps the others for a later wait, and fails at once if a process it needs ended."""
 
-    got: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    while set(got) != set(want):
-        left = deadline - time.monotonic()
-        assert left > 0, f"leaves {sorted(set(want) - set(got))} did not report {want}"
-        try:
-            event = await asyncio.to_thread(events.get, True, min(left, 1.0))
-        except queue.Empty:
-            continue
-        if event[0] == "leaf" and want.get(event[1]) == event[2]:
-            got[event[1]] = event[3]
-    return got
+    def __init__(self, procs: dict[str, Any]) -> None:
+        from _workers import SPAWN
+
+        self.queue = SPAWN.Queue()
+        self.procs = procs
+        """The processes that must stay alive, by name (a test pops those it kills)."""
+        self._kept: list[tuple[Any, ...]] = []
+
+    async def take(
+        self, kind: str, want: dict[int, Any], *, within: float = 60
+    ) -> dict[int, tuple[Any, ...]]:
+        """The first report ``(kind, tag, value, ...)`` from each ``tag`` of ``want`` whose
+        value is ``want[tag]`` (any value where that is None). A report of ``kind`` that does
+        not match is dropped (a leaf's earlier versions); reports of other kinds are kept."""
+        import queue
+        import time
+
+        got: dict[int, tuple[Any, ...]] = {}
+
+        def sort(event: tuple[Any, ...]) -> None:
+            tag = event[1]
+            if event[0] != kind:
+                self._kept.append(event)
+            elif tag in want and tag not in got and want[tag] in (None, event[2]):
+                got[tag] = event
+
+        kept, self._kept = self._kept, []
+        for event in kept:
+            sort(event)
+        deadline = time.monotonic() + within
+        while set(got) != set(want):
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {kind} report from {sorted(set(want) - set(got))} ({want})"
+            ended = [f"{n} (exit {p.exitcode})" for n, p in self.procs.items() if not p.is_alive()]
+            assert not ended, f"waiting for {kind} reports; these processes ended: {ended}"
+            try:
+                sort(await asyncio.to_thread(self.queue.get, True, min(left, 1.0)))
+            except queue.Empty:
+                continue
+        return got
+
+    async def leaves(self, want: dict[int, int]) -> dict[int, str]:
+        """Wait until each leaf ``tag`` of ``want`` reported version ``want[tag]``; the
+        digests."""
+        return {tag: event[3] for tag, event in (await self.take("leaf", want)).items()}
 
 
+@pytest.mark.timeout(240)  # three rounds of process start-up, each bounded by LOADED_WITHIN
 async def test_a_root_sends_through_two_relays_to_four_shared_memory_leaves() -> None:
     # The root sends over gloo to two relay processes; each relays over shared memory to two
     # leaf processes of its own. Then a leaf, and later a relay, are killed and restarted.
-    from _workers import SPAWN, digest, leaf_main, make_model, randomize, relay_main
+    # A relay's first version waits for its leaves for about the root's ack timeout, so every
+    # process loads (spawns, imports torch, builds its model) before any of them connects:
+    # no deadline but the loading's own counts the time that takes on a busy host.
+    import time
+
+    from _workers import LOADED_WITHIN, SPAWN, digest, leaf_main, make_model, randomize, relay_main
 
     src = make_model("small")
     root = aiowsync.DistributedWeightSyncScheme(
         backend="gloo", heartbeats=aiowsync.Heartbeats(0.2, 10)
     )
     root.init_on_sender(model=src, num_workers=2)
-    events, stop = SPAWN.Queue(), SPAWN.Event()
     procs: dict[str, Any] = {}
+    reports = _Reports(procs)
+    stop = SPAWN.Event()
+    inboxes: dict[int, Any] = {}
+    addresses: dict[int, str] = {}
 
     def start(name: str, target: Any, *args: Any) -> None:
-        procs[name] = SPAWN.Process(target=target, args=(*args, events, stop), daemon=True)
+        procs[name] = SPAWN.Process(target=target, args=(*args, reports.queue, stop), daemon=True)
         procs[name].start()
+
+    def start_leaf(tag: int) -> None:
+        # Leaf ``tag`` is leaf tag % 2 of relay tag // 2; its relay's address comes on its
+        # inbox once it may connect.
+        inboxes[tag] = SPAWN.Queue()
+        start(f"leaf {tag}", leaf_main, tag, tag % 2, inboxes[tag])
+
+    async def bring_up(relays: list[int]) -> None:
+        """Start ``relays`` and their leaves together; once all have loaded, let them
+        connect."""
+        started = time.monotonic()
+        go = SPAWN.Event()
+        tags = [tag for r in relays for tag in (2 * r, 2 * r + 1)]
+        for r in relays:
+            start(f"relay {r}", relay_main, root, r, 2, go)
+        for tag in tags:
+            start_leaf(tag)
+        await reports.take("loaded", dict.fromkeys(tags), within=LOADED_WITHIN)
+        got = await reports.take("address", dict.fromkeys(relays), within=LOADED_WITHIN)
+        addresses.update({r: event[2] for r, event in got.items()})
+        for tag in tags:
+            inboxes[tag].put(addresses[tag // 2])
+        go.set()
+        print(f"relays {relays} and their leaves loaded in {time.monotonic() - started:.1f} s")
 
     try:
         async with root:
-            for r in range(2):
-                start(f"relay {r}", relay_main, root, r, 2)
-            addresses: dict[int, str] = {}
-            while len(addresses) < 2:
-                event = await asyncio.to_thread(events.get, True, 60)
-                if event[0] == "address":
-                    addresses[event[1]] = event[2]
-            for tag in range(4):  # leaf ``tag`` is leaf tag % 2 of relay tag // 2
-                start(f"leaf {tag}", leaf_main, addresses[tag // 2], tag, tag % 2)
+            await bring_up([0, 1])
             await root.connect(timeout=120)
-            first = await _leaf_reports(events, dict.fromkeys(range(4), 0))
+            first = await reports.leaves(dict.fromkeys(range(4), 0))
             assert set(first.values()) == {digest(src)}  # the root's version 0, bytes and number
             for k in range(1, 11):
                 randomize(src, k)
@@ -202,7 +259,7 @@ async def test_a_root_sends_through_two_relays_to_four_shared_memory_leaves() ->
                 assert result.version == k and result.worker_ids == (0, 1)
                 # Each relay took the version at the first attempt, over gloo from the root.
                 assert result.retries == 0, result.retried
-                got = await _leaf_reports(events, dict.fromkeys(range(4), k))
+                got = await reports.leaves(dict.fromkeys(range(4), k))
                 assert set(got.values()) == {digest(src)}, k
             # A leaf of relay 1 is killed: the root's next send names it, through its relay.
             procs.pop("leaf 3").kill()
@@ -213,14 +270,16 @@ async def test_a_root_sends_through_two_relays_to_four_shared_memory_leaves() ->
             text = info.value.errors[1]
             assert "relay (worker 1): " in text and "leaf 1" in text, text
             print(f"the root's error for worker 1: {text}")
-            got = await _leaf_reports(events, dict.fromkeys(range(3), 11))
+            got = await reports.leaves(dict.fromkeys(range(3), 11))
             assert set(got.values()) == {digest(src)}  # the other leaves hold the version
             # The leaf comes back: it joins at the latest version, and sends reach all again.
-            start("leaf 3", leaf_main, addresses[1], 3, 1)
-            assert (await _leaf_reports(events, {3: 11}))[3] == digest(src)
+            start_leaf(3)
+            await reports.take("loaded", {3: None}, within=LOADED_WITHIN)
+            inboxes[3].put(addresses[1])
+            assert (await reports.leaves({3: 11}))[3] == digest(src)
             randomize(src, 12)
             assert (await root.send(timeout=60)).worker_ids == (0, 1)
-            got = await _leaf_reports(events, dict.fromkeys(range(4), 12))
+            got = await reports.leaves(dict.fromkeys(range(4), 12))
             assert set(got.values()) == {digest(src)}
             # Relay 0 is killed, with its leaves; the root goes on with relay 1 meanwhile.
             for name in ("relay 0", "leaf 0", "leaf 1"):
@@ -228,18 +287,12 @@ async def test_a_root_sends_through_two_relays_to_four_shared_memory_leaves() ->
             randomize(src, 13)
             await root.send(worker_ids=[1], timeout=60)
             # A new relay 0 joins at the latest version, and new leaves behind it.
-            start("relay 0", relay_main, root, 0, 2)
-            while True:
-                event = await asyncio.to_thread(events.get, True, 60)
-                if event[0] == "address" and event[1] == 0:
-                    break
-            for tag in (0, 1):
-                start(f"leaf {tag}", leaf_main, event[2], tag, tag)
-            got = await _leaf_reports(events, {0: 13, 1: 13})
+            await bring_up([0])
+            got = await reports.leaves({0: 13, 1: 13})
             assert set(got.values()) == {digest(src)}
             randomize(src, 14)
             assert (await root.send(timeout=60)).worker_ids == (0, 1)
-            got = await _leaf_reports(events, dict.fromkeys(range(4), 14))
+            got = await reports.leaves(dict.fromkeys(range(4), 14))
             assert set(got.values()) == {digest(src)}
     finally:
         stop.set()

@@ -114,6 +114,7 @@ async def test_killed_receiver_is_named_by_the_timeout_the_others_commit_and_it_
 
         # A restart under the same index rejoins holding the latest version.
         w.start(1, "small", scheme=scheme)
+        await asyncio.to_thread(w.started, 1)  # its start-up counts for no deadline below
         rejoined = await asyncio.to_thread(w.collect, "ready", 1)
         assert rejoined[0][1:] == (1, 2, digest(model))
 

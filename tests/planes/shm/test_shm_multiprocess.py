@@ -121,6 +121,7 @@ async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_vers
         assert time.monotonic() - started < 10.0  # at once, not after the 30 s deadline
 
         w.start(1, "small", scheme=scheme)
+        await asyncio.to_thread(w.started, 1)  # its start-up counts for no deadline below
         rejoined = await asyncio.to_thread(w.collect, "ready", 1)
         assert rejoined[0][2] == 2 and rejoined[0][3] == digest(model)
         randomize(model, 3)
