@@ -46,6 +46,10 @@ import aiowsync
 
 OBS_DIM, HIDDEN, ACT_DIM = 16, 64, 4
 CONNECT_S = 120.0
+"""How long the handshakes may take, once every actor is up."""
+STARTUP_S = 300.0
+"""How long the actors may take to start (a process each, importing torch): a bound of its
+own, so that a busy host's slow start-up is not taken out of the handshakes' time."""
 
 
 def make_policy(seed: int) -> nn.Module:
@@ -198,6 +202,7 @@ def run(transport: str, sends: int, workers: int) -> dict[str, Any]:
     try:
         scheme = ray.get(trainer.start.remote())
         actors = [Rollout.remote(scheme, i) for i in range(workers)]  # type: ignore[attr-defined]
+        ray.get([a.ping.remote() for a in actors], timeout=STARTUP_S)  # every actor is up
         ray.get([trainer.connect.remote(), *(a.connect.remote() for a in actors)])
         checked, t0 = 0, time.perf_counter()
         for _ in range(sends):

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(400),
+    pytest.mark.timeout(760),
     pytest.mark.skipif(
         importlib.util.find_spec("ray") is None and not os.environ.get("AIOWSYNC_REQUIRE_EXTRAS"),
         reason="the ray extra is not installed",
@@ -53,7 +53,7 @@ def test_two_async_rollout_actors_hold_every_version_on_both_transports(tmp_path
         env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
         capture_output=True,
         text=True,
-        timeout=360,
+        timeout=700,
     )
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     reports = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("[")))
