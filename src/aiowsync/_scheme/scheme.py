@@ -33,6 +33,17 @@ from .sender import SenderSession
 __all__ = ["SchemeOptions", "WeightSyncScheme"]
 
 
+def _checked_models(
+    models: Mapping[str, WeightsLike] | None, model: object, weights: object
+) -> dict[str, WeightsLike] | None:
+    """``models=`` checked (None when not given); refused beside ``model=`` or ``weights=``."""
+    if models is None:
+        return None
+    if model is not None or weights is not None:
+        raise ValueError("give models= alone, or model= (or weights=) for one model")
+    return check_models(models)
+
+
 class WeightSyncScheme(SchemeRuntime):
     """Synchronises a model (or several, as one) from a sender to ``num_workers`` receivers.
 
@@ -103,11 +114,8 @@ class WeightSyncScheme(SchemeRuntime):
                 working); falls back to per-tensor fused copies if the model cannot be re-homed.
         """
         self._check_fresh()
-        checked = None
-        if models is not None:
-            if model is not None or weights is not None:
-                raise ValueError("give models= alone, or model= (or weights=) for one model")
-            checked = check_models(models)
+        checked = _checked_models(models, model, weights)
+        if checked is not None:
             model, weights = sender_weights(checked)
             if model is not None:
                 weights = None
@@ -223,11 +231,8 @@ class WeightSyncScheme(SchemeRuntime):
         if self._sending is not None and self._sending.forked:
             self._refuse_forked(self._sending, worker_idx)
         self._check_fresh()
-        checked = None
-        if models is not None:
-            if model is not None or weights is not None:
-                raise ValueError("give models= alone, or model= (or weights=) for one model")
-            checked = check_models(models)
+        checked = _checked_models(models, model, weights)
+        if checked is not None:
             holder, together = sender_weights(checked)
             model = holder if holder is not None else together  # type: ignore[assignment]
         named = self._model_id_for(model_id, checked)
