@@ -97,3 +97,13 @@ __all__ = [
     "WeightSyncTimeout",
     "WorkerLostError",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The integrations load on first use: `aiowsync.vllm` needs httpx, `aiowsync.torchrl`
+    # torchrl; `import aiowsync` needs neither.
+    if name in ("vllm", "torchrl"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

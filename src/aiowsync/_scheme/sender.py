@@ -12,7 +12,7 @@ import os
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,9 +31,21 @@ from .._weights.models import split_send
 from .base import SessionOptions, Tasks, resolve_model
 from .relay import Relay
 
-__all__ = ["SenderSession"]
+__all__ = ["Finisher", "SenderSession"]
 
 log = logging.getLogger("aiowsync")
+
+
+class Finisher(Protocol):
+    """A second step that a send (and ``connect()``) takes before it returns, once every
+    targeted worker holds the version: e.g. vLLM servers told to load it
+    (:meth:`aiowsync.vllm.VLLMServers.attach`)."""
+
+    def check(self, worker_ids: Sequence[int]) -> None:
+        """Raise before anything is staged if a send to ``worker_ids`` cannot be finished."""
+
+    async def finish(self, version: int, worker_ids: Sequence[int]) -> None:
+        """Take ``version``, which ``worker_ids`` acknowledged; raise to fail the send."""
 
 
 class SenderSession:
@@ -77,6 +89,8 @@ class SenderSession:
         self._deferred: tuple[SenderCore, WeightSource, SenderChannel] | None = None
         """A relayed sender entered before its upstream held a version: its engine, first
         version and channel, started by the relay."""
+        self.finishers: list[Finisher] = []
+        """Second steps of every send, in order (see :class:`Finisher`)."""
 
     @property
     def forked(self) -> bool:
@@ -229,6 +243,9 @@ class SenderSession:
             timeout -= await self.relay.wait_started(timeout)
         assert self.core is not None
         await self.core.wait_ready(timeout)
+        everyone = list(range(self.num_workers))
+        for finisher in list(self.finishers):
+            await finisher.finish(self.core.version, everyone)
 
     # -- sends --------------------------------------------------------------------------------
 
@@ -265,7 +282,13 @@ class SenderSession:
         core, source, targets, limits = self._send_args(
             "send", weights, worker_ids, timeout, timeouts
         )
-        return await core.send(source, targets, **limits)
+        finishers = list(self.finishers)
+        for finisher in finishers:
+            finisher.check(targets)
+        result = await core.send(source, targets, **limits)
+        for finisher in finishers:
+            await finisher.finish(result.version, result.worker_ids)
+        return result
 
     async def publish(
         self,
@@ -274,6 +297,11 @@ class SenderSession:
         timeout: float | None,
         timeouts: Timeouts,
     ) -> PendingSend:
+        if self.finishers:
+            raise RuntimeError(
+                "publish() returns before the workers hold the version, so it cannot take the "
+                "second step of a send (vLLM servers attached): use send()"
+            )
         core, source, targets, limits = self._send_args(
             "publish", weights, worker_ids, timeout, timeouts
         )

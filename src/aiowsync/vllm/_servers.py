@@ -1,0 +1,340 @@
+"""The trainer's side: :class:`VLLMServers`, an asyncio client of vLLM's weight-transfer routes.
+
+``async with servers.attach(scheme)`` makes every server's workers receivers of ``scheme`` and
+adds a second step to each of its sends: once every worker holds the version (transferred while
+the servers kept generating), each server is paused, loads the version from its workers' copy,
+takes ``str(version)`` as its ``weight_version`` and resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import httpx
+
+from .._exceptions import WeightSyncError
+from .._scheme.scheme import WeightSyncScheme
+from .._scheme.sender import SenderSession
+from ._describe import describe
+
+__all__ = ["PauseMode", "VLLMServerError", "VLLMServers"]
+
+PauseMode = Literal["wait", "keep", "abort"]
+
+
+class VLLMServerError(WeightSyncError):
+    """A vLLM server refused or failed a step of attaching or of a send.
+
+    Attributes:
+        url: the server.
+        step: the route that failed (``"update_weights"``, ...).
+    """
+
+    def __init__(self, url: str, step: str, detail: str) -> None:
+        super().__init__(f"vLLM server {url}: {step} failed: {detail}")
+        self.url = url
+        self.step = step
+
+
+class _Server:
+    """One server: its URL, its workers' receiver indices, the version it serves."""
+
+    def __init__(self, url: str, first: int, size: int) -> None:
+        self.url = url
+        self.first = first
+        self.size = size
+        self.version: int | None = None
+
+    @property
+    def workers(self) -> range:
+        return range(self.first, self.first + self.size)
+
+
+class VLLMServers:
+    """vLLM servers (``--weight-transfer-config '{"backend": "aiowsync"}'``) that take their
+    weights from an aiowsync scheme.
+
+    Args:
+        urls: each server's base URL (``http://host:port``).
+        pause: how a server treats the requests in flight while it loads a version:
+            ``"wait"`` lets them finish on the old version first, ``"keep"`` freezes them and
+            continues them on the new one (their ``weight_versions`` spans say where the version
+            changed), ``"abort"`` ends them.
+        together: with several servers, load the version on every server before any of them
+            resumes (and take it back on all of them if one fails), so that no two servers
+            generate with different versions; each server then stays paused until the slowest
+            has loaded it.
+        timeout: the limit of one HTTP call (loading a version included); attaching also allows
+            for the scheme's handshake timeout.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        pause: PauseMode = "wait",
+        together: bool = False,
+        timeout: float = 120.0,
+    ) -> None:
+        if isinstance(urls, str):
+            raise TypeError("urls is a sequence of URLs; wrap a single one in a list")
+        urls = [u.rstrip("/") for u in urls]
+        if not urls:
+            raise ValueError("give at least one server URL")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server URL must start with http:// or https://, got {url!r}")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"a server is named twice: {urls}")
+        if pause not in ("wait", "keep", "abort"):
+            raise ValueError(f"pause must be 'wait', 'keep' or 'abort', got {pause!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self.urls: tuple[str, ...] = tuple(urls)
+        self.pause: PauseMode = pause
+        self.together = together
+        self.timeout = timeout
+        self._servers: list[_Server] = []
+        self._client: httpx.AsyncClient | None = None
+        self.pause_seconds: dict[str, float] = {}
+        """Per server, how long its last version change kept it from generating (the pause
+        call until the resume call returned)."""
+
+    # -- attaching ----------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def attach(self, scheme: WeightSyncScheme) -> AsyncIterator[VLLMServers]:
+        """Make the servers' workers receivers ``0 .. N-1`` of ``scheme`` (entered, not yet
+        connected) for the duration of the block; every ``scheme.send()`` (and
+        ``scheme.connect()``) returns once every server generates with the version.
+
+        Raises:
+            ValueError: the servers' workers do not number ``scheme``'s ``num_workers``.
+            VLLMServerError: a server refused (the error it gave included).
+            RuntimeError: ``scheme`` is not an entered sender, or servers are attached already.
+        """
+        sending = scheme._sending
+        if not isinstance(sending, SenderSession) or not sending.entered:
+            raise RuntimeError(
+                "attach a sender's scheme inside `async with scheme:` "
+                "(init_on_sender, then `async with scheme, servers.attach(scheme):`)"
+            )
+        if sending.models is not None:
+            raise ValueError(
+                "a vLLM server takes one model: init_on_sender(model=...), not models="
+            )
+        if self._client is not None:
+            raise RuntimeError("these servers are attached to a scheme already")
+        description = describe(scheme)
+        limit = self.timeout + scheme.timeouts.handshake
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=10.0))
+        try:
+            self._servers = await self._number(sending.num_workers)
+            await asyncio.gather(*(self._init(s, description, limit) for s in self._servers))
+            sending.finishers.append(self)
+            try:
+                yield self
+            finally:
+                sending.finishers.remove(self)
+                await asyncio.gather(
+                    *(self._call(s, "shutdown_weight_transfer_engine") for s in self._servers),
+                    return_exceptions=True,
+                )
+        finally:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    async def _number(self, num_workers: int) -> list[_Server]:
+        sizes = await asyncio.gather(*(self._world_size(url) for url in self.urls))
+        if sum(sizes) != num_workers:
+            each = ", ".join(f"{url}: {n}" for url, n in zip(self.urls, sizes, strict=True))
+            raise ValueError(
+                f"the servers have {sum(sizes)} workers in all ({each}) but the scheme was made "
+                f"for num_workers={num_workers}: give init_on_sender num_workers={sum(sizes)}"
+            )
+        servers, first = [], 0
+        for url, size in zip(self.urls, sizes, strict=True):
+            servers.append(_Server(url, first, size))
+            first += size
+        return servers
+
+    async def _world_size(self, url: str) -> int:
+        reply = await self._request("GET", url, "get_world_size")
+        size = reply.get("world_size")
+        if not isinstance(size, int) or size < 1:
+            raise VLLMServerError(url, "get_world_size", f"unexpected answer {reply!r}")
+        return size
+
+    async def _init(self, server: _Server, description: dict[str, Any], limit: float) -> None:
+        info = {"scheme": description, "first_worker": server.first, "server_url": server.url}
+        await self._call(server, "init_weight_transfer_engine", {"init_info": info}, limit=limit)
+        server.version = None
+
+    # -- the second step of a send ------------------------------------------------------------
+
+    def check(self, worker_ids: Sequence[int]) -> None:
+        targets = set(worker_ids)
+        for server in self._servers:
+            some = targets.intersection(server.workers)
+            if some and len(some) != server.size:
+                raise ValueError(
+                    f"a send reaches all of a vLLM server's workers or none: {server.url} has "
+                    f"workers {list(server.workers)}, the send names {sorted(some)}"
+                )
+
+    async def finish(self, version: int, worker_ids: Sequence[int]) -> None:
+        targets = set(worker_ids)
+        servers = [s for s in self._servers if targets.issuperset(s.workers)]
+        if not servers:
+            return
+        if self.together and len(servers) > 1:
+            await self._switch_together(servers, version)
+        else:
+            await _first_error(self._switch(s, version) for s in servers)
+
+    async def _switch(self, server: _Server, version: int) -> None:
+        """Pause, load ``version``, label it, resume; resumed whatever fails."""
+        started = time.perf_counter()
+        await self._call(server, "pause", params={"mode": self.pause})
+        try:
+            await self._load(server, version)
+            await self._label(server, version)
+        finally:
+            await self._call(server, "resume")
+            self.pause_seconds[server.url] = time.perf_counter() - started
+
+    async def _switch_together(self, servers: list[_Server], version: int) -> None:
+        """Every server loads ``version`` before any resumes; if one cannot, the others take
+        their previous version back."""
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(self._call(s, "pause", params={"mode": self.pause}) for s in servers)
+        )
+        try:
+            loads = await asyncio.gather(
+                *(self._load(s, version) for s in servers), return_exceptions=True
+            )
+            failed = [e for e in loads if isinstance(e, BaseException)]
+            if failed:
+                loaded = [s for s, e in zip(servers, loads, strict=True) if e is None]
+                await asyncio.gather(*(self._take_back(s) for s in loaded))
+                raise failed[0]
+            await asyncio.gather(*(self._label(s, version) for s in servers))
+        finally:
+            resumed = await asyncio.gather(
+                *(self._call(s, "resume") for s in servers), return_exceptions=True
+            )
+            for server in servers:
+                self.pause_seconds[server.url] = time.perf_counter() - started
+        for outcome in resumed:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _load(self, server: _Server, version: int) -> None:
+        try:
+            await self._call(server, "start_weight_update")
+        except VLLMServerError as exc:
+            if "already active" not in str(exc):
+                raise
+            # A trainer died between the two calls of an update: end it, and start again.
+            await self._call(server, "finish_weight_update", {})
+            await self._call(server, "start_weight_update")
+        await self._call(server, "update_weights", {"update_info": {"version": version}})
+
+    async def _label(self, server: _Server, version: int) -> None:
+        await self._call(server, "finish_weight_update", {"weight_version": str(version)})
+        server.version = version
+
+    async def _take_back(self, server: _Server) -> None:
+        """A server that loaded a version its fleet could not: back to the one it served."""
+        if server.version is None:
+            raise VLLMServerError(
+                server.url, "update_weights", "no earlier version of this trainer to go back to"
+            )
+        await self._call(server, "update_weights", {"update_info": {"version": server.version}})
+        await self._call(server, "finish_weight_update", {})
+
+    # -- reading the servers ------------------------------------------------------------------
+
+    async def weight_versions(self) -> dict[str, str]:
+        """Each server's ``weight_version`` (``str(version)`` once attached and sent)."""
+        replies = await asyncio.gather(
+            *(self._request("GET", url, "weight_info") for url in self.urls)
+        )
+        return {
+            url: str(r.get("weight_version")) for url, r in zip(self.urls, replies, strict=True)
+        }
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        server: _Server,
+        route: str,
+        body: dict[str, Any] | None = None,
+        *,
+        params: dict[str, str] | None = None,
+        limit: float | None = None,
+    ) -> dict[str, Any]:
+        return await self._request("POST", server.url, route, body, params=params, limit=limit)
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        route: str,
+        body: dict[str, Any] | None = None,
+        *,
+        params: dict[str, str] | None = None,
+        limit: float | None = None,
+    ) -> dict[str, Any]:
+        client = self._client
+        if client is None:
+            raise RuntimeError("the servers are not attached (async with servers.attach(scheme))")
+        timeout = httpx.Timeout(limit or self.timeout, connect=10.0)
+        for attempt in (1, 2):
+            try:
+                reply = await client.request(
+                    method, f"{url}/{route}", json=body, params=params, timeout=timeout
+                )
+                break
+            except httpx.TransportError as exc:
+                # A server that failed the call before closes its connection after its
+                # answer; the next call on that connection meets the close: try once more on a
+                # fresh one (every call here may be made twice).
+                if attempt == 2 or isinstance(exc, httpx.TimeoutException):
+                    raise VLLMServerError(url, route, f"{type(exc).__name__}: {exc}") from exc
+            except httpx.HTTPError as exc:
+                raise VLLMServerError(url, route, f"{type(exc).__name__}: {exc}") from exc
+        if reply.status_code >= 400:
+            raise VLLMServerError(url, route, f"HTTP {reply.status_code}: {_detail(reply)}")
+        try:
+            answer = reply.json()
+        except ValueError:
+            return {}
+        return answer if isinstance(answer, dict) else {}
+
+
+def _detail(reply: httpx.Response) -> str:
+    try:
+        body = reply.json()
+    except ValueError:
+        return reply.text[:2000]
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body))
+        if isinstance(error, dict):
+            error = error.get("message", error)
+        return str(error)[:2000]
+    return str(body)[:2000]
+
+
+async def _first_error(steps: Any) -> None:
+    """Run ``steps`` together, let each finish, raise the first error."""
+    outcomes = await asyncio.gather(*steps, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome

@@ -1,0 +1,263 @@
+"""One vLLM worker's side of the trainer's scheme: a receiver, and versions applied from leases.
+
+:class:`WorkerReceiver` knows nothing of vLLM: the engine hands it a ``reload`` function that
+loads ``(name, tensor)`` pairs into the model through vLLM's own reload path, and a
+``snapshot`` function for the model's current tensors. The receiver runs on a private event
+loop in a background thread (see :func:`aiowsync.blocking`), so versions arrive while the server
+generates. A version is applied from a lease: the lease keeps its bytes in place while newer
+versions arrive, and the lease of the version applied before stays held until the next one has
+been applied, so that a reload that fails half-way can be undone by applying it again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .._receiving.lease import Lease
+from .._scheme.blocking import BlockingScheme, blocking
+from ._describe import placeholders, rebuild
+
+__all__ = ["FAULT_FILE_ENV", "Reload", "WorkerReceiver"]
+
+log = logging.getLogger("aiowsync.vllm")
+
+Reload = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+"""Loads the pairs into the model (all of the model's weights, through vLLM's reload); on an
+error it leaves the model out of its reload state (its values may be mixed) and raises."""
+
+FAULT_FILE_ENV = "AIOWSYNC_VLLM_FAULT_FILE"
+"""For tests of failure: a file that, when present, makes the next apply fail (read once,
+then removed). Its JSON: ``{"fail": "reload", "after": N}`` raises after N tensors were loaded;
+``{"fail": "receive"}`` makes the receiver refuse the next version it is sent."""
+
+
+class _Applied:
+    """A version the model holds (or is taking): its tensors and the lease keeping them."""
+
+    def __init__(self, version: int, tensors: dict[str, torch.Tensor], lease: Lease | None):
+        self.version = version
+        self.tensors = tensors
+        self.lease = lease
+
+    def release(self) -> None:
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.__exit__(None, None, None)
+
+
+class WorkerReceiver:
+    """Receiver ``worker_idx`` of the scheme that ``description`` names, in a vLLM worker."""
+
+    def __init__(
+        self,
+        description: dict[str, Any],
+        worker_idx: int,
+        *,
+        reload: Reload,
+        snapshot: Callable[[], dict[str, torch.Tensor]],
+        restore: Callable[[dict[str, torch.Tensor]], None],
+        server_url: str | None,
+        previous: _Applied | None = None,
+    ) -> None:
+        self._reload = reload
+        self._snapshot = snapshot
+        self._restore = restore
+        self._server_url = server_url
+        self.worker_idx = worker_idx
+        self._skip = frozenset(description.get("skip", ()))
+        scheme = rebuild(description)
+        scheme.init_on_receiver(weights=placeholders(description), worker_idx=worker_idx)
+        if os.environ.get(FAULT_FILE_ENV):
+            scheme.register_hook(self._refuse_if_told)
+        self._facade: BlockingScheme = blocking(scheme)
+        self._applied = previous
+        """The version the model holds, from this trainer or (copied) from the one before."""
+        self._pending: _Applied | None = None
+        """A version applied since the last ``finish`` (the previous one kept until then)."""
+        self._closed = threading.Event()
+        self._heartbeat = scheme.heartbeats.interval
+        self._facade.__enter__()
+        try:
+            self._facade.connect(timeout=scheme.timeouts.handshake)
+        except BaseException:
+            self._facade.close()
+            raise
+        self._watch: threading.Thread | None = None
+        if server_url is not None:
+            self._watch = threading.Thread(
+                target=self._watch_sender, name="aiowsync-vllm-watch", daemon=True
+            )
+            self._watch.start()
+
+    @property
+    def version(self) -> int:
+        """The version the receiver holds (staged, not necessarily applied)."""
+        return self._facade.version
+
+    @property
+    def applied(self) -> int | None:
+        """The version the model holds, if it came from a trainer."""
+        held = self._pending or self._applied
+        return None if held is None else held.version
+
+    # -- applying -----------------------------------------------------------------------------
+
+    def apply(self, version: int) -> None:
+        """Load ``version`` into the model; on failure the model holds what it held before and
+        the error is raised."""
+        if self._pending is not None:
+            raise RuntimeError(
+                f"version {self._pending.version} was applied and not finished: call "
+                "finish_weight_update before the next update"
+            )
+        if self._applied is not None and version == self._applied.version:
+            taking = self._applied  # taken again (a fleet undoing a version it could not keep)
+            self._load(taking.tensors, undo=None)
+            return
+        lease = self._facade.lease()
+        held = lease.__enter__()
+        if held.version != version:
+            lease.__exit__(None, None, None)
+            raise RuntimeError(
+                f"worker {self.worker_idx} holds version {held.version}, not {version}: the "
+                "trainer asked for a version this worker did not receive"
+            )
+        tensors = {
+            k: t for k, t in held.weights.flatten_keys(".").items() if k not in self._skip
+        }
+        taking = _Applied(version, tensors, lease)
+        undo = None if self._applied is not None else self._snapshot()
+        try:
+            self._load(tensors, undo=undo)
+        except BaseException:
+            taking.release()
+            raise
+        self._pending = taking
+
+    def _load(self, tensors: dict[str, torch.Tensor], undo: dict[str, torch.Tensor] | None) -> None:
+        try:
+            self._reload(_maybe_failing(tensors.items()))
+        except BaseException as exc:
+            log.warning(
+                "worker %d: applying a version failed (%s); restoring", self.worker_idx, exc
+            )
+            if undo is not None:
+                self._restore(undo)
+            elif self._applied is not None:
+                self._reload(self._applied.tensors.items())
+            raise
+
+    def finish(self) -> int | None:
+        """The version applied since the last call becomes the one kept; the one before is
+        released. Returns the version the model holds."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if self._applied is not None and self._applied is not pending:
+                self._applied.release()
+            self._applied = pending
+        return self.applied
+
+    def detach(self) -> _Applied | None:
+        """Stop receiving; the version the model holds, copied out of the sender's memory (for
+        undoing a failed apply under the next trainer)."""
+        self.finish()
+        applied, self._applied = self._applied, None
+        kept = None
+        if applied is not None:
+            copy = {k: t.clone() for k, t in applied.tensors.items()}
+            kept = _Applied(applied.version, copy, None)
+            applied.release()
+        self.close()
+        return kept
+
+    def close(self) -> None:
+        self._closed.set()
+        for held in (self._pending, self._applied):
+            if held is not None:
+                held.release()
+        self._pending = self._applied = None
+        self._facade.close()
+
+    # -- a trainer that goes away -------------------------------------------------------------
+
+    def _watch_sender(self) -> None:
+        """When the sender is gone, make sure the server is not left paused by it."""
+        warned = False
+        while not self._closed.wait(self._heartbeat):
+            if self._facade.connected:
+                warned = False
+                continue
+            if not warned:
+                log.warning(
+                    "worker %d: the trainer is gone; serving version %s until a trainer attaches",
+                    self.worker_idx,
+                    self.applied,
+                )
+                warned = True
+            try:
+                self._resume_if_paused()
+            except OSError as exc:
+                log.warning("worker %d: could not resume the server: %s", self.worker_idx, exc)
+
+    def _resume_if_paused(self) -> None:
+        url = self._server_url
+        assert url is not None
+        with urllib.request.urlopen(f"{url}/is_paused", timeout=5) as reply:
+            paused = json.load(reply).get("is_paused")
+        if paused:
+            post = urllib.request.Request(f"{url}/resume", method="POST")
+            with urllib.request.urlopen(post, timeout=5):
+                log.warning(
+                    "worker %d: resumed the server its trainer left paused", self.worker_idx
+                )
+
+    # -- faults, for tests --------------------------------------------------------------------
+
+    def _refuse_if_told(self, version: int) -> None:
+        fault = _take_fault("receive")
+        if fault is not None:
+            raise RuntimeError(f"injected fault: receiving version {version} failed")
+
+
+def _take_fault(kind: str) -> dict[str, Any] | None:
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            fault = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if fault.get("fail") != kind:
+        return None
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return None  # taken by another worker of the server
+    return dict(fault)
+
+
+def _maybe_failing(
+    pairs: Iterable[tuple[str, torch.Tensor]],
+) -> Iterable[tuple[str, torch.Tensor]]:
+    fault = _take_fault("reload")
+    if fault is None:
+        return pairs
+    return _fail_after(pairs, int(fault.get("after", 0)))
+
+
+def _fail_after(
+    pairs: Iterable[tuple[str, torch.Tensor]], after: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for i, pair in enumerate(pairs):
+        if i == after:  # a reload under way: some layers are loaded, the rest are not
+            raise RuntimeError(f"injected fault: the reload failed after {after} tensors")
+        yield pair
