@@ -83,6 +83,9 @@ class WorkerReceiver:
         self._pending: _Applied | None = None
         """A version applied since the last ``finish`` (the previous one kept until then)."""
         self._closed = threading.Event()
+        self._lock = threading.Lock()
+        """Held while a version is applied, finished or undone (the engine's calls and the
+        watch of the sender run in different threads)."""
         self._heartbeat = scheme.heartbeats.interval
         self._facade.__enter__()
         try:
@@ -90,12 +93,10 @@ class WorkerReceiver:
         except BaseException:
             self._facade.close()
             raise
-        self._watch: threading.Thread | None = None
-        if server_url is not None:
-            self._watch = threading.Thread(
-                target=self._watch_sender, name="aiowsync-vllm-watch", daemon=True
-            )
-            self._watch.start()
+        self._watch = threading.Thread(
+            target=self._watch_sender, name="aiowsync-vllm-watch", daemon=True
+        )
+        self._watch.start()
 
     @property
     def version(self) -> int:
@@ -113,14 +114,24 @@ class WorkerReceiver:
     def apply(self, version: int) -> None:
         """Load ``version`` into the model; on failure the model holds what it held before and
         the error is raised."""
-        if self._pending is not None:
-            raise RuntimeError(
-                f"version {self._pending.version} was applied and not finished: call "
-                "finish_weight_update before the next update"
-            )
+        with self._lock:
+            self._apply(version)
+
+    def _apply(self, version: int) -> None:
+        pending = self._pending
+        if pending is not None:
+            if version == pending.version:
+                return  # asked twice
+            if self._applied is None or version != self._applied.version:
+                raise RuntimeError(
+                    f"version {pending.version} was applied and not finished: call "
+                    "finish_weight_update before the next update"
+                )
+            # Taken back: a fleet could not load the version everywhere.
+            self._undo_pending()
+            return
         if self._applied is not None and version == self._applied.version:
-            taking = self._applied  # taken again (a fleet undoing a version it could not keep)
-            self._load(taking.tensors, undo=None)
+            self._load(self._applied.tensors, undo=None)
             return
         lease = self._facade.lease()
         held = lease.__enter__()
@@ -130,9 +141,7 @@ class WorkerReceiver:
                 f"worker {self.worker_idx} holds version {held.version}, not {version}: the "
                 "trainer asked for a version this worker did not receive"
             )
-        tensors = {
-            k: t for k, t in held.weights.flatten_keys(".").items() if k not in self._skip
-        }
+        tensors = {k: t for k, t in held.weights.flatten_keys(".").items() if k not in self._skip}
         taking = _Applied(version, tensors, lease)
         undo = None if self._applied is not None else self._snapshot()
         try:
@@ -155,9 +164,22 @@ class WorkerReceiver:
                 self._reload(self._applied.tensors.items())
             raise
 
+    def _undo_pending(self) -> None:
+        """Back to the version applied before the pending one (loaded again)."""
+        pending, self._pending = self._pending, None
+        assert pending is not None and self._applied is not None
+        try:
+            self._reload(self._applied.tensors.items())
+        finally:
+            pending.release()
+
     def finish(self) -> int | None:
         """The version applied since the last call becomes the one kept; the one before is
         released. Returns the version the model holds."""
+        with self._lock:
+            return self._finish()
+
+    def _finish(self) -> int | None:
         pending, self._pending = self._pending, None
         if pending is not None:
             if self._applied is not None and self._applied is not pending:
@@ -168,13 +190,14 @@ class WorkerReceiver:
     def detach(self) -> _Applied | None:
         """Stop receiving; the version the model holds, copied out of the sender's memory (for
         undoing a failed apply under the next trainer)."""
-        self.finish()
-        applied, self._applied = self._applied, None
-        kept = None
-        if applied is not None:
-            copy = {k: t.clone() for k, t in applied.tensors.items()}
-            kept = _Applied(applied.version, copy, None)
-            applied.release()
+        with self._lock:
+            self._finish()
+            applied, self._applied = self._applied, None
+            kept = None
+            if applied is not None:
+                copy = {k: t.clone() for k, t in applied.tensors.items()}
+                kept = _Applied(applied.version, copy, None)
+                applied.release()
         self.close()
         return kept
 
@@ -202,6 +225,15 @@ class WorkerReceiver:
                     self.applied,
                 )
                 warned = True
+            with self._lock:
+                if self._pending is not None and self._applied is not None:
+                    # Loaded but never labelled: the server goes on with what it served.
+                    try:
+                        self._undo_pending()
+                    except Exception as exc:
+                        log.error("worker %d: could not undo a version: %s", self.worker_idx, exc)
+            if self._server_url is None:
+                continue  # another worker of the server resumes it
             try:
                 self._resume_if_paused()
             except OSError as exc:

@@ -1,0 +1,197 @@
+"""Real CPU vLLM servers for the tests: a tiny random Llama, started with aiowsync's engine.
+
+Each server is its own process group (the API server, its engine core and its worker), killed
+whole when the tests are done. A server reads ``fault_file`` (see ``FAULT_FILE_ENV``) so that a
+test can make its next apply fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from aiowsync.vllm._worker import FAULT_FILE_ENV
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,  # head_dim 64: the CPU attention kernels need at least 32
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    # Wider than the usual 0.02, so that greedy decoding is far from ties between tokens.
+    "initializer_range": 0.3,
+}
+
+START_LIMIT_S = float(os.environ.get("AIOWSYNC_VLLM_START_S", "600"))
+"""How long a server may take to answer /health: about 30 s on an idle 2-core host, and
+several times that beside other work."""
+
+PROMPTS = [[1, 5, 7, 9], [1, 300, 12], [1, 42, 43, 44, 45], [1, 200]]
+
+
+def write_model(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_env(fault_file: Path | None = None) -> dict[str, str]:
+    venv_lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    env = dict(os.environ)
+    env.update(
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        OMP_WAIT_POLICY="PASSIVE",
+        PYTHONUNBUFFERED="1",
+    )
+    if venv_lib.exists():
+        env["LD_PRELOAD"] = str(venv_lib)
+    if fault_file is not None:
+        env[FAULT_FILE_ENV] = str(fault_file)
+    return env
+
+
+class Server:
+    """One vLLM API server process group."""
+
+    def __init__(self, model: Path, log: Path, fault_file: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.fault_file = fault_file
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
+            "--dtype", "float32", "--enforce-eager", "--port", str(self.port),
+            "--enable-scale-out", "--max-model-len", "256", "--max-num-seqs", "8",
+            "--weight-transfer-config", '{"backend": "aiowsync"}',
+        ]  # fmt: skip
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=server_env(fault_file),
+                start_new_session=True,
+            )
+
+    def wait_up(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server not up within {START_LIMIT_S} s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def fail_next(self, fault: dict[str, Any]) -> None:
+        assert self.fault_file is not None
+        self.fault_file.write_text(json.dumps(fault))
+
+
+def start_servers(tmp: Path, n: int) -> list[Server]:
+    model = write_model(tmp / "tiny-llama")
+    servers: list[Server] = []
+    try:
+        for i in range(n):
+            servers.append(Server(model, tmp / f"server{i}.log", tmp / f"fault{i}.json"))
+        deadline = time.monotonic() + START_LIMIT_S
+        for server in servers:
+            server.wait_up(deadline)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def trainer_model(seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(**TINY_LLAMA)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).float().eval()
+
+
+def set_version(model: torch.nn.Module, seed: int) -> None:
+    """The trainer's weights for ``seed``: the same bytes every time."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+async def generate(
+    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int = 8
+) -> tuple[list[int], list[dict[str, Any]]]:
+    reply = await client.post(
+        f"{url}/inference/v1/generate",
+        json={"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "temperature": 0}},
+        timeout=60,
+    )
+    reply.raise_for_status()
+    choice = reply.json()["choices"][0]
+    return list(choice["token_ids"]), list(choice["weight_versions"])
+
+
+async def checksums(client: httpx.AsyncClient, url: str) -> dict[str, str]:
+    reply = await client.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60)
+    reply.raise_for_status()
+    return dict(reply.json()["checksums"])
+
+
+async def answers_within(
+    client: httpx.AsyncClient, url: str, prompt: list[int], limit: float
+) -> tuple[float, list[int], list[dict[str, Any]]]:
+    """The first answer to ``prompt`` within ``limit`` seconds, and how long it took."""
+    start = time.monotonic()
+    tokens, spans = await asyncio.wait_for(generate(client, url, prompt), limit)
+    return time.monotonic() - start, tokens, spans
