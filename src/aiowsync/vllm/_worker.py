@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import anyio
 import torch
 
 from .._receiving.lease import Lease
@@ -36,7 +37,8 @@ error it leaves the model out of its reload state (its values may be mixed) and 
 FAULT_FILE_ENV = "AIOWSYNC_VLLM_FAULT_FILE"
 """For tests of failure: a file that, when present, makes the next apply fail (read once,
 then removed). Its JSON: ``{"fail": "reload", "after": N}`` raises after N tensors were loaded;
-``{"fail": "receive"}`` makes the receiver refuse the next version it is sent."""
+``{"fail": "receive"}`` makes the receiver refuse the next version it is sent, and
+``{"fail": "receive", "delay": S}`` answers for it S seconds late."""
 
 
 class _Applied:
@@ -253,10 +255,14 @@ class WorkerReceiver:
 
     # -- faults, for tests --------------------------------------------------------------------
 
-    def _refuse_if_told(self, version: int) -> None:
+    async def _refuse_if_told(self, version: int) -> None:
         fault = _take_fault("receive")
-        if fault is not None:
-            raise RuntimeError(f"injected fault: receiving version {version} failed")
+        if fault is None:
+            return
+        if "delay" in fault:  # a worker that answers late
+            await anyio.sleep(float(fault["delay"]))
+            return
+        raise RuntimeError(f"injected fault: receiving version {version} failed")
 
 
 def _take_fault(kind: str) -> dict[str, Any] | None:
