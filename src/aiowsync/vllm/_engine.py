@@ -14,7 +14,10 @@ before go.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +30,19 @@ from vllm.distributed.weight_transfer.base import (
 
 from ._worker import WorkerReceiver
 
-__all__ = ["AiowsyncInitInfo", "AiowsyncUpdateInfo", "AiowsyncWeightTransferEngine"]
+__all__ = [
+    "SWITCH_LOG_ENV",
+    "AiowsyncInitInfo",
+    "AiowsyncUpdateInfo",
+    "AiowsyncWeightTransferEngine",
+]
 
 log = logging.getLogger("aiowsync.vllm")
+
+SWITCH_LOG_ENV = "AIOWSYNC_VLLM_SWITCH_LOG"
+"""For measurements: a file to which each worker appends one JSON line per version it
+serves, with the wall-clock times (``time.time()``) at which its reload ended, at which it
+was labelled (``/finish_weight_update``) and of the model's first forward after that."""
 
 
 @dataclass
@@ -63,6 +76,12 @@ class AiowsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._receiver: WorkerReceiver | None = None
+        self._switch_log = os.environ.get(SWITCH_LOG_ENV)
+        self._switch: dict[str, Any] | None = None
+        """The times of the version last labelled, until its first forward is seen."""
+        self._loaded_at = 0.0
+        if self._switch_log:
+            self.model.register_forward_pre_hook(self._first_forward)
 
     def _rank(self) -> int:
         from vllm.distributed.parallel_state import get_world_group
@@ -100,10 +119,26 @@ class AiowsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
     def receive_weights(self, update_info: AiowsyncUpdateInfo) -> None:
         self._need_receiver().apply(update_info.version)
+        self._loaded_at = time.time()
 
     def finish_weight_update(self) -> None:
         if self._receiver is not None:
-            self._receiver.finish()
+            version = self._receiver.finish()
+            if self._switch_log and version is not None:
+                self._switch = {
+                    "worker": self._receiver.worker_idx,
+                    "version": version,
+                    "loaded": self._loaded_at,
+                    "labelled": time.time(),
+                }
+
+    def _first_forward(self, module: Any, args: Any) -> None:
+        switch, self._switch = self._switch, None
+        if switch is None or not self._switch_log:
+            return
+        switch["first_forward"] = time.time()
+        with open(self._switch_log, "a") as f:
+            f.write(json.dumps(switch) + "\n")
 
     def shutdown(self) -> None:
         receiver, self._receiver = self._receiver, None
