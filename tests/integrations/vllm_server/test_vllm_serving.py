@@ -179,3 +179,38 @@ async def test_a_server_that_does_not_answer_is_named() -> None:
         with pytest.raises(VLLMServerError, match=r"127\.0\.0\.1:9: get_world_size"):
             async with VLLMServers([url], timeout=5).attach(scheme):
                 pass
+
+
+@pytest.mark.parametrize("topology", ["star", "chain"])
+async def test_over_torch_distributed_the_server_serves_the_same_tokens(
+    vllm_servers: list[Server], topology: str
+) -> None:
+    """The bytes travel over gloo instead of shared memory: the same weights give the same
+    tokens and the same checksums as over shared memory; both servers take part."""
+    urls = [s.url for s in vllm_servers]
+    model = trainer_model()
+    set_version(model, 7)
+    expected = {}
+    shm = aiowsync.SharedMemWeightSyncScheme()
+    shm.init_on_sender(model=model, num_workers=2)
+    async with httpx.AsyncClient() as client:
+        async with shm, VLLMServers(urls).attach(shm):
+            await shm.connect(timeout=120)
+            for url in urls:
+                expected[url] = (
+                    (await generate(client, url, PROMPTS[0]))[0],
+                    await checksums(client, url),
+                )
+        set_version(model, 0)
+        dist = aiowsync.DistributedWeightSyncScheme(backend="gloo", topology=topology)
+        dist.init_on_sender(model=model, num_workers=2)
+        async with dist, VLLMServers(urls).attach(dist) as servers:
+            await dist.connect(timeout=120)
+            set_version(model, 7)
+            result = await dist.send(timeout=60)
+            assert result.retries == 0
+            assert await servers.weight_versions() == dict.fromkeys(urls, str(result.version))
+            for url in urls:
+                tokens, spans = await generate(client, url, PROMPTS[0])
+                assert [s["version"] for s in spans] == [str(result.version)]
+                assert (tokens, await checksums(client, url)) == expected[url]
