@@ -3,6 +3,7 @@
     .venv/bin/python tests/mutants.py                 # every mutant, the default tests
     .venv/bin/python tests/mutants.py --only pins     # one mutant
     .venv/bin/python tests/mutants.py --tests tests/scheme/test_scheme_lifecycle.py -k lag
+    .venv-vllm/bin/python tests/mutants.py --vllm      # aiowsync.vllm's, on real vLLM servers
 
 Each mutant is one exact replacement in one source file (the script stops if the original
 text is gone, so it cannot silently test nothing). The copy of ``src/`` and ``tests/`` lives
@@ -181,7 +182,37 @@ MUTANTS = [
         '"hop_ms": round(self.hop * 1000)',
         '"hop_ms": round(self.hop)',
     ),
+    # aiowsync.vllm: run with .venv-vllm's python and --tests tests/integrations/vllm_server
+    # (VLLM_TESTS below); the default tests do not start vLLM.
+    Mutant(
+        "vllm-no-undo",
+        "a vLLM reload that fails half-way is not undone (the model keeps a mix)",
+        "src/aiowsync/vllm/_worker.py",
+        "            elif self._applied is not None:\n"
+        "                self._reload(self._applied.tensors.items())\n",
+        "            elif False:\n                pass\n",
+    ),
+    Mutant(
+        "vllm-paused",
+        "a vLLM server whose load failed is not resumed",
+        "src/aiowsync/vllm/_servers.py",
+        '        finally:\n            await self._call(server, "resume")\n',
+        "        except BaseException:\n            raise\n        if True:\n"
+        '            await self._call(server, "resume")\n',
+    ),
+    Mutant(
+        "vllm-no-take-back",
+        "together=True: servers that loaded a version the fleet could not keep keep it",
+        "src/aiowsync/vllm/_servers.py",
+        "                await asyncio.gather(*(self._take_back(s) for s in loaded))\n",
+        "                pass\n",
+    ),
 ]
+VLLM_TESTS = ["tests/integrations/vllm_server/test_vllm_failures.py"]
+
+
+def _is_vllm(mutant: Mutant) -> bool:
+    return mutant.path.startswith("src/aiowsync/vllm/")
 
 
 def _scratch() -> Path:
@@ -243,8 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", help="a mutant's name (repeatable)")
     parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS, help="test paths to run")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="the aiowsync.vllm mutants against the vLLM tests (run with .venv-vllm's python)",
+    )
     args = parser.parse_args(argv)
-    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.vllm:
+        args.only = args.only or [m.name for m in MUTANTS if _is_vllm(m)]
+        if args.tests == DEFAULT_TESTS:
+            args.tests = VLLM_TESTS
+    chosen = [m for m in MUTANTS if (m.name in args.only if args.only else not _is_vllm(m))]
     if not chosen:
         parser.error(f"no such mutant; known: {', '.join(m.name for m in MUTANTS)}")
     extra = ["-k", args.keyword] if args.keyword else []
