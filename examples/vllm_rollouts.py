@@ -191,13 +191,11 @@ async def run(url: str, client: httpx.AsyncClient, model_dir: Path, steps: int) 
             for step in range(1, steps + 1):
                 await rollout_on(scheme.version)  # a step trains on the current policy's
                 training_step(model, step)
-                t0 = time.perf_counter()
                 result = await scheme.send(timeout=120)
                 keep(result.version)
-                ms = [1000 * x for x in (time.perf_counter() - t0, result.seconds,
-                                         servers.pause_seconds[url])]  # fmt: skip
-                print("version {}: sent in {:.0f} ms (transfer {:.0f} ms while the server "
-                      "generated, then paused {:.0f} ms)".format(result.version, *ms))  # fmt: skip
+                ms = [1000 * x for x in (result.seconds, servers.pause_seconds[url])]
+                print("version {}: served {:.0f} ms after send() began; the server paused "
+                      "{:.0f} ms of it".format(result.version, *ms))  # fmt: skip
             await rollout_on(scheme.version)
         finally:
             stop.set()

@@ -7,6 +7,7 @@ stops it again. The scheme's public methods of the sender's role call it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -44,8 +45,10 @@ class Finisher(Protocol):
     def check(self, worker_ids: Sequence[int]) -> None:
         """Raise before anything is staged if a send to ``worker_ids`` cannot be finished."""
 
-    async def finish(self, version: int, worker_ids: Sequence[int]) -> None:
-        """Take ``version``, which ``worker_ids`` acknowledged; raise to fail the send."""
+    async def finish(self, version: int, worker_ids: Sequence[int], deadline: float | None) -> None:
+        """Take ``version``, which ``worker_ids`` acknowledged, by ``deadline`` (on
+        ``time.monotonic()``'s clock; None: no deadline but the finisher's own); raise to fail
+        the send."""
 
 
 class SenderSession:
@@ -241,11 +244,12 @@ class SenderSession:
     async def connect(self, timeout: float) -> None:
         if self.relay is not None:
             timeout -= await self.relay.wait_started(timeout)
+        deadline = time.monotonic() + timeout
         assert self.core is not None
-        await self.core.wait_ready(timeout)
+        await self.core.wait_ready(max(0.0, deadline - time.monotonic()))
         everyone = list(range(self.num_workers))
         for finisher in list(self.finishers):
-            await finisher.finish(self.core.version, everyone)
+            await finisher.finish(self.core.version, everyone, deadline)
 
     # -- sends --------------------------------------------------------------------------------
 
@@ -283,12 +287,15 @@ class SenderSession:
             "send", weights, worker_ids, timeout, timeouts
         )
         finishers = list(self.finishers)
+        if not finishers:
+            return await core.send(source, targets, **limits)
+        started = time.perf_counter()
         for finisher in finishers:
             finisher.check(targets)
         result = await core.send(source, targets, **limits)
         for finisher in finishers:
-            await finisher.finish(result.version, result.worker_ids)
-        return result
+            await finisher.finish(result.version, result.worker_ids, limits["deadline"])
+        return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
     async def publish(
         self,

@@ -17,6 +17,6 @@ May import: aiowsync._exceptions, aiowsync._config, aiowsync._channel, aiowsync.
 aiowsync._receiving.
 """
 
-from ._servers import PauseMode, VLLMServerError, VLLMServers
+from ._servers import PauseMode, VLLMServerError, VLLMServers, VLLMServerTimeout
 
-__all__ = ["PauseMode", "VLLMServerError", "VLLMServers"]
+__all__ = ["PauseMode", "VLLMServerError", "VLLMServerTimeout", "VLLMServers"]

@@ -9,6 +9,7 @@ takes ``str(version)`` as its ``weight_version`` and resumes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -16,14 +17,16 @@ from typing import Any, Literal
 
 import httpx
 
-from .._exceptions import WeightSyncError
+from .._exceptions import WeightSyncError, WeightSyncTimeout
 from .._scheme.scheme import WeightSyncScheme
 from .._scheme.sender import SenderSession
 from ._describe import describe
 
-__all__ = ["PauseMode", "VLLMServerError", "VLLMServers"]
+__all__ = ["PauseMode", "VLLMServerError", "VLLMServerTimeout", "VLLMServers"]
 
 PauseMode = Literal["wait", "keep", "abort"]
+
+log = logging.getLogger("aiowsync.vllm")
 
 
 class VLLMServerError(WeightSyncError):
@@ -32,12 +35,19 @@ class VLLMServerError(WeightSyncError):
     Attributes:
         url: the server.
         step: the route that failed (``"update_weights"``, ...).
+        detail: what the server (or the connection) said.
     """
 
     def __init__(self, url: str, step: str, detail: str) -> None:
         super().__init__(f"vLLM server {url}: {step} failed: {detail}")
         self.url = url
         self.step = step
+        self.detail = detail
+
+
+class VLLMServerTimeout(VLLMServerError, WeightSyncTimeout):
+    """A server's step of a send did not finish by the send's deadline (the server was
+    resumed, with the version it served before unless its label had moved)."""
 
 
 class _Server:
@@ -100,6 +110,8 @@ class VLLMServers:
         self.timeout = timeout
         self._servers: list[_Server] = []
         self._client: httpx.AsyncClient | None = None
+        self._deadline: float | None = None
+        """The deadline of the send under way (``time.monotonic()``), if it has one."""
         self.pause_seconds: dict[str, float] = {}
         """Per server, how long its last version change kept it from generating (the pause
         call until the resume call returned)."""
@@ -186,7 +198,14 @@ class VLLMServers:
                     f"workers {list(server.workers)}, the send names {sorted(some)}"
                 )
 
-    async def finish(self, version: int, worker_ids: Sequence[int]) -> None:
+    async def finish(self, version: int, worker_ids: Sequence[int], deadline: float | None) -> None:
+        self._deadline = deadline
+        try:
+            await self._finish(version, worker_ids)
+        finally:
+            self._deadline = None
+
+    async def _finish(self, version: int, worker_ids: Sequence[int]) -> None:
         targets = set(worker_ids)
         servers = [s for s in self._servers if targets.issuperset(s.workers)]
         if not servers:
@@ -203,8 +222,12 @@ class VLLMServers:
         try:
             await self._load(server, version)
             await self._label(server, version)
+        except VLLMServerTimeout:
+            # The server may still load the version, unlabelled: have it go back after.
+            await self._take_back_quietly(server)
+            raise
         finally:
-            await self._call(server, "resume")
+            await self._call(server, "resume", always=True)
             self.pause_seconds[server.url] = time.perf_counter() - started
 
     async def _switch_together(self, servers: list[_Server], version: int) -> None:
@@ -220,13 +243,18 @@ class VLLMServers:
             )
             failed = [e for e in loads if isinstance(e, BaseException)]
             if failed:
-                loaded = [s for s, e in zip(servers, loads, strict=True) if e is None]
+                loaded = [
+                    s
+                    for s, e in zip(servers, loads, strict=True)
+                    if e is None or isinstance(e, VLLMServerTimeout)
+                ]
                 await asyncio.gather(*(self._take_back(s) for s in loaded))
                 raise failed[0]
             await asyncio.gather(*(self._label(s, version) for s in servers))
         finally:
             resumed = await asyncio.gather(
-                *(self._call(s, "resume") for s in servers), return_exceptions=True
+                *(self._call(s, "resume", always=True) for s in servers),
+                return_exceptions=True,
             )
             for server in servers:
                 self.pause_seconds[server.url] = time.perf_counter() - started
@@ -249,14 +277,21 @@ class VLLMServers:
         await self._call(server, "finish_weight_update", {"weight_version": str(version)})
         server.version = version
 
+    async def _take_back_quietly(self, server: _Server) -> None:
+        try:
+            await self._take_back(server)
+        except VLLMServerError as exc:
+            log.warning("%s: could not take its previous version back: %s", server.url, exc)
+
     async def _take_back(self, server: _Server) -> None:
         """A server that loaded a version its fleet could not: back to the one it served."""
         if server.version is None:
             raise VLLMServerError(
                 server.url, "update_weights", "no earlier version of this trainer to go back to"
             )
-        await self._call(server, "update_weights", {"update_info": {"version": server.version}})
-        await self._call(server, "finish_weight_update", {})
+        info = {"update_info": {"version": server.version}}
+        await self._call(server, "update_weights", info, always=True)
+        await self._call(server, "finish_weight_update", {}, always=True)
 
     # -- reading the servers ------------------------------------------------------------------
 
@@ -279,8 +314,21 @@ class VLLMServers:
         *,
         params: dict[str, str] | None = None,
         limit: float | None = None,
+        always: bool = False,
     ) -> dict[str, Any]:
-        return await self._request("POST", server.url, route, body, params=params, limit=limit)
+        """POST ``route``; within the send's deadline unless ``always`` (what puts a server
+        back as it was runs whatever the time)."""
+        if self._deadline is not None and not always:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise VLLMServerTimeout(server.url, route, "the send's deadline passed first")
+            limit = min(limit or self.timeout, left)
+        try:
+            return await self._request("POST", server.url, route, body, params=params, limit=limit)
+        except VLLMServerError as exc:
+            if self._deadline is not None and not always and time.monotonic() >= self._deadline:
+                raise VLLMServerTimeout(server.url, route, exc.detail) from exc
+            raise
 
     async def _request(
         self,

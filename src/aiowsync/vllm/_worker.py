@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -36,7 +37,8 @@ error it leaves the model out of its reload state (its values may be mixed) and 
 
 FAULT_FILE_ENV = "AIOWSYNC_VLLM_FAULT_FILE"
 """For tests of failure: a file that, when present, makes the next apply fail (read once,
-then removed). Its JSON: ``{"fail": "reload", "after": N}`` raises after N tensors were loaded;
+then removed). Its JSON: ``{"fail": "reload", "after": N}`` raises after N tensors were loaded
+(``"delay": S`` first waits S seconds);
 ``{"fail": "receive"}`` makes the receiver refuse the next version it is sent, and
 ``{"fail": "receive", "delay": S}`` answers for it S seconds late."""
 
@@ -289,6 +291,7 @@ def _maybe_failing(
     fault = _take_fault("reload")
     if fault is None:
         return pairs
+    time.sleep(float(fault.get("delay", 0.0)))  # a reload that takes its time
     return _fail_after(pairs, int(fault.get("after", 0)))
 
 

@@ -229,3 +229,20 @@ async def test_together_a_fleet_that_cannot_take_a_version_keeps_the_one_it_had(
         after = [await _served(client, u) for u in urls]
         assert [label for _, label in after] == [str(result.version)] * 2
         assert after[0][0] == after[1][0] != before[0][0]
+
+
+async def test_a_send_deadline_bounds_the_servers_step_too(vllm_servers: list[Server]) -> None:
+    """The deadline passes while the server loads the version: the send times out naming the
+    server, which then goes back to the version it served and resumes."""
+    server = vllm_servers[1]
+    async with httpx.AsyncClient() as client, _trainer([server.url]) as (scheme, model, servers):
+        before, sums = await _served(client, server.url), await checksums(client, server.url)
+        server.fail_next({"fail": "reload", "after": 10**9, "delay": 3.0})
+        set_version(model, 2)
+        with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+            await scheme.send(timeout=1.5)
+        assert isinstance(info.value, aiowsync.vllm.VLLMServerTimeout)
+        assert info.value.url == server.url
+        await _still_serves_the_previous_version(client, server, before, sums)
+        result = await scheme.send(timeout=60)
+        assert (await _served(client, server.url))[1] == str(result.version)

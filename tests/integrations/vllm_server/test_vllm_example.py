@@ -1,0 +1,30 @@
+"""examples/vllm_rollouts.py runs as the docs say: its own CPU vLLM server, a trainer and a
+client, and every response checked against the version it names."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _vllm import START_LIMIT_S
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(START_LIMIT_S) + 300)]
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "vllm_rollouts.py"
+
+
+def test_the_example_checks_every_response_and_succeeds(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--start-limit", str(START_LIMIT_S)],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
+        capture_output=True,
+        text=True,
+        timeout=START_LIMIT_S + 240,
+    )
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "mismatches=0" in run.stdout
+    assert "OK: every response was generated on one whole version the trainer sent" in run.stdout
