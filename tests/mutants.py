@@ -196,15 +196,15 @@ MUTANTS = [
         "vllm-paused",
         "a vLLM server whose load failed is not resumed",
         "src/aiowsync/vllm/_servers.py",
-        '        finally:\n            await self._call(server, "resume")\n',
+        '        finally:\n            await self._call(server, "resume", always=True)\n',
         "        except BaseException:\n            raise\n        if True:\n"
-        '            await self._call(server, "resume")\n',
+        '            await self._call(server, "resume", always=True)\n',
     ),
     Mutant(
         "vllm-no-take-back",
         "together=True: servers that loaded a version the fleet could not keep keep it",
         "src/aiowsync/vllm/_servers.py",
-        "                await asyncio.gather(*(self._take_back(s) for s in loaded))\n",
+        "                await asyncio.gather(*(self._take_back_quietly(s) for s in loaded))\n",
         "                pass\n",
     ),
 ]

@@ -146,12 +146,16 @@ class VLLMServers:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=10.0))
         try:
             self._servers = await self._number(sending.num_workers)
-            await asyncio.gather(*(self._init(s, description, limit) for s in self._servers))
-            sending.finishers.append(self)
             try:
-                yield self
+                await _first_error(self._init(s, description, limit) for s in self._servers)
+                sending.finishers.append(self)
+                try:
+                    yield self
+                finally:
+                    sending.finishers.remove(self)
             finally:
-                sending.finishers.remove(self)
+                # The servers' workers let this trainer go (those that joined, when one could
+                # not); the servers keep what they loaded.
                 await asyncio.gather(
                     *(self._call(s, "shutdown_weight_transfer_engine") for s in self._servers),
                     return_exceptions=True,
@@ -218,8 +222,9 @@ class VLLMServers:
     async def _switch(self, server: _Server, version: int) -> None:
         """Pause, load ``version``, label it, resume; resumed whatever fails."""
         started = time.perf_counter()
-        await self._call(server, "pause", params={"mode": self.pause})
         try:
+            # In the block: a pause that fails or times out may still happen on the server.
+            await self._call(server, "pause", params={"mode": self.pause})
             await self._load(server, version)
             await self._label(server, version)
         except VLLMServerTimeout:
@@ -234,10 +239,8 @@ class VLLMServers:
         """Every server loads ``version`` before any resumes; if one cannot, the others take
         their previous version back."""
         started = time.perf_counter()
-        await asyncio.gather(
-            *(self._call(s, "pause", params={"mode": self.pause}) for s in servers)
-        )
         try:
+            await _first_error(self._call(s, "pause", params={"mode": self.pause}) for s in servers)
             loads = await asyncio.gather(
                 *(self._load(s, version) for s in servers), return_exceptions=True
             )
@@ -248,7 +251,7 @@ class VLLMServers:
                     for s, e in zip(servers, loads, strict=True)
                     if e is None or isinstance(e, VLLMServerTimeout)
                 ]
-                await asyncio.gather(*(self._take_back(s) for s in loaded))
+                await asyncio.gather(*(self._take_back_quietly(s) for s in loaded))
                 raise failed[0]
             await asyncio.gather(*(self._label(s, version) for s in servers))
         finally:
