@@ -11,8 +11,10 @@ been applied, so that a reload that fails half-way can be undone by applying it 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import mmap
 import os
 import threading
 import time
@@ -25,6 +27,7 @@ import torch
 
 from .._receiving.lease import Lease
 from .._scheme.blocking import BlockingScheme, blocking
+from .._util.libc import libc
 from ._describe import placeholders, rebuild
 
 __all__ = ["FAULT_FILE_ENV", "Reload", "WorkerReceiver"]
@@ -78,9 +81,11 @@ class WorkerReceiver:
         self.worker_idx = worker_idx
         self._skip = frozenset(description.get("skip", ()))
         scheme = rebuild(description)
-        scheme.init_on_receiver(weights=placeholders(description), worker_idx=worker_idx)
+        self._model = placeholders(description)
+        scheme.init_on_receiver(weights=self._model, worker_idx=worker_idx)
         if os.environ.get(FAULT_FILE_ENV):
             scheme.register_hook(self._refuse_if_told)
+        scheme.register_hook(self._map_in)
         self._facade: BlockingScheme = blocking(scheme)
         self._applied = previous
         """The version the model holds, from this trainer or (copied) from the one before."""
@@ -213,6 +218,13 @@ class WorkerReceiver:
         self._pending = self._applied = None
         self._facade.close()
 
+    # -- staging ------------------------------------------------------------------------------
+
+    async def _map_in(self, version: int) -> None:
+        """Map the new version's pages into this process before the worker acks it (while
+        the server generates), so that loading it in the pause reads memory, not page faults."""
+        await anyio.to_thread.run_sync(populate, list(self._model.values()))
+
     # -- a trainer that goes away -------------------------------------------------------------
 
     def _watch_sender(self) -> None:
@@ -265,6 +277,29 @@ class WorkerReceiver:
             await anyio.sleep(float(fault["delay"]))
             return
         raise RuntimeError(f"injected fault: receiving version {version} failed")
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels refuse it and the pages fault in later
+
+
+def populate(tensors: Iterable[torch.Tensor]) -> None:
+    """Have the kernel map every page of the tensors' storages (shared memory a receiver
+    re-pointed them at) into this process, without reading them."""
+    lib = libc()
+    if lib is None:
+        return
+    page = mmap.PAGESIZE
+    seen: set[int] = set()
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        start, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or start in seen or tensor.device.type != "cpu":
+            continue
+        seen.add(start)
+        aligned = start - start % page
+        lib.madvise(
+            ctypes.c_void_p(aligned), ctypes.c_size_t(start + size - aligned), _MADV_POPULATE_READ
+        )
 
 
 def _take_fault(kind: str) -> dict[str, Any] | None:
