@@ -183,6 +183,7 @@ async def test_a_trainer_killed_mid_send_leaves_the_server_serving_and_a_new_one
             trainer.wait(timeout=30)
             tokens, label = await _served(client, server.url)
             back = time.monotonic() - killed
+            print(f"killed while paused: the server answered {back:.2f} s later")
             assert back < BACK_WITHIN_S
             held = (await client.get(f"{server.url}/weight_info")).json()["weight_version"]
             assert label == held and int(label) >= 3

@@ -111,6 +111,10 @@ async def test_twenty_sends_under_load_each_response_is_its_versions_greedy_toke
         assert (spans[0]["start"], spans[0]["end"]) == (0, len(tokens))
         assert 0 <= version <= 20
         assert tokens == quiet[version][p], (p, version)
+    print(
+        f"wait: {len(seen)} responses under 20 sends, {len(failures)} failed, versions "
+        f"answered {sorted(labels)}, each equal to its version's quiet tokens"
+    )
     assert len(labels) >= 5  # requests did run while versions changed
     assert len({tuple(q[0]) for q in quiet.values()}) >= 3  # versions answer differently
 
@@ -157,6 +161,8 @@ async def test_keep_continues_requests_on_the_new_version_and_their_spans_say_wh
         end = int(str(spans[0]["end"]))
         assert tokens[:end] == quiet[versions[0]][p][:end], (p, versions)
         changed += len(spans) > 1
+    most = max(len(spans) for _, _, spans in seen)
+    print(f"keep: {len(seen)} responses, {changed} spanned a change, up to {most} versions in one")
     assert changed >= 3  # requests did continue across a change
 
 
