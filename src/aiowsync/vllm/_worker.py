@@ -49,10 +49,15 @@ then removed). Its JSON: ``{"fail": "reload", "after": N}`` raises after N tenso
 class _Applied:
     """A version the model holds (or is taking): its tensors and the lease keeping them."""
 
-    def __init__(self, version: int, tensors: dict[str, torch.Tensor], lease: Lease | None):
+    def __init__(
+        self, version: int, tensors: dict[str, torch.Tensor], lease: Lease | None, mine: bool
+    ) -> None:
         self.version = version
         self.tensors = tensors
         self.lease = lease
+        self.mine = mine
+        """A version of the trainer now attached (not one left by a trainer before, whose
+        version numbers mean nothing to this one)."""
 
     def release(self) -> None:
         lease, self.lease = self.lease, None
@@ -131,7 +136,7 @@ class WorkerReceiver:
         if pending is not None:
             if version == pending.version:
                 return  # asked twice
-            if self._applied is None or version != self._applied.version:
+            if not self._is_applied(version):
                 raise RuntimeError(
                     f"version {pending.version} was applied and not finished: call "
                     "finish_weight_update before the next update"
@@ -139,8 +144,8 @@ class WorkerReceiver:
             # Taken back: a fleet could not load the version everywhere.
             self._undo_pending()
             return
-        if self._applied is not None and version == self._applied.version:
-            self._load(self._applied.tensors, undo=None)
+        if self._applied is not None and self._is_applied(version):
+            self._load(self._applied.tensors, undo=None)  # loaded again, as asked
             return
         lease = self._facade.lease()
         held = lease.__enter__()
@@ -151,7 +156,7 @@ class WorkerReceiver:
                 "trainer asked for a version this worker did not receive"
             )
         tensors = {k: t for k, t in held.weights.flatten_keys(".").items() if k not in self._skip}
-        taking = _Applied(version, tensors, lease)
+        taking = _Applied(version, tensors, lease, mine=True)
         undo = None if self._applied is not None else self._snapshot()
         try:
             self._load(tensors, undo=undo)
@@ -172,6 +177,11 @@ class WorkerReceiver:
             elif self._applied is not None:
                 self._reload(self._applied.tensors.items())
             raise
+
+    def _is_applied(self, version: int) -> bool:
+        """``version`` of this trainer is the one the model held before any pending one."""
+        held = self._applied
+        return held is not None and held.mine and held.version == version
 
     def _undo_pending(self) -> None:
         """Back to the version applied before the pending one (loaded again)."""
@@ -205,7 +215,7 @@ class WorkerReceiver:
             kept = None
             if applied is not None:
                 copy = {k: t.clone() for k, t in applied.tensors.items()}
-                kept = _Applied(applied.version, copy, None)
+                kept = _Applied(applied.version, copy, None, mine=False)
                 applied.release()
         self.close()
         return kept
