@@ -60,6 +60,25 @@ def test_a_job_whose_helpers_cannot_start_is_finished_by_its_caller() -> None:
     assert sorted(done) == [0, 1, 2, 3]
 
 
+def test_a_helper_kept_off_the_cpus_delays_nothing_it_had_not_begun() -> None:
+    """A helper that has not begun when the caller runs out of pieces (its thread busy, or
+    not scheduled: another process holds the CPU it was woken on) neither holds the copy up
+    nor copies anything after it: the caller takes its tail, and the helper, once it runs,
+    finds nothing left."""
+    import threading
+
+    done: list[int] = []
+    hold = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(hold.wait, 30)  # the pool's only thread is busy
+        job = CopyJob([0, 1, 2], [10], done.append)
+        job.start(pool, settle=0.01)
+        job.finish()  # returns without the helper
+        assert sorted(done) == [0, 1, 2, 10]
+        hold.set()
+    assert sorted(done) == [0, 1, 2, 10]  # the helper ran later and copied nothing
+
+
 @pytest.mark.parametrize("early", [0.0, 0.01, 0.5, 2.0])
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 @pytest.mark.parametrize("total", [4 << 20, (64 << 20) + 70, 1 << 30])

@@ -69,4 +69,7 @@ def test_two_async_rollout_actors_hold_every_version_on_both_transports(tmp_path
     while ray_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray_processes() == []
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    # Intel OpenMP's registration files are other programs' (vLLM's servers use libiomp; Ray's
+    # workers here run torch's own OpenMP).
+    left = {f for f in set(os.listdir("/dev/shm")) - shm_before if not f.startswith("__KMP_")}
+    assert left == set()

@@ -4,7 +4,10 @@ The calling thread and a few helper threads share a copy. Each helper first copi
 (a part given to it alone, at the end of the destination, taken as one call), then, like the
 calling thread, takes pieces of the *head* from one queue until none is left. Pieces taken as
 threads come free keep a slow thread (the last one to wake, or one that another process
-preempted) from holding up the whole copy, as equal fixed shares would.
+preempted) from holding up the whole copy, as equal fixed shares would. A tail whose helper has
+not begun by the time the calling thread runs out of pieces is copied by the calling thread,
+which then waits only for the helpers that took work: a helper kept off every CPU (another
+process busy on the CPU it was woken on) delays nothing it had not begun.
 """
 
 from __future__ import annotations
@@ -98,7 +101,14 @@ class CopyJob(Generic[W]):
         self._futures: list[Future[None]] = []
         self._begun = threading.Event()
         self._cpus: set[int] | None = None
-        self._orphans: list[W] = []
+        self._lock = threading.Condition(threading.Lock())
+        self._claimed = [False] * len(tails)
+        """Each tail is copied once, by its helper or, if that has not begun, by the caller."""
+        self._busy = 0
+        """Helpers copying a piece or a tail now."""
+        self._closed = False
+        """The caller is done: helpers that begin from now on take nothing."""
+        self._errors: list[BaseException] = []
 
     def start(
         self,
@@ -114,41 +124,78 @@ class CopyJob(Generic[W]):
         :class:`aiowsync._copy.steer.HelperSteering`)."""
         if self._tails and steer is not None:
             self._cpus = steer()
-        for i, tail in enumerate(self._tails):
+        for i in range(len(self._tails)):
             try:
-                self._futures.append(executor.submit(self._help, tail))
+                self._futures.append(executor.submit(self._help, i))
             except RuntimeError:
                 # The pool was shut down by its owner closing while this copy was under way
                 # (a plane closing mid-send): the caller copies the tails left itself.
-                self._orphans = self._tails[i:]
                 break
         if settle > 0 and self._futures:
             self._begun.wait(settle)
 
-    def _help(self, tail: W) -> None:
+    def _claim(self, tail: int | None) -> W | None:
+        """Tail ``tail`` (None: the head's next piece), if it is still to be copied; a helper
+        that gets one is busy until it calls :meth:`_release`."""
+        with self._lock:
+            if self._closed or self._stopped:
+                return None
+            if tail is not None:
+                if self._claimed[tail]:
+                    return None
+                self._claimed[tail] = True
+                self._busy += 1
+                return self._tails[tail]
+            # ``next`` under the lock: each piece is taken once.
+            i = next(self._taken)
+            if i >= len(self._head):
+                return None
+            self._busy += 1
+            return self._head[i]
+
+    def _release(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._busy -= 1
+            if error is not None:
+                self._errors.append(error)
+            self._lock.notify_all()
+
+    def _help(self, tail: int) -> None:
         if self._cpus is not None:
             unsteer(self._cpus)
         self._begun.set()
-        if not self._stopped:
-            self._run(tail)
-        self._drain()
-
-    def _drain(self) -> None:
-        # ``next`` on an itertools.count is atomic under the GIL: each piece is taken once.
-        head, n = self._head, len(self._head)
-        for i in self._taken:
-            if i >= n or self._stopped:
+        for item in itertools.chain([self._claim(tail)], iter(lambda: self._claim(None), None)):
+            if item is None:
+                continue
+            try:
+                self._run(item)
+            except BaseException as exc:
+                self._release(exc)
                 return
-            self._run(head[i])
+            self._release()
+
+    def _drain_here(self) -> None:
+        """The caller's share: pieces of the head, then every tail no helper has begun."""
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return
+                i = next(self._taken)
+            if i >= len(self._head):
+                break
+            self._run(self._head[i])
+        for t in range(len(self._tails)):
+            with self._lock:
+                if self._stopped or self._claimed[t]:
+                    continue
+                self._claimed[t] = True
+            self._run(self._tails[t])
 
     def finish(self) -> None:
-        """Copy the head's pieces alongside the helpers, then wait for them (a helper's error
-        is raised here)."""
+        """Copy the head's pieces alongside the helpers, and the tails they have not begun,
+        then wait for the helpers that took work (a helper's error is raised here)."""
         try:
-            self._drain()
-            for tail in self._orphans:
-                if not self._stopped:
-                    self._run(tail)
+            self._drain_here()
         finally:
             self._wait()
 
@@ -160,8 +207,13 @@ class CopyJob(Generic[W]):
             self._wait()
 
     def _wait(self) -> None:
-        for future in self._futures:
-            future.result()
+        with self._lock:
+            self._closed = True
+            while self._busy:
+                self._lock.wait()
+            errors = self._errors
+        if errors:
+            raise errors[0]
 
 
 def split_sizes(total: int, threads: int, early: float = 0.0) -> tuple[list[int], list[int]]:

@@ -246,7 +246,7 @@ class SenderSession:
             timeout -= await self.relay.wait_started(timeout)
         deadline = time.monotonic() + timeout
         assert self.core is not None
-        await self.core.wait_ready(max(0.0, deadline - time.monotonic()))
+        await self.core.wait_ready(timeout)
         everyone = list(range(self.num_workers))
         for finisher in list(self.finishers):
             await finisher.finish(self.core.version, everyone, deadline)

@@ -8,6 +8,8 @@ test can make its next apply fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
 import json
 import os
 import signal
@@ -120,6 +122,24 @@ class Server:
             return ""
 
     def stop(self) -> None:
+        # vLLM's processes under libiomp register themselves in /dev/shm, and a process killed
+        # cannot remove its file: note them all now, remove what is left at the end.
+        pids = [self.proc.pid]
+        try:
+            import psutil
+
+            pids += [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        except Exception:  # psutil missing, or the server gone already
+            pass
+        try:
+            self._stop()
+        finally:
+            for pid in pids:
+                for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_*"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+
+    def _stop(self) -> None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
