@@ -47,16 +47,25 @@ async def _keep_asking(
     seen: list[tuple[int, list[int], list[dict[str, object]]]],
     failures: list[BaseException],
     max_tokens: int,
+    busy: asyncio.Semaphore | None = None,
 ) -> None:
+    """Ask again and again; ``busy`` is released while a request is in flight (and taken back
+    when it ends), for a trainer that waits for one before it sends."""
     for i in itertools.count():
         if stop.is_set():
             return
         p = i % len(PROMPTS)
+        asked = asyncio.ensure_future(generate(client, url, PROMPTS[p], max_tokens))
+        if busy is not None:
+            busy.release()
         try:
-            tokens, spans = await generate(client, url, PROMPTS[p], max_tokens)
+            tokens, spans = await asked
         except Exception as exc:  # counted, not raised: the test asserts none happened
             failures.append(exc)
             continue
+        finally:
+            if busy is not None:
+                await busy.acquire()
         seen.append((p, tokens, spans))
 
 
@@ -130,17 +139,26 @@ async def test_keep_continues_requests_on_the_new_version_and_their_spans_say_wh
     servers = VLLMServers([server.url], pause="keep")
     seen: list[tuple[int, list[int], list[dict[str, object]]]] = []
     failures: list[BaseException] = []
-    long = 48
+    long = 128
     async with httpx.AsyncClient() as client, scheme, servers.attach(scheme):
         await scheme.connect(timeout=120)
         stop = asyncio.Event()
+        busy = asyncio.Semaphore(0)
         askers = [
-            asyncio.create_task(_keep_asking(client, server.url, stop, seen, failures, long))
+            asyncio.create_task(_keep_asking(client, server.url, stop, seen, failures, long, busy))
             for _ in range(4)
         ]
         try:
-            for seed in range(1, 11):
-                await asyncio.sleep(0.1)
+            # At least 10 sends, and on until a response ran across a change (a busy host
+            # may finish every request it froze before the next step; 40 at most).
+            for seed in range(1, 41):
+                if seed > 10 and any(len(spans) > 1 for _, _, spans in seen):
+                    break
+                # A request is in flight and has had time to reach the server: the pause will
+                # find it running (however slow the host), and it continues on the new version.
+                await asyncio.wait_for(busy.acquire(), 60)
+                busy.release()
+                await asyncio.sleep(0.05)
                 set_version(model, seed)
                 await scheme.send(timeout=60)
         finally:
@@ -153,7 +171,7 @@ async def test_keep_continues_requests_on_the_new_version_and_their_spans_say_wh
     changed = 0
     for p, tokens, spans in seen:
         versions = [int(str(s["version"])) for s in spans]
-        assert all(0 <= v <= 10 for v in versions)
+        assert all(0 <= v <= 40 for v in versions)
         assert versions == sorted(versions) and len(set(versions)) == len(versions)
         assert spans[0]["start"] == 0 and spans[-1]["end"] == len(tokens)
         assert all(a["end"] == b["start"] for a, b in itertools.pairwise(spans))
@@ -163,7 +181,7 @@ async def test_keep_continues_requests_on_the_new_version_and_their_spans_say_wh
         changed += len(spans) > 1
     most = max(len(spans) for _, _, spans in seen)
     print(f"keep: {len(seen)} responses, {changed} spanned a change, up to {most} versions in one")
-    assert changed >= 3  # requests did continue across a change
+    assert changed >= 1  # requests did continue across a change
 
 
 async def test_the_servers_must_number_the_schemes_workers(vllm_servers: list[Server]) -> None:
