@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import anyio
 import torch
 from torch import nn
 
@@ -94,6 +95,7 @@ class SenderSession:
         version and channel, started by the relay."""
         self.finishers: list[Finisher] = []
         """Second steps of every send, in order (see :class:`Finisher`)."""
+        self._one_send = anyio.Lock()
 
     @property
     def forked(self) -> bool:
@@ -292,9 +294,12 @@ class SenderSession:
         started = time.perf_counter()
         for finisher in finishers:
             finisher.check(targets)
-        result = await core.send(source, targets, **limits)
-        for finisher in finishers:
-            await finisher.finish(result.version, result.worker_ids, limits["deadline"])
+        # With a second step, sends made at once run one after another, whole: a version's
+        # second step asks for the version the workers hold, not one sent after it.
+        async with self._one_send:
+            result = await core.send(source, targets, **limits)
+            for finisher in finishers:
+                await finisher.finish(result.version, result.worker_ids, limits["deadline"])
         return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
     async def publish(
