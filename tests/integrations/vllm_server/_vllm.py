@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import torch
 
+import aiowsync
 from aiowsync.vllm._worker import FAULT_FILE_ENV
 
 TINY_LLAMA = {
@@ -49,6 +50,10 @@ START_LIMIT_S = float(os.environ.get("AIOWSYNC_VLLM_START_S", "600"))
 several times that beside other work."""
 
 PROMPTS = [[1, 5, 7, 9], [1, 300, 12], [1, 42, 43, 44, 45], [1, 200]]
+
+BEATS = aiowsync.Heartbeats(interval=0.5, missed=12)
+"""Workers are lost after 6 s of silence, not 1.5 s: a vLLM worker's beats wait for a core
+on a busy 2-core host (the test of a killed trainer keeps the default, which it measures)."""
 
 
 def write_model(directory: Path) -> Path:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from _vllm import PROMPTS, Server, answers_within, checksums, set_version, trainer_model
+from _vllm import BEATS, PROMPTS, Server, answers_within, checksums, set_version, trainer_model
 
 import aiowsync
 from aiowsync._planes.shm.sender import SharedMemSenderPlane
@@ -38,7 +38,7 @@ async def _trainer(
     together = bool(options.pop("together", False))
     model = trainer_model()
     set_version(model, 0)
-    scheme = aiowsync.SharedMemWeightSyncScheme(**options)
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS, **options)
     scheme.init_on_sender(model=model, num_workers=len(urls))
     servers = VLLMServers(urls, together=together)
     async with scheme, servers.attach(scheme):

@@ -9,7 +9,7 @@ import itertools
 import httpx
 import pytest
 import torch
-from _vllm import PROMPTS, Server, checksums, generate, set_version, trainer_model
+from _vllm import BEATS, PROMPTS, Server, checksums, generate, set_version, trainer_model
 
 import aiowsync
 from aiowsync.vllm import VLLMServerError, VLLMServers
@@ -75,7 +75,7 @@ async def test_twenty_sends_under_load_each_response_is_its_versions_greedy_toke
     server = vllm_servers[0]
     model = trainer_model()
     set_version(model, 0)
-    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
     scheme.init_on_sender(model=model, num_workers=1)
     servers = VLLMServers([server.url], pause="wait")
     seen: list[tuple[int, list[int], list[dict[str, object]]]] = []
@@ -134,7 +134,7 @@ async def test_keep_continues_requests_on_the_new_version_and_their_spans_say_wh
     server = vllm_servers[0]
     model = trainer_model()
     set_version(model, 0)
-    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
     scheme.init_on_sender(model=model, num_workers=1)
     servers = VLLMServers([server.url], pause="keep")
     seen: list[tuple[int, list[int], list[dict[str, object]]]] = []
@@ -185,7 +185,7 @@ async def test_keep_continues_requests_on_the_new_version_and_their_spans_say_wh
 
 
 async def test_the_servers_must_number_the_schemes_workers(vllm_servers: list[Server]) -> None:
-    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
     scheme.init_on_sender(model=trainer_model(), num_workers=3)
     servers = VLLMServers([s.url for s in vllm_servers])
     async with scheme:
@@ -196,7 +196,7 @@ async def test_the_servers_must_number_the_schemes_workers(vllm_servers: list[Se
 
 
 async def test_a_server_that_does_not_answer_is_named() -> None:
-    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
     scheme.init_on_sender(model={"w": torch.zeros(3)}, num_workers=1)
     url = "http://127.0.0.1:9"  # discard: nothing listens
     async with scheme:
@@ -215,7 +215,7 @@ async def test_over_torch_distributed_the_server_serves_the_same_tokens(
     model = trainer_model()
     set_version(model, 7)
     expected = {}
-    shm = aiowsync.SharedMemWeightSyncScheme()
+    shm = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
     shm.init_on_sender(model=model, num_workers=2)
     async with httpx.AsyncClient() as client:
         async with shm, VLLMServers(urls).attach(shm):
@@ -226,7 +226,9 @@ async def test_over_torch_distributed_the_server_serves_the_same_tokens(
                     await checksums(client, url),
                 )
         set_version(model, 0)
-        dist = aiowsync.DistributedWeightSyncScheme(backend="gloo", topology=topology)
+        dist = aiowsync.DistributedWeightSyncScheme(
+            backend="gloo", topology=topology, heartbeats=BEATS
+        )
         dist.init_on_sender(model=model, num_workers=2)
         async with dist, VLLMServers(urls).attach(dist) as servers:
             await dist.connect(timeout=120)
