@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import httpx
 import torch
 
 import aiowsync
+from aiowsync.vllm import VLLMServers
 from aiowsync.vllm._worker import FAULT_FILE_ENV
 
 TINY_LLAMA = {
@@ -220,3 +222,19 @@ async def answers_within(
     start = time.monotonic()
     tokens, spans = await asyncio.wait_for(generate(client, url, prompt), limit)
     return time.monotonic() - start, tokens, spans
+
+
+@contextlib.asynccontextmanager
+async def attached_trainer(
+    urls: list[str], *, pause: str = "wait", together: bool = False, **options: Any
+) -> AsyncIterator[tuple[aiowsync.WeightSyncScheme, torch.nn.Module, VLLMServers]]:
+    """A trainer at version 0 (a shared-memory scheme with ``options``) attached to the
+    servers at ``urls`` (one worker each) and connected."""
+    model = trainer_model()
+    set_version(model, 0)
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS, **options)
+    scheme.init_on_sender(model=model, num_workers=len(urls))
+    servers = VLLMServers(urls, pause=pause, together=together)  # type: ignore[arg-type]
+    async with scheme, servers.attach(scheme):
+        await scheme.connect(timeout=120)
+        yield scheme, model, servers

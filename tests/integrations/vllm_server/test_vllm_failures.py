@@ -11,39 +11,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import torch
-from _vllm import BEATS, PROMPTS, Server, answers_within, checksums, set_version, trainer_model
+from _vllm import PROMPTS, Server, answers_within, attached_trainer, checksums, set_version
 
 import aiowsync
 from aiowsync._planes.shm.sender import SharedMemSenderPlane
-from aiowsync.vllm import VLLMServerError, VLLMServers
+from aiowsync.vllm import VLLMServerError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = PROMPTS[0]
 BACK_WITHIN_S = 10.0
-
-
-@asynccontextmanager
-async def _trainer(
-    urls: list[str], **options: Any
-) -> AsyncIterator[tuple[aiowsync.WeightSyncScheme, torch.nn.Module, VLLMServers]]:
-    together = bool(options.pop("together", False))
-    model = trainer_model()
-    set_version(model, 0)
-    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS, **options)
-    scheme.init_on_sender(model=model, num_workers=len(urls))
-    servers = VLLMServers(urls, together=together)
-    async with scheme, servers.attach(scheme):
-        await scheme.connect(timeout=120)
-        yield scheme, model, servers
 
 
 async def _served(client: httpx.AsyncClient, url: str) -> tuple[list[int], str]:
@@ -66,7 +48,10 @@ async def test_a_reload_that_fails_half_way_is_undone_and_the_server_resumed(
     vllm_servers: list[Server], after: int
 ) -> None:
     server = vllm_servers[1]
-    async with httpx.AsyncClient() as client, _trainer([server.url]) as (scheme, model, servers):
+    async with (
+        httpx.AsyncClient() as client,
+        attached_trainer([server.url]) as (scheme, model, servers),
+    ):
         set_version(model, 1)
         await scheme.send()
         before, sums = await _served(client, server.url), await checksums(client, server.url)
@@ -89,7 +74,10 @@ async def test_a_worker_that_cannot_take_a_version_fails_the_send_and_nothing_pa
     vllm_servers: list[Server],
 ) -> None:
     server = vllm_servers[1]
-    async with httpx.AsyncClient() as client, _trainer([server.url]) as (scheme, model, servers):
+    async with (
+        httpx.AsyncClient() as client,
+        attached_trainer([server.url]) as (scheme, model, servers),
+    ):
         before, sums = await _served(client, server.url), await checksums(client, server.url)
         server.fail_next({"fail": "receive"})
         set_version(model, 2)
@@ -107,7 +95,7 @@ async def test_a_digest_mismatch_leaves_the_server_on_its_version(
     server = vllm_servers[1]
     async with (
         httpx.AsyncClient() as client,
-        _trainer([server.url], integrity=True) as (scheme, model, servers),
+        attached_trainer([server.url], integrity=True) as (scheme, model, servers),
     ):
         before, sums = await _served(client, server.url), await checksums(client, server.url)
         plane = scheme._sender.plane  # type: ignore[union-attr]
@@ -136,7 +124,10 @@ async def test_a_worker_that_answers_too_late_times_the_send_out(
     vllm_servers: list[Server],
 ) -> None:
     server = vllm_servers[1]
-    async with httpx.AsyncClient() as client, _trainer([server.url]) as (scheme, model, servers):
+    async with (
+        httpx.AsyncClient() as client,
+        attached_trainer([server.url]) as (scheme, model, servers),
+    ):
         before, sums = await _served(client, server.url), await checksums(client, server.url)
         server.fail_next({"fail": "receive", "delay": 4.0})
         set_version(model, 2)
@@ -189,7 +180,7 @@ async def test_a_trainer_killed_mid_send_leaves_the_server_serving_and_a_new_one
             assert label == held and int(label) >= 3
 
             # A new trainer attaches; the version the old one left is the one it served.
-            async with _trainer([server.url]) as (scheme, model, servers):
+            async with attached_trainer([server.url]) as (scheme, model, servers):
                 set_version(model, int(label))
                 await scheme.send()
                 again, new_label = await _served(client, server.url)
@@ -211,7 +202,7 @@ async def test_together_a_fleet_that_cannot_take_a_version_keeps_the_one_it_had(
     urls = [s.url for s in vllm_servers]
     async with (
         httpx.AsyncClient() as client,
-        _trainer(urls, together=True) as (scheme, model, servers),
+        attached_trainer(urls, together=True) as (scheme, model, servers),
     ):
         set_version(model, 1)
         await scheme.send()
@@ -236,7 +227,10 @@ async def test_a_send_deadline_bounds_the_servers_step_too(vllm_servers: list[Se
     """The deadline passes while the server loads the version: the send times out naming the
     server, which then goes back to the version it served and resumes."""
     server = vllm_servers[1]
-    async with httpx.AsyncClient() as client, _trainer([server.url]) as (scheme, model, servers):
+    async with (
+        httpx.AsyncClient() as client,
+        attached_trainer([server.url]) as (scheme, model, servers),
+    ):
         before, sums = await _served(client, server.url), await checksums(client, server.url)
         server.fail_next({"fail": "reload", "after": 10**9, "delay": 3.0})
         set_version(model, 2)

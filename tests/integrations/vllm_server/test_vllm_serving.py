@@ -9,7 +9,16 @@ import itertools
 import httpx
 import pytest
 import torch
-from _vllm import BEATS, PROMPTS, Server, checksums, generate, set_version, trainer_model
+from _vllm import (
+    BEATS,
+    PROMPTS,
+    Server,
+    attached_trainer,
+    checksums,
+    generate,
+    set_version,
+    trainer_model,
+)
 
 import aiowsync
 from aiowsync.vllm import VLLMServerError, VLLMServers
@@ -73,15 +82,12 @@ async def test_twenty_sends_under_load_each_response_is_its_versions_greedy_toke
     vllm_servers: list[Server],
 ) -> None:
     server = vllm_servers[0]
-    model = trainer_model()
-    set_version(model, 0)
-    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
-    scheme.init_on_sender(model=model, num_workers=1)
-    servers = VLLMServers([server.url], pause="wait")
     seen: list[tuple[int, list[int], list[dict[str, object]]]] = []
     failures: list[BaseException] = []
-    async with httpx.AsyncClient() as client, scheme, servers.attach(scheme):
-        await scheme.connect(timeout=120)
+    async with (
+        httpx.AsyncClient() as client,
+        attached_trainer([server.url], pause="wait") as (scheme, model, servers),
+    ):
         assert await servers.weight_versions() == {server.url: "0"}
         stop = asyncio.Event()
         askers = [
@@ -132,16 +138,13 @@ async def test_keep_continues_requests_on_the_new_version_and_their_spans_say_wh
     vllm_servers: list[Server],
 ) -> None:
     server = vllm_servers[0]
-    model = trainer_model()
-    set_version(model, 0)
-    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
-    scheme.init_on_sender(model=model, num_workers=1)
-    servers = VLLMServers([server.url], pause="keep")
     seen: list[tuple[int, list[int], list[dict[str, object]]]] = []
     failures: list[BaseException] = []
     long = 128
-    async with httpx.AsyncClient() as client, scheme, servers.attach(scheme):
-        await scheme.connect(timeout=120)
+    async with (
+        httpx.AsyncClient() as client,
+        attached_trainer([server.url], pause="keep") as (scheme, model, servers),
+    ):
         stop = asyncio.Event()
         busy = asyncio.Semaphore(0)
         askers = [
