@@ -7,8 +7,9 @@ layer enters and leaves it, and reads its status.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ import anyio
 
 from .._receiving.engine import Hook
 from .._receiving.guard import ReadGuard
+from .._sending.outcome import PendingSend, SendResult
 from .._sending.workers import WorkerTable
 from .._weights.flatten import WeightsLike
 from .._weights.models import models_id
@@ -28,13 +30,16 @@ from .sender import SenderSession
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["SchemeRuntime"]
+__all__ = ["SchemeRuntime", "SendObserver"]
 
 log = logging.getLogger("aiowsync")
 
 STOP_WAIT_S = 10.0
 """How long leaving ``async with`` waits for the background tasks to end (each of their own
 waits has a shorter deadline)."""
+
+SendObserver = Callable[[SendResult | Exception], None]
+"""Told what each send of a sender came to: its result, or the exception it raised."""
 
 
 class SchemeRuntime(SchemeConfig):
@@ -51,6 +56,7 @@ class SchemeRuntime(SchemeConfig):
         self._exit: AsyncExitStack | None = None
         self._hooks: list[Hook] = []
         self._guard = ReadGuard()
+        self._send_observers: list[SendObserver] = []
 
     def _pickled_address(self) -> str | None:
         if isinstance(self._session, SenderSession):
@@ -101,6 +107,43 @@ class SchemeRuntime(SchemeConfig):
                 raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
             return model_id
         return self.model_id
+
+    # -- what sends come to (read by aiowsync.metrics) -----------------------------------------
+
+    def _observe_sends(self, observer: SendObserver) -> Callable[[], None]:
+        """Call ``observer`` with what each ``send()`` and ``publish()`` of this sender comes
+        to: its :class:`SendResult`, or the exception it raised (a published version's once
+        it is known). It runs on the sender's event loop and must neither block nor raise.
+        Returns the function that stops it."""
+        self._send_observers.append(observer)
+
+        def stop() -> None:
+            with contextlib.suppress(ValueError):
+                self._send_observers.remove(observer)
+
+        return stop
+
+    def _tell_observers(self, outcome: SendResult | Exception) -> None:
+        for observer in list(self._send_observers):
+            try:
+                observer(outcome)
+            except Exception:  # an observer's fault must not turn into the send's
+                log.exception("a send observer failed")
+
+    def _tell_when_known(self, pending: PendingSend) -> None:
+        """Tell the observers what ``pending`` comes to, from a task of the session."""
+        if self._tasks is None:
+            return
+
+        async def wait() -> None:
+            try:
+                result = await pending
+            except Exception as exc:
+                self._tell_observers(exc)
+            else:
+                self._tell_observers(result)
+
+        self._tasks.tg.start_soon(wait)
 
     # -- properties ---------------------------------------------------------------------------
 

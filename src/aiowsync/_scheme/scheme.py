@@ -175,7 +175,16 @@ class WeightSyncScheme(SchemeRuntime):
 
         Concurrent calls are served one at a time in call order.
         """
-        return await self._need_sending("send").send(weights, worker_ids, timeout, self.timeouts)
+        sent = self._need_sending("send").send(weights, worker_ids, timeout, self.timeouts)
+        if not self._send_observers:
+            return await sent
+        try:
+            result = await sent
+        except Exception as exc:
+            self._tell_observers(exc)
+            raise
+        self._tell_observers(result)
+        return result
 
     async def publish(
         self,
@@ -195,7 +204,16 @@ class WeightSyncScheme(SchemeRuntime):
         ``async with``: leaving ends the ones still waiting, with an error.
         """
         sending = self._need_sending("publish")
-        return await sending.publish(weights, worker_ids, timeout, self.timeouts)
+        published = sending.publish(weights, worker_ids, timeout, self.timeouts)
+        if not self._send_observers:
+            return await published
+        try:
+            pending = await published
+        except Exception as exc:
+            self._tell_observers(exc)
+            raise
+        self._tell_when_known(pending)
+        return pending
 
     def extract_weights(self, source: WeightsLike | None = None) -> Any:
         """The weights of ``source`` (default: the sender's model) in the strategy's format."""
