@@ -10,6 +10,7 @@ from ._channel._auth import CurveKeys
 from ._config import Heartbeats, Timeouts
 from ._exceptions import (
     ConnectError,
+    ConnectFailedError,
     ExperimentalWarning,
     LayoutMismatchError,
     LostDuringSendError,
@@ -84,6 +85,7 @@ __all__ = [
     "WorkerTable",
     # errors
     "ConnectError",
+    "ConnectFailedError",
     "ExperimentalWarning",
     "LayoutMismatchError",
     "LostDuringSendError",

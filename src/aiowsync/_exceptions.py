@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 
 __all__ = [
     "ConnectError",
+    "ConnectFailedError",
     "ExperimentalWarning",
     "LayoutMismatchError",
     "LostDuringSendError",
@@ -103,6 +104,22 @@ class WeightSyncTimeout(WeightSyncError, TimeoutError):
         if self.worker_ids:
             message = f"{message} (workers {list(self.worker_ids)})"
         super().__init__(message)
+
+
+class ConnectFailedError(ConnectError, WeightSyncTimeout):
+    """The sender's ``connect()`` cannot succeed: every worker still missing was refused (its
+    model does not match, it could not start its receiver) or is lost.
+
+    Raised as soon as that is known, not at the deadline; ``worker_ids`` names the missing
+    workers and ``reasons`` says, by worker, why. It is also a :class:`WeightSyncTimeout`, the
+    error the wait would have ended with, so code that caught that still catches it.
+    """
+
+    def __init__(self, message: str, reasons: Mapping[int, str]) -> None:
+        ids = _ids(reasons)
+        WeightSyncError.__init__(self, message)
+        self.worker_ids = ids
+        self.reasons = dict(sorted(reasons.items()))
 
 
 class WorkerLostError(WeightSyncError):

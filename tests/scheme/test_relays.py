@@ -106,6 +106,32 @@ async def test_every_leaf_runs_each_root_version_when_the_roots_send_returns(
         assert t.local.version == t.root.version == 10
 
 
+async def test_local_connect_before_the_upstream_is_entered_fails_at_once_with_the_order() -> None:
+    t = Tree(leaves=1)
+    async with t.root, t.local:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(RuntimeError) as info:
+            await t.local.connect(timeout=120)
+        assert loop.time() - began < 30  # at once, not at the 120 s deadline
+        assert str(info.value) == (
+            "the relay's local sender starts once its upstream holds a version, and the "
+            "upstream scheme is not entered: enter the upstream (`async with upstream:`) "
+            "and connect it first, then wait on `local.connect()` (or await both at once)"
+        )
+        # Entered afterwards, in the documented order, the same schemes serve.
+        async with t.upstream:
+            leaf = await t.start_leaf(0)
+            await asyncio.gather(
+                t.root.connect(timeout=20),
+                t.upstream.connect(timeout=20),
+                t.local.connect(timeout=20),
+                leaf.connect(timeout=20),
+            )
+            assert t.leaves_hold(0)
+            await t.stop_leaf(0)
+
+
 async def test_a_leaf_that_left_is_named_in_the_roots_error_and_rejoins_at_the_latest() -> None:
     async with tree() as t:
         bump(t.src)

@@ -45,6 +45,8 @@ class Upstream:
     guard: ReadGuard
     version: Callable[[], int]
     """The version the upstream's model runs (-1 before it holds one)."""
+    entered: Callable[[], bool]
+    """The upstream is inside ``async with`` (it cannot receive a version before)."""
 
 
 class LocalSender(Protocol):
@@ -107,6 +109,13 @@ class Relay:
     async def wait_started(self, timeout: float) -> float:
         """Wait (at most ``timeout`` s) until ``local`` serves; the seconds it took."""
         started = time.monotonic()
+        if self.local.core is None and not self.upstream.entered():
+            # Nothing can start ``local`` before then: waiting would only run out the time.
+            raise RuntimeError(
+                "the relay's local sender starts once its upstream holds a version, and the "
+                "upstream scheme is not entered: enter the upstream (`async with upstream:`) "
+                "and connect it first, then wait on `local.connect()` (or await both at once)"
+            )
         while self.local.core is None:
             if time.monotonic() - started >= timeout:
                 raise WeightSyncTimeout(

@@ -353,6 +353,7 @@ class WeightSyncScheme(SchemeRuntime):
             ack_timeout=self.timeouts.ack,
             guard=self._guard,
             version=lambda: self.version,
+            entered=lambda: self._exit is not None,
         )
         relay = Relay(feed, leaves)
         upstream.relays_to = relay

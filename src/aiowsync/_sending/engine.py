@@ -16,7 +16,12 @@ import anyio
 
 from .._channel import SenderChannel
 from .._config import Heartbeats, Timeouts
-from .._exceptions import WeightSyncError, WeightSyncTimeout, WorkerLostError
+from .._exceptions import (
+    ConnectFailedError,
+    WeightSyncError,
+    WeightSyncTimeout,
+    WorkerLostError,
+)
 from .._planes.base import SenderPlane, WeightSource
 from .._planes.digest import Digests
 from .._protocol import Bye
@@ -28,7 +33,7 @@ from .peers import PeerTable
 from .retries import AnswerRetries
 from .staging import Staged, stage_and_announce
 from .state import SenderState
-from .workers import explain_missing, unavailable_text
+from .workers import explain_missing, hopeless, unavailable_text
 
 __all__ = ["PendingSend", "SendResult", "SenderCore"]
 
@@ -152,10 +157,23 @@ class SenderCore:
 
     async def wait_ready(self, timeout: float) -> None:
         everyone = set(range(self.state.num_workers))
+        peers = self.state.peers
+        # A worker lost before the wait may be restarting: waiting for it is the point.
+        waited_for = {p.worker_idx: p for p in peers.values() if p.lost}
         try:
             with anyio.fail_after(timeout):
                 while missing := everyone - self.ready_workers():
+                    if hopeless(peers, missing, waited_for):
+                        # Refused or lost, each of them: the deadline would only say so later.
+                        ids = sorted(missing)
+                        raise ConnectFailedError(
+                            f"workers {ids} cannot connect, each refused or lost:\n  "
+                            + explain_missing(peers, ids),
+                            {w: peers.notes.get(w) or "lost" for w in ids},
+                        )
                     await self.state.changed()
+        except ConnectFailedError:
+            raise  # a TimeoutError too, but not the deadline's
         except TimeoutError:
             exc = WeightSyncTimeout(f"workers did not connect within {timeout:g} s", missing)
             # Each missing worker's story: refused and why, never said hello, lost.

@@ -18,6 +18,7 @@ from .._util.text import excerpt, worth_logging
 from .handshake import probe_gone, refusal
 from .peers import Peer
 from .state import SenderState
+from .workers import REFUSED
 
 __all__ = ["Greeter"]
 
@@ -135,7 +136,8 @@ class Greeter:
             return
         holder = peers.get(worker)
         if holder is None or holder.lost:
-            peers.notes[worker] = f"refused: {reason[:NOTE_CHARS]}"
+            peers.notes[worker] = f"{REFUSED}{reason[:NOTE_CHARS]}"
+            self._state.notify()  # a connect() waiting for it can stop waiting
 
     async def _bring_up(self, peer: Peer, version: int, join: Delivery) -> None:
         """Move the welcome version to a joining worker, where the plane moves bytes."""

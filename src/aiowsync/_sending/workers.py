@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from .peers import Peer, PeerTable
 
-__all__ = ["WorkerState", "WorkerStatus", "WorkerTable", "explain_missing", "unavailable_text"]
+__all__ = [
+    "WorkerState",
+    "WorkerStatus",
+    "WorkerTable",
+    "explain_missing",
+    "hopeless",
+    "unavailable_text",
+]
 
 WorkerState = Literal["never connected", "connecting", "ready", "lost", "gone"]
 """Where a worker stands, seen from the sender:
@@ -117,11 +124,44 @@ def explain_missing(peers: PeerTable, workers: list[int]) -> str:
     return "\n  ".join(lines)
 
 
+REFUSED = "refused: "
+"""How a refusal's note begins (see the greeter)."""
+
+
+def refused(peers: PeerTable, worker: int) -> bool:
+    """``worker`` holds no live connection and its last hello was refused."""
+    peer = peers.get(worker)
+    return (peer is None or peer.lost) and peers.notes.get(worker, "").startswith(REFUSED)
+
+
+def hopeless(peers: PeerTable, workers: set[int], waited_for: Mapping[int, Peer]) -> bool:
+    """Every worker of ``workers`` (not empty) was refused, or was lost since the wait began:
+    waiting longer for them to hold a version cannot succeed unless a new process takes their
+    index. ``waited_for``: the peers already lost when the wait began (a restart of theirs may
+    be what the caller waits for), which do not count as hopeless."""
+    if not workers:
+        return False
+    for worker in workers:
+        peer = peers.get(worker)
+        lost_now = peer is not None and peer.lost and waited_for.get(worker) is not peer
+        if not (refused(peers, worker) or lost_now):
+            return False
+    return True
+
+
 def unavailable_text(peers: PeerTable, workers: list[int]) -> str:
     """Why a send cannot reach ``workers``, with what to do (the error names them after)."""
-    never = [w for w in workers if peers.get(w) is None]
-    lost = [w for w in workers if w not in never]
+    turned = [w for w in workers if refused(peers, w)]
+    never = [w for w in workers if peers.get(w) is None and w not in turned]
+    lost = [w for w in workers if w not in never and w not in turned]
     parts = []
+    if turned:
+        why = "; ".join(f"worker {w}: {peers.notes[w]}" for w in turned)
+        parts.append(
+            f"workers {turned} were refused when they said hello ({why}); fix what the "
+            "refusal names in those workers and start them again, or leave them out with "
+            "worker_ids="
+        )
     if never:
         parts.append(
             f"workers {never} have not connected yet: call `await scheme.connect()` first, "
