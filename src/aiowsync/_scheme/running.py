@@ -205,7 +205,8 @@ class SchemeRuntime(SchemeConfig):
 
     @property
     def version(self) -> int:
-        """Sender: the latest version sent. Receiver: the version its model runs (-1 before)."""
+        """Sender: the latest version sent. Receiver: the version its model runs (-1 before),
+        in the numbers of the sender it came from (see ``generation``)."""
         session = self._session
         if session is not None and session.core is not None:
             return session.core.version
@@ -213,12 +214,15 @@ class SchemeRuntime(SchemeConfig):
 
     @property
     def ready(self) -> bool:
-        """Receiver: connected and running at least the version it was welcomed with."""
+        """Receiver: connected and running at least the version it was welcomed with; with
+        ``reconnect=``, also while the sender is gone and a new one is awaited (the model
+        serves the version it kept)."""
         return self._receiving is not None and self._receiving.ready
 
     @property
     def connected(self) -> bool:
-        """Receiver: the sender is reachable. Sender: the sender is serving."""
+        """Receiver: the sender is reachable (False while a receiver with ``reconnect=``
+        waits for a new sender). Sender: the sender is serving."""
         if (receiving := self._receiving) is not None:
             return receiving.connected and receiving.core is not None and receiving.core.connected
         sending = self._sending
@@ -256,6 +260,8 @@ class SchemeRuntime(SchemeConfig):
         """
         if self._sending is not None:
             return self._sending.address
+        if self._receiving is not None:
+            return self._receiving.address  # with reconnect=: where it follows its sender
         if self._address is None:
             raise RuntimeError(
                 "no address: call init_on_sender() first, or give a receiver address="
