@@ -103,8 +103,8 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     # The integrations load on first use: `aiowsync.vllm` needs httpx, `aiowsync.torchrl`
-    # torchrl; `import aiowsync` needs neither.
-    if name in ("vllm", "torchrl"):
+    # torchrl, `aiowsync.metrics` prometheus_client; `import aiowsync` needs none of them.
+    if name in ("vllm", "torchrl", "metrics"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
