@@ -13,7 +13,7 @@ import torch
 
 from .._config import Timeouts
 from .._copy.engine import fused_copy
-from .._exceptions import WeightSyncTimeout
+from .._exceptions import NotConnectedError, WeightSyncTimeout
 from .._planes.base import ReceiverPlane, Staged
 from .._planes.digest import check_digest
 from .._planes.double import DoubleBuffer
@@ -23,12 +23,31 @@ from .._weights.binding import bind_views
 from .._weights.layout import Layout
 from .guard import ReadGuard
 
-__all__ = ["ApplyMode", "Applier", "Hook"]
+__all__ = ["ApplyMode", "Applier", "Hook", "Superseded", "Tenure"]
 
 log = logging.getLogger("aiowsync.receiver")
 
 ApplyMode: TypeAlias = Literal["swap", "copy"]
 Hook: TypeAlias = Callable[[int], Awaitable[None] | None]
+
+
+class Superseded(NotConnectedError):
+    """The model follows another applier now (its receiver joined a new sender): what this
+    one holds is no longer the version the model runs."""
+
+
+class Tenure:
+    """Which :class:`Applier` the model's tensors follow: the last that switched them.
+
+    A receiver that follows its sender across restarts makes an applier per sender, all on
+    one model; they share this record, so that the one left behind knows, under the read
+    guard, that the model moved on (it then lends nothing and gives the model nothing).
+    """
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: Applier | None = None
 
 
 class Applier:
@@ -37,6 +56,10 @@ class Applier:
     Swap mode re-points the tensors at what the plane fetched; copy mode copies it into the
     spare half of a private double buffer first. Either way the switch happens at one instant,
     when no reader holds the guard; ``on_switch`` is called right after it.
+
+    ``tenure`` and ``private`` come from the applier of the sender before, when the receiver
+    joined a new one: the record of who drives the model, and copy mode's two private copies
+    (the model runs one of them; the new sender's first version goes into the other).
     """
 
     def __init__(
@@ -51,6 +74,8 @@ class Applier:
         hooks: list[Hook],
         timeouts: Timeouts,
         on_switch: Callable[[], None],
+        tenure: Tenure | None = None,
+        private: DoubleBuffer | None = None,
     ) -> None:
         self.plane = plane
         self.layout = layout
@@ -61,6 +86,10 @@ class Applier:
         self._timeouts = timeouts
         self._on_switch = on_switch
         self.version = -1
+        self.generation = 0
+        """Which sender ``version`` counts in: 0 for the receiver's first, one more for each
+        new sender it followed (a restarted trainer numbers its versions from 0 again)."""
+        self.tenure = tenure or Tenure()
         self._live: Staged | None = None
         self._fetched: Staged | None = None
         """Swap mode: the version the model runs as the plane fetched it (``_live`` may be a
@@ -69,8 +98,10 @@ class Applier:
         self.model_layout = model_layout or layout
         """The model's own dtypes; not ``layout`` when a wire dtype casts (copy mode then)."""
         if mode == "copy":
-            device = next(iter(self._targets.values())).device if self._targets else "cpu"
-            self._private = DoubleBuffer(self.model_layout, device)
+            if private is None:
+                device = next(iter(self._targets.values())).device if self._targets else "cpu"
+                private = DoubleBuffer(self.model_layout, device)
+            self._private = private
         self.detached = False
         """The model reads no memory of the sender's any more (set by :meth:`detach`)."""
 
@@ -162,7 +193,23 @@ class Applier:
         self._live = staged
         self._fetched = fetched if self.mode == "swap" and not private else None
         self.version = version
+        self.tenure.current = self
         self._on_switch()
+
+    @property
+    def private(self) -> DoubleBuffer | None:
+        """Copy mode's two private copies (None in swap mode)."""
+        return self._private
+
+    @property
+    def superseded(self) -> bool:
+        """Another applier switched the model since this one did."""
+        current = self.tenure.current
+        return current is not None and current is not self
+
+    def _check_current(self) -> None:
+        if self.superseded:
+            raise Superseded("the model follows a new sender now")
 
     # -- leases -------------------------------------------------------------------------------
 
@@ -179,7 +226,9 @@ class Applier:
 
     def copy_live(self) -> dict[str, torch.Tensor]:
         """A private copy of the version the model runs, on the model's device and in its
-        dtypes, by key. Call holding the guard."""
+        dtypes, by key. Call holding the guard. Raises :class:`Superseded` once another
+        applier drives the model (which may be writing this one's copies)."""
+        self._check_current()
         live = self._live
         assert live is not None, "a lease is taken once a version runs"
         # Swap mode needs the model's dtypes on the wire, so its layout is the model's too.
@@ -200,7 +249,8 @@ class Applier:
         """
         self.detached = False
         live = self._live
-        if self.mode != "swap" or live is None or not live.shared:
+        if self.superseded or self.mode != "swap" or live is None or not live.shared:
+            # Superseded: the model is another applier's to look after.
             self.detached = True
             return
         device = live.buffers[0].device if live.buffers else torch.device("cpu")

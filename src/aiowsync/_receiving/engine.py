@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import socket
@@ -75,7 +76,11 @@ class ReceiverCore:
         heartbeats: Heartbeats,
         guard: ReadGuard,
         hooks: list[Hook],
+        after: ReceiverCore | None = None,
     ) -> None:
+        """``after``: the engine of the sender this receiver followed before, when it joins
+        a new one on the same model (its copies and its place in the senders' count carry
+        over; this engine keeps no reference to it)."""
         self._channels = channels
         self._plane = plane
         self.layout = layout
@@ -91,7 +96,8 @@ class ReceiverCore:
             worker_idx=worker_idx, address=address, timeouts=timeouts, beats=heartbeats
         )
         """The link to the sender, shared with the update loop."""
-        self.applier = Applier(
+        before = None if after is None else after.applier
+        self.applier: Applier = Applier(
             plane=plane,
             layout=layout,
             model_layout=model_layout,
@@ -101,7 +107,16 @@ class ReceiverCore:
             hooks=hooks,
             timeouts=timeouts,
             on_switch=self._state.notify,
+            tenure=None if before is None else before.tenure,
+            private=None if before is None else before.private,
         )
+        self._before: tuple[int, str] | None = (
+            None if after is None or before is None else (before.generation, after._state.proof)
+        )
+        """The generation and proof of the sender followed before (see :meth:`connect`)."""
+        self.unlinked = False
+        """The sender is gone and this engine let go of the connection (:meth:`unlink`); the
+        model still runs its version."""
         self.leases = LeaseTable(self.applier, guard, self._report_leases_soon)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._updates = UpdateLoop(self._state, self.applier, self.leases.pinned)
@@ -110,6 +125,15 @@ class ReceiverCore:
     def version(self) -> int:
         """The version the model runs (-1 before the first)."""
         return self.applier.version
+
+    @property
+    def generation(self) -> int:
+        """Which sender :attr:`version` counts in (see :attr:`Applier.generation`)."""
+        return self.applier.generation
+
+    async def changed(self) -> None:
+        """Wait until the version or the sender's state changes (or this engine closes)."""
+        await self._state.changed()
 
     # -- status -------------------------------------------------------------------------------
 
@@ -176,13 +200,19 @@ class ReceiverCore:
 
     # -- handshake ----------------------------------------------------------------------------
 
-    async def connect(self, timeout: float) -> None:
+    async def connect(self, timeout: float, *, answer_within: float | None = None) -> None:
+        """Say hello, apply the welcome's version and answer, within ``timeout``; with
+        ``answer_within``, the welcome (or a refusal) must come within that much of it."""
         self._loop = asyncio.get_running_loop()
         channel = self._channels.connect(self.address, heartbeat_timeout=self.beats.timeout)
         self._state.channel = channel
+        first = timeout if answer_within is None else min(timeout, answer_within)
+        welcome: Welcome | None = None
         try:
-            with anyio.fail_after(timeout):
+            with anyio.fail_after(first) as scope:
                 welcome = await self._handshake(channel)
+                scope.deadline += timeout - first  # the rest is for applying its version
+                self.applier.generation = self._generation(welcome)
                 # The sender judges this worker's liveness from the welcome on, and bringing
                 # a big model up to date can take longer than its patience: beat already.
                 channel.start_heartbeat(self.heartbeat, welcome.heartbeat_interval)
@@ -195,7 +225,7 @@ class ReceiverCore:
             await self._abandon()
             raise WeightSyncTimeout(
                 f"worker {self.worker_idx}: no answer from the sender at {self.address} "
-                f"within {timeout:g} s",
+                f"within {first if welcome is None else timeout:g} s",
                 [self.worker_idx],
             ) from None
         except BaseException:
@@ -209,6 +239,14 @@ class ReceiverCore:
             )
         if self.apply_mode == "swap":
             _return_freed_memory()
+
+    def _generation(self, welcome: Welcome) -> int:
+        """The generation of the sender that sent ``welcome``: the one before's again if it
+        is that sender (its proof: a connection lost and found again), else one more."""
+        if self._before is None:
+            return 0
+        generation, proof = self._before
+        return generation if hmac.compare_digest(welcome.proof, proof) else generation + 1
 
     def heartbeat(self, leased: tuple[int, ...] | None = None) -> Heartbeat:
         return self._state.heartbeat(self.version, leased)
@@ -273,9 +311,35 @@ class ReceiverCore:
 
     # -- shutdown -----------------------------------------------------------------------------
 
+    def unlink(self) -> None:
+        """The sender is gone: close the connection (its beats stop), without a goodbye.
+
+        The model goes on running its version from the memory it reads (a mapping of shared
+        memory outlives the sender that made it), and leases keep working. Then
+        :meth:`close`, or :meth:`retire` once an engine of a new sender drives the model.
+        """
+        channel, self._state.channel = self._state.channel, None
+        if channel is not None:
+            self.unlinked = True
+            channel.close()
+        self.notify()
+
+    def retire(self) -> None:
+        """An engine of a new sender drives the model now: let go of the connection and the
+        plane. Leases still held keep the memory they read."""
+        self.unlink()
+        if self.unlinked:
+            self.unlinked = False
+            self._plane.close()
+        self.notify()
+
     async def close(self) -> None:
         channel = self._state.channel
         if channel is None:
+            if self.unlinked:  # the sender was gone: the model needs memory of its own still
+                self.unlinked = False
+                await self._detach_or_warn()
+                self._close_channel()
             return
         said_bye = False
         try:

@@ -22,10 +22,14 @@ from tensordict import TensorDict, TensorDictBase
 from .._exceptions import NotConnectedError, WeightSyncError
 from .._protocol import MAX_LEASED
 from .._weights.binding import bind_views
-from .apply import Applier
+from .apply import Applier, Superseded
 from .guard import ReadGuard
 
 __all__ = ["Lease", "LeaseTable"]
+
+_RETAKES = 100
+"""Tries at taking a lease while the receiver joins new senders (one is all it takes unless
+a switch to a new sender falls between finding its lease table and taking the lease)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +40,8 @@ class _Held:
     tensors: dict[str, torch.Tensor]
     shared: bool
     """The tensors view the sender's memory (the version is reported to the sender)."""
+    generation: int = 0
+    """Which sender ``version`` counts in (see :attr:`Applier.generation`)."""
     count: int = 0
     _weights: TensorDictBase | None = field(default=None, repr=False)
 
@@ -86,7 +92,9 @@ class LeaseTable:
                         f"this worker's leases already hold {MAX_LEASED} versions in the "
                         f"sender's memory (oldest {min(self._held)}); end some first"
                     )
-                held = self._held[version] = _Held(version, tensors, shared=True)
+                held = self._held[version] = _Held(
+                    version, tensors, shared=True, generation=self._applier.generation
+                )
             held.count += 1
             return held
 
@@ -100,7 +108,10 @@ class LeaseTable:
             version = self._applier.version
             tensors = self._applier.copy_live()
             with self._lock:
-                held = self._held.setdefault(version, _Held(version, tensors, shared=False))
+                held = self._held.setdefault(
+                    version,
+                    _Held(version, tensors, shared=False, generation=self._applier.generation),
+                )
                 held.count += 1
                 return held
 
@@ -133,6 +144,8 @@ class LeaseTable:
     def _check_open(self) -> int:
         if self.closed:
             raise NotConnectedError("the receiver is closed: no lease can be taken")
+        if self._applier.superseded:
+            raise Superseded("the model follows a new sender now: take the lease there")
         version = self._applier.version
         if version < 0:
             raise NotConnectedError(
@@ -164,10 +177,14 @@ class Lease:
     rewritten with a later version.
     """
 
-    __slots__ = ("_held", "_table")
+    __slots__ = ("_held", "_table", "_tables")
 
-    def __init__(self, table: LeaseTable) -> None:
-        self._table = table
+    def __init__(self, tables: LeaseTable | Callable[[], LeaseTable]) -> None:
+        """``tables``: the receiver's lease table, or a function giving the table of the
+        sender its model follows when the lease is entered (a receiver that follows its
+        sender across restarts has one per sender)."""
+        self._tables = tables
+        self._table: LeaseTable | None = None
         self._held: _Held | None = None
 
     def _need(self) -> _Held:
@@ -179,6 +196,13 @@ class Lease:
     def version(self) -> int:
         """The leased version."""
         return self._need().version
+
+    @property
+    def generation(self) -> int:
+        """Which sender the leased version came from: 0 for the first this receiver joined,
+        one more for each new sender it followed (``reconnect=``); a restarted trainer
+        numbers its versions from 0 again, so ``(generation, version)`` names the bytes."""
+        return self._need().generation
 
     @property
     def weights(self) -> TensorDictBase:
@@ -200,19 +224,28 @@ class Lease:
             raise KeyError(f"no model {model_id!r} in this lease")
         return out
 
-    def _enter(self, held: _Held) -> Lease:
-        self._held = held
-        return self
+    def _table_now(self) -> LeaseTable:
+        tables = self._tables
+        return tables if isinstance(tables, LeaseTable) else tables()
 
     def _exit(self) -> None:
         held, self._held = self._held, None
-        if held is not None:
-            self._table.end(held)
+        table, self._table = self._table, None
+        if held is not None and table is not None:
+            table.end(held)
 
     def __enter__(self) -> Lease:
         if self._held is not None:
             raise RuntimeError("this lease is already held; take another with scheme.lease()")
-        return self._enter(self._table.take_blocking())
+        for _ in range(_RETAKES):
+            table = self._table_now()
+            try:
+                self._held = table.take_blocking()
+            except Superseded:
+                continue  # the receiver joined a new sender meanwhile: its table, then
+            self._table = table
+            return self
+        raise NotConnectedError("the receiver kept changing senders: no lease was taken")
 
     def __exit__(
         self,
@@ -225,7 +258,15 @@ class Lease:
     async def __aenter__(self) -> Lease:
         if self._held is not None:
             raise RuntimeError("this lease is already held; take another with scheme.lease()")
-        return self._enter(await self._table.take())
+        for _ in range(_RETAKES):
+            table = self._table_now()
+            try:
+                self._held = await table.take()
+            except Superseded:
+                continue
+            self._table = table
+            return self
+        raise NotConnectedError("the receiver kept changing senders: no lease was taken")
 
     async def __aexit__(
         self,

@@ -264,6 +264,11 @@ class BlockingScheme:
         return self.scheme.version
 
     @property
+    def generation(self) -> int:
+        """See :attr:`WeightSyncScheme.generation`."""
+        return self.scheme.generation
+
+    @property
     def ready(self) -> bool:
         """See :attr:`WeightSyncScheme.ready`."""
         return self.scheme.ready

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .._channel import ChannelFactory
-from .._exceptions import WeightSyncError
+from .._exceptions import NotConnectedError, WeightSyncError, WeightSyncTimeout
 from .._planes.base import ReceiverContext
 from .._protocol import Hello
 from .._receiving.engine import ApplyMode, Hook, ReceiverCore
@@ -27,6 +27,7 @@ from .._weights.flatten import WeightsLike, flatten_weights
 from .._weights.layout import Layout, refuse_meta
 from .._weights.models import receiver_targets
 from .base import SessionOptions, Tasks
+from .follow import Follower, Rejoin, Target
 from .relay import Relay
 
 __all__ = ["ReceiverSession", "tell_sender"]
@@ -74,6 +75,7 @@ class ReceiverSession:
         wire_dtype: torch.dtype | None,
         guard: ReadGuard,
         hooks: list[Hook],
+        reconnect: bool | Rejoin = False,
     ) -> None:
         if models is not None:
             targets = receiver_targets(models)
@@ -109,13 +111,17 @@ class ReceiverSession:
         self.layout, self.model_layout = layout, model_layout
         self.model, self.models, self.context = model, models, context
         self.worker_idx = worker_idx
-        self.address = address
+        self._target = Target(address, options.channels, options.plane)
+        self.follows = reconnect is not False
+        """Built with ``reconnect=``: follows its sender across restarts."""
+        self._where = None if isinstance(reconnect, bool) else reconnect
         self.guard = guard
         self.hooks = hooks
         """The scheme's hooks: registered before or after ``init_on_receiver``."""
         self.relays_to: Relay | None = None
         """Set when this receiver feeds a relay (``scheme.relay_to(local)``)."""
-        self.core: ReceiverCore | None = None
+        self._core: ReceiverCore | None = None
+        self._follower: Follower | None = None
         self.connected = False
         self._tasks: Tasks | None = None
 
@@ -124,9 +130,23 @@ class ReceiverSession:
         return self._tasks is not None
 
     @property
+    def core(self) -> ReceiverCore | None:
+        """The engine that drives the model (of the sender followed now, with ``reconnect``)."""
+        return self._follower.core if self._follower is not None else self._core
+
+    @property
+    def address(self) -> str:
+        """The sender's address (with ``reconnect``: of the sender followed now, or last)."""
+        return self._follower.address if self._follower is not None else self._target.address
+
+    @property
     def ready(self) -> bool:
+        """Connected and running a version; with ``reconnect``, also while it waits for a
+        new sender (it serves the version it kept)."""
         core = self.core
-        return core is not None and self.connected and core.version >= 0 and core.connected
+        if core is None or not self.connected or core.version < 0:
+            return False
+        return self.follows or core.connected
 
     def need_core(self) -> ReceiverCore:
         if self.core is None:
@@ -135,13 +155,15 @@ class ReceiverSession:
 
     async def start(self, tasks: Tasks) -> None:
         """Enter ``async with``: nothing runs until ``connect()``."""
-        self.core = None
+        self._core = self._follower = None
         self._tasks = tasks
 
     async def stop(self) -> None:
         """End the session (its background task is stopped already)."""
         self._tasks = None
         self.connected = False
+        if self._follower is not None:
+            self._target = self._follower.target  # the next `async with` starts there
         if self.core is not None:
             await self.core.close()
 
@@ -163,27 +185,77 @@ class ReceiverSession:
         tasks = self._tasks
         assert tasks is not None
         options = self.options
+        core = self._make_core(self._target)
+        await core.connect(timeout)
+        self._core = core
+        self.connected = True
+        if not options.background:
+            return
+        if self.follows:
+            self._follower = Follower(
+                core,
+                self._target,
+                make=self._make_core,
+                where=self._where,
+                timeouts=options.timeouts,
+                heartbeats=options.heartbeats,
+            )
+            await tasks.start(self._follower.run)
+        else:
+            await tasks.start(core.run)
+
+    def _make_core(self, target: Target, after: ReceiverCore | None = None) -> ReceiverCore:
+        """The engine of this receiver for the sender at ``target`` (``after``: the engine of
+        the sender it followed before)."""
+        options = self.options
         context = ReceiverContext(
-            address=self.address, worker_idx=self.worker_idx, tensors=self.targets
+            address=target.address, worker_idx=self.worker_idx, tensors=self.targets
         )
         core = ReceiverCore(
-            channels=options.channels,
-            plane=options.plane.receiver(context),
+            channels=target.channels,
+            plane=target.plane.receiver(context),
             layout=self.layout,
             model_layout=self.model_layout,
             targets=self.targets,
             worker_idx=self.worker_idx,
             model_id=options.model_id,
-            address=self.address,
+            address=target.address,
             apply_mode=self._apply_mode(),
             timeouts=options.timeouts,
             heartbeats=options.heartbeats,
             guard=self.guard,
             hooks=self.hooks,
+            after=after,
         )
         core.shield_updates = not options.background
-        await core.connect(timeout)
-        self.core = core
-        self.connected = True
-        if options.background:
-            await tasks.start(core.run)
+        return core
+
+    async def wait_for_version(self, version: int, timeout: float) -> int:
+        """Wait until the model runs ``version`` or newer; the version it runs then.
+
+        With ``reconnect``, newer means a higher version of the sender followed when the
+        wait began, or any version of a later sender (whose numbers start again from 0);
+        the wait goes on while the receiver waits for a new sender, until ``timeout``.
+        """
+        core = self.need_core()
+        if not self.follows:
+            return await core.wait_for_version(version, timeout)
+        generation = core.generation
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    core = self.need_core()
+                    if core.generation > generation or core.version >= version:
+                        return core.version
+                    if not self.entered:
+                        raise NotConnectedError(
+                            f"worker {self.worker_idx}: this receiver is closed"
+                        )
+                    with anyio.move_on_after(self.options.heartbeats.interval):
+                        await core.changed()
+        except TimeoutError:
+            raise WeightSyncTimeout(
+                f"worker {self.worker_idx} still runs version {core.version}, not {version}, "
+                f"after {timeout:g} s"
+                + ("" if core.connected else " (waiting for a sender to rejoin)")
+            ) from None

@@ -25,6 +25,7 @@ from .._weights.flatten import WeightsLike
 from .._weights.models import check_models, sender_weights
 from .base import forked_text, resolve_model
 from .config import SchemeOptions
+from .follow import Rejoin
 from .receiver import TELL_WAIT_S, ReceiverSession, tell_sender
 from .relay import Relay, Upstream
 from .running import SchemeRuntime
@@ -238,6 +239,7 @@ class WeightSyncScheme(SchemeRuntime):
         models: Mapping[str, WeightsLike] | None = None,
         model_id: str | None = None,
         context: Any = None,
+        reconnect: bool | Rejoin = False,
     ) -> None:
         """Prepare this object as receiver ``worker_idx`` for ``model``.
 
@@ -245,7 +247,27 @@ class WeightSyncScheme(SchemeRuntime):
         hold each new version (swap mode re-points them, copy mode copies into them);
         ``weights=`` takes a ``TensorDict`` or state_dict instead, as on the sender;
         ``models=`` several models by model id, as the sender gave them.
+
+        ``reconnect``: follow the sender across restarts (background mode only). When the
+        sender is gone (goodbye, or lost), the receiver logs a warning, goes on running and
+        serving its version (``ready`` stays True, ``connected`` is False) and joins the
+        next sender that answers at the same address, taking its version as a fresh
+        receiver would (``generation`` then counts one more). ``True`` rejoins at the same
+        address; a function (sync or async, called on the event loop before each try)
+        returns where: an address, a scheme (the new sender's, pickled to this process: its
+        address, channel factory and plane, e.g. new CURVE keys), or None for "not yet".
+        See the failures guide.
         """
+        if reconnect is not False and reconnect is not True and not callable(reconnect):
+            raise TypeError(
+                f"reconnect must be True, False or a function giving the address, got {reconnect!r}"
+            )
+        if reconnect is not False and not self.background:
+            raise ValueError(
+                "reconnect= needs background=True: in pull mode the model switches only "
+                "inside receive(), so rejoin yourself (leave `async with`, enter it again, "
+                "connect())"
+            )
         if self._sending is not None and self._sending.forked:
             self._refuse_forked(self._sending, worker_idx)
         self._check_fresh()
@@ -278,6 +300,7 @@ class WeightSyncScheme(SchemeRuntime):
             wire_dtype=self.wire_dtype,
             guard=self._guard,
             hooks=self._hooks,
+            reconnect=reconnect,
         )
         self.model_id = named
 
@@ -299,10 +322,24 @@ class WeightSyncScheme(SchemeRuntime):
         raise RuntimeError(text)
 
     async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
-        """Wait until the model runs ``version`` or newer; returns the version it runs."""
+        """Wait until the model runs ``version`` or newer; returns the version it runs.
+
+        With ``reconnect=``, a version of a later sender counts as newer whatever its number
+        (a restarted trainer numbers from 0 again), and the wait goes on while the receiver
+        waits for a new sender; without, it raises :class:`SenderGoneError` once the sender
+        is gone."""
         timeout = self.timeouts.ack if timeout is None else timeout
-        core = self._need_receiving("wait_for_version").need_core()
-        return await core.wait_for_version(version, timeout)
+        return await self._need_receiving("wait_for_version").wait_for_version(version, timeout)
+
+    @property
+    def generation(self) -> int:
+        """Receiver: which sender the model's version comes from: 0 for the first this
+        receiver joined in its ``async with``, one more for each new sender it followed
+        (``reconnect=``). A restarted trainer numbers its versions from 0 again, so
+        ``(generation, version)`` names what the model runs."""
+        receiving = self._receiving
+        core = None if receiving is None else receiving.core
+        return 0 if core is None else core.generation
 
     async def receive(self, timeout: float | None = None) -> int | None:
         """Pull mode: apply the next update arriving within ``timeout``; its version, or None."""
@@ -348,6 +385,11 @@ class WeightSyncScheme(SchemeRuntime):
             raise RuntimeError("call relay_to() before entering either scheme")
         if leaves.relay is not None or upstream.relays_to is not None:
             raise RuntimeError("each scheme takes part in one relay")
+        if upstream.follows:
+            raise ValueError(
+                "a relay's upstream cannot follow its sender across restarts (reconnect=): "
+                "the leaves count in the root's numbers, which a new root starts again from 0"
+            )
         feed = Upstream(
             worker_idx=upstream.worker_idx,
             ack_timeout=self.timeouts.ack,
@@ -383,7 +425,8 @@ class WeightSyncScheme(SchemeRuntime):
         receiving = self._receiving
         if receiving is None:
             raise RuntimeError("this needs a connected receiver (init_on_receiver + connect)")
-        return Lease(receiving.need_core().leases)
+        receiving.need_core()
+        return Lease(lambda: receiving.need_core().leases)
 
     def apply_weights(self, weights: WeightsLike, inplace: bool = True) -> None:
         """Apply weights to the receiver's model directly with the strategy (no versioning)."""

@@ -1,0 +1,134 @@
+"""A receiver built with ``reconnect=`` follows its sender across restarts: it keeps and
+serves its version while no sender is there, says so once, and joins the next sender as a
+fresh receiver would, switching whole. In one process, on every kind of plane; the
+shared-memory test with real processes and SIGKILL is in tests/planes/shm."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import pytest
+
+import aiowsync
+from helpers import CONNECT, Hosted, Kind, eventually, fill, model, values
+
+
+def _sender(kind: Kind, value: float, bind: str | None) -> aiowsync.WeightSyncScheme:
+    src = model(0)
+    fill(src, value)
+    sender = kind.scheme(**({} if bind is None else {"bind": bind}))
+    sender.init_on_sender(model=src, num_workers=1)
+    return sender
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "(reconnect)" in r.getMessage()
+    ]
+
+
+async def test_a_receiver_follows_its_sender_to_a_new_one(
+    kind: Kind, caplog: pytest.LogCaptureFixture
+) -> None:
+    """memory: the new sender binds the same address (reconnect=True); shm: it binds a fresh
+    one, which the function gives as an address; dist: the function gives its scheme."""
+    caplog.set_level(logging.INFO, logger="aiowsync")
+    bind = "mem://follow" if kind.name == "memory" else None
+    senders: list[aiowsync.WeightSyncScheme] = []
+
+    def where() -> Any:
+        if not senders:
+            return None
+        return senders[-1].address if kind.name == "shm" else senders[-1]
+
+    first = _sender(kind, 1.0, bind)
+    senders.append(first)
+    hosts = [Hosted(first)]
+    await hosts[0].start()
+    mirror = model(100)
+    r = kind.scheme(first.address, plane=first.plane)
+    r.init_on_receiver(model=mirror, worker_idx=0, reconnect=True if bind else where)
+    mixed: list[set[float]] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        # A forward under the guard sees one sender's version whole, or the other's.
+        while not stop.is_set():
+            with r.read_guard():
+                seen = values(mirror)
+            if len(seen) != 1:
+                mixed.append(seen)
+
+    reader = threading.Thread(target=read, daemon=True)
+    try:
+        async with r:
+            await asyncio.gather(first.connect(timeout=CONNECT), r.connect(timeout=CONNECT))
+            reader.start()
+            for step in (2.0, 3.0):
+                fill(first.model, step)
+                await first.send()
+            assert (r.version, r.generation, values(mirror)) == (2, 0, {3.0})
+
+            await hosts[0].stop()  # the trainer goes (with a goodbye here)
+            senders.clear()
+            await eventually(lambda: not r.connected, what="the receiver sees its sender gone")
+            # It keeps its version and serves it: ready, leases on that version's bytes.
+            assert r.ready and r.version == 2 and values(mirror) == {3.0}
+            async with r.lease() as held:
+                assert (held.version, held.generation) == (2, 0)
+                assert {float(t.unique()) for t in held.params().values()} == {3.0}
+            waiting = asyncio.create_task(r.wait_for_version(5, timeout=60))
+            await asyncio.sleep(0.3)  # tries fail meanwhile: nothing to join
+            assert not waiting.done() and not r.connected and r.ready
+
+            second = _sender(kind, 9.0, bind)
+            hosts.append(Hosted(second))
+            await hosts[1].start()
+            senders.append(second)
+            await second.connect(timeout=CONNECT)  # returns once the receiver rejoined
+            # Its version, as a fresh receiver gets it: version 0 of a new generation.
+            assert await waiting == 0
+            assert (r.version, r.generation, values(mirror)) == (0, 1, {9.0})
+            assert r.connected and r.ready and r.address == second.address
+            fill(second.model, 10.0)
+            result = await second.send()
+            assert result.version == 1 and values(mirror) == {10.0}
+            assert await r.wait_for_version(1, timeout=5) == 1
+            async with r.lease() as held:
+                assert (held.version, held.generation) == (1, 1)
+    finally:
+        stop.set()
+        if reader.is_alive():
+            reader.join(10)
+        for host in reversed(hosts):
+            await host.stop()
+    assert not mixed, mixed[:3]
+    warned = _warnings(caplog)
+    assert len(warned) == 1, warned
+    assert "keeps version 2" in warned[0] and first.address in warned[0]
+    joined = [m.getMessage() for m in caplog.records if "joined the sender" in m.getMessage()]
+    assert len(joined) == 1 and "version 0 (generation 1) replaces version 2" in joined[0]
+
+
+async def test_reconnect_is_refused_where_it_cannot_work() -> None:
+    kind = Kind("memory")
+    sender = _sender(kind, 1.0, None)
+    pull = kind.scheme("mem://1", background=False)
+    with pytest.raises(ValueError, match="reconnect= needs background=True"):
+        pull.init_on_receiver(model=model(1), worker_idx=0, reconnect=True)
+    with pytest.raises(TypeError, match="reconnect must be True, False or a function"):
+        kind.scheme("mem://1").init_on_receiver(model=model(1), worker_idx=0, reconnect=3)  # type: ignore[arg-type]
+    # A relay's leaves count in the root's numbers, which a new root starts again.
+    shared = model(2)
+    upstream = kind.scheme("mem://1")
+    upstream.init_on_receiver(model=shared, worker_idx=0, reconnect=True)
+    local = kind.scheme()
+    local.init_on_sender(model=shared, num_workers=1)
+    with pytest.raises(ValueError, match="cannot follow its sender across restarts"):
+        upstream.relay_to(local)
+    del sender
