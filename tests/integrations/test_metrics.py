@@ -152,6 +152,7 @@ async def test_a_receiver_reports_its_version_leases_and_its_sender_leaving(
         got = scrape(registry)
         at = {"model_id": sender.model_id, "worker": 0}
         assert value(got, "aiowsync_receiver_version", **at) == 3
+        assert value(got, "aiowsync_receiver_generation", **at) == 0
         assert value(got, "aiowsync_receiver_versions_applied_total", **at) == 3
         assert value(got, "aiowsync_receiver_connected", **at) == 1
         assert value(got, "aiowsync_receiver_ready", **at) == 1

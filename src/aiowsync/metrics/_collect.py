@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import (
     StateSetMetricFamily,
 )
 
-from .._sending.workers import WorkerState, WorkerStatus
+from .._sending.workers import REFUSED, WorkerState, WorkerStatus
 from ._tally import SendTally
 
 if TYPE_CHECKING:
@@ -30,9 +30,6 @@ __all__ = ["Families", "ReceiverSource", "SenderSource", "Source"]
 log = logging.getLogger("aiowsync.metrics")
 
 STATES: tuple[WorkerState, ...] = get_args(WorkerState)
-
-_REFUSED = "refused: "
-"""How the sender's note on a worker begins when its last hello was refused."""
 
 _READS = 3
 """How many times a scrape reads the worker table before it leaves the workers out: the
@@ -93,6 +90,11 @@ class Families:
         self._counter("sender_dropped_messages", "Control messages the sender dropped.", M)
         # A receiver.
         self._gauge("receiver_version", "The version the receiver's model runs (-1 before one).", W)
+        self._gauge(
+            "receiver_generation",
+            "Which sender its version comes from: 0 for the first, one more for each it followed.",
+            W,
+        )
         self._counter("receiver_versions_applied", "Versions the receiver switched to.", W)
         self._gauge("receiver_connected", "1 while the receiver's sender is reachable.", W)
         self._gauge("receiver_ready", "1 while connected and running a version.", W)
@@ -173,7 +175,7 @@ def _add_worker(families: Families, m: list[str], status: WorkerStatus, latest: 
     families.state.add_metric(w, {s: s == status.state for s in STATES})
     refused = status.state in ("never connected", "lost", "gone") and (
         status.note or ""
-    ).startswith(_REFUSED)
+    ).startswith(REFUSED)
     g["worker_refused"].add_metric(w, int(refused))
     g["worker_leased_versions"].add_metric(w, len(status.leased))
     if status.last_heard is not None:
@@ -213,6 +215,7 @@ class ReceiverSource(Source):
         scheme, c, g = self.scheme, families.counter, families.gauge
         w = [self.model_id, str(self.worker)]
         g["receiver_version"].add_metric(w, scheme.version)
+        g["receiver_generation"].add_metric(w, scheme.generation)
         if self.count_applied:
             c["receiver_versions_applied"].add_metric(w, self.applied)
         g["receiver_connected"].add_metric(w, int(scheme.connected))
