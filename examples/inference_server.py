@@ -8,20 +8,25 @@ Three kinds of process take part:
   at once: ``/ready`` says 503 until version 0 is applied, then 200. Each ``POST /generate``
   takes a lease when it starts and generates every token on that version, while the model
   itself goes on switching to newer ones; the response carries the version in a header
-  (``x-weights-version``) and a field.
+  (``x-weights-version``) and a field. The receiver follows its trainer across restarts
+  (``reconnect=True``): when the trainer dies the server goes on serving its last version,
+  and it joins the next trainer on the same address by itself.
 - ``trainer``: the sender. It owns the same model and sends new versions when told to.
 - the default command, a driver: it starts two servers and a trainer, checks readiness, sends
   requests from an httpx client first with no updates and then while the trainer sends
   versions, and checks every response offline: its tokens must equal greedy decoding with the
-  weights of the version it reports. It prints the figures and, with ``--json``, writes them.
+  weights of the version it reports. With ``--restart`` it then kills the trainer (SIGKILL)
+  while it sends and starts a new one, and the requests go on meanwhile. It prints the
+  figures and, with ``--json``, writes them.
 
 The model is a GPT-2 built from a transformers config with a fixed seed: nothing is
-downloaded. Version ``v`` of the weights is a pure function of ``v`` (:func:`weights_for`), so
-the driver can rebuild any version to check a response.
+downloaded. Version ``v`` of trainer ``g`` (the first trainer is 0, the one started after the
+kill 1) is a pure function of ``(g, v)`` (:func:`weights_for`), so the driver can rebuild any
+version to check a response; each response names both (``generation``, ``version``).
 
 Run it with the ``server`` extra installed (``pip install 'aiowsync[server]'``)::
 
-    python examples/inference_server.py
+    python examples/inference_server.py              # --restart: kill and replace the trainer
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import contextlib
 import json
 import random
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -81,15 +87,17 @@ def make_model() -> nn.Module:
     return GPT2LMHeadModel(config).eval()
 
 
-def weights_for(base: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
-    """Version ``version``'s weights: ``base`` (version 0's, by parameter name), each tensor
-    moved by noise seeded with the version. The trainer sends these; the driver rebuilds them
-    to check responses."""
-    gen = torch.Generator().manual_seed(version)
-    out = {}
-    for key, t in base.items():
-        out[key] = t + 0.05 * torch.randn(t.shape, generator=gen) if version else t.clone()
-    return out
+def weights_for(
+    base: dict[str, torch.Tensor], version: int, trainer: int = 0
+) -> dict[str, torch.Tensor]:
+    """Version ``version``'s weights of trainer ``trainer``: ``base`` (the first trainer's
+    version 0, by parameter name), each tensor moved by noise seeded with both. Every
+    trainer's versions count from 0, and differ from every other trainer's. The trainers
+    send these; the driver rebuilds them to check responses."""
+    if version == 0 and trainer == 0:
+        return {key: t.clone() for key, t in base.items()}
+    gen = torch.Generator().manual_seed(trainer * 1_000_003 + version)
+    return {key: t + 0.05 * torch.randn(t.shape, generator=gen) for key, t in base.items()}
 
 
 def parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -122,7 +130,9 @@ def create_app(address: str, worker_idx: int) -> FastAPI:
     ``address``."""
     model = make_model()
     scheme = aiowsync.SharedMemWeightSyncScheme(address)
-    scheme.init_on_receiver(model=model, worker_idx=worker_idx)
+    # A trainer that dies (or restarts) leaves the server serving its last version; the
+    # server joins the next trainer on this address by itself.
+    scheme.init_on_receiver(model=model, worker_idx=worker_idx, reconnect=True)
 
     async def connect() -> None:
         try:
@@ -148,9 +158,16 @@ def create_app(address: str, worker_idx: int) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Any:
-        if scheme.version < 0:
+        # Ready while it holds weights, also while the trainer is away (it serves the last
+        # version it got); "connected" says whether a trainer is there.
+        if not scheme.ready:
             return JSONResponse({"ready": False, "version": None}, status_code=503)
-        return {"ready": True, "version": scheme.version}
+        return {
+            "ready": True,
+            "version": scheme.version,
+            "generation": scheme.generation,
+            "connected": scheme.connected,
+        }
 
     @app.post("/generate")
     async def generate(request: Request, response: Response) -> dict[str, Any]:
@@ -168,9 +185,16 @@ def create_app(address: str, worker_idx: int) -> FastAPI:
                 request.max_tokens,
                 limiter=app.state.compute,
             )
-            version, latest = held.version, scheme.version
+            version, generation = held.version, held.generation
+            latest, latest_generation = scheme.version, scheme.generation
         response.headers["x-weights-version"] = str(version)
-        return {"version": version, "latest_at_end": latest, "tokens": tokens}
+        return {
+            "version": version,
+            "generation": generation,
+            "latest_at_end": latest,
+            "generation_at_end": latest_generation,
+            "tokens": tokens,
+        }
 
     return app
 
@@ -188,17 +212,22 @@ def serve(address: str, worker_idx: int, port: int) -> None:
 # -- the trainer ----------------------------------------------------------------------------
 
 
-async def train(address: str, workers: int, interval: float) -> None:
-    """Connect, say ``connected``; on ``go`` (a line on stdin) send a version every
+async def train(address: str, workers: int, interval: float, generation: int) -> None:
+    """Trainer ``generation`` (0 first, 1 for the one started after a kill): bind, say
+    ``bound``; connect, say ``connected``; on ``go`` (a line on stdin) send a version every
     ``interval`` seconds, saying ``sent V`` after each, until ``stop``; then say
     ``stopped V`` and end."""
     torch.set_num_threads(1)
     model = make_model()
-    scheme = aiowsync.SharedMemWeightSyncScheme(bind=address)
-    scheme.init_on_sender(model=model, num_workers=workers)
     params = dict(model.named_parameters())
     base = parameters(model)
+    with torch.no_grad():  # this trainer's version 0
+        for key, value in weights_for(base, 0, generation).items():
+            params[key].copy_(value)
+    scheme = aiowsync.SharedMemWeightSyncScheme(bind=address)
+    scheme.init_on_sender(model=model, num_workers=workers)
     async with scheme:
+        print("bound 0", flush=True)
         await scheme.connect(timeout=CONNECT_S)
         print("connected", flush=True)
         if (await anyio.to_thread.run_sync(sys.stdin.readline)).strip() != "go":
@@ -213,7 +242,7 @@ async def train(address: str, workers: int, interval: float) -> None:
             tg.start_soon(until_stop)
             while not stop.is_set():
                 version = scheme.version + 1
-                new = weights_for(base, version)  # the training step of this example
+                new = weights_for(base, version, generation)  # this example's training step
                 with torch.no_grad():
                     for key, p in params.items():
                         p.copy_(new[key])
@@ -317,6 +346,117 @@ def p99(latencies: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+async def said(trainer: subprocess.Popen[str], word: str) -> int:
+    """Read the trainer's lines until one says ``word``; the number that comes with it."""
+    assert trainer.stdout is not None
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, trainer.stdout.readline)
+        if not line:
+            raise RuntimeError(f"the trainer ended before it said {word!r}")
+        parts = line.split()
+        if parts and parts[0] == word:
+            return int(parts[1]) if len(parts) > 1 else 0
+
+
+def tell(trainer: subprocess.Popen[str], line: str) -> None:
+    assert trainer.stdin is not None
+    trainer.stdin.write(line + "\n")
+    trainer.stdin.flush()
+
+
+def count_sent(trainer: subprocess.Popen[str], sent: list[int]) -> str:
+    """In a thread: the trainer's lines until it stops, ``sent[0]`` the latest version sent."""
+    assert trainer.stdout is not None
+    for line in trainer.stdout:
+        word, version = line.split()
+        sent[0] = int(version)
+        if word == "stopped":
+            return line
+    return ""
+
+
+def start_trainer(
+    stack: contextlib.ExitStack, address: str, opts: argparse.Namespace, generation: int
+) -> subprocess.Popen[str]:
+    args = ["trainer", "--address", address, "--interval", str(opts.interval)]
+    return stack.enter_context(
+        started(
+            [*args, "--generation", str(generation)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+    )
+
+
+async def every_server_on(client: Any, urls: list[str], generation: int, timeout: float) -> None:
+    """Poll every server's ``/ready`` until each serves a version of trainer ``generation``."""
+    deadline, waiting = time.monotonic() + timeout, set(urls)
+    while waiting:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{sorted(waiting)} did not take trainer {generation}'s weights")
+        for url in list(waiting):
+            r = await client.get(f"{url}/ready")
+            if r.status_code == 200 and r.json()["generation"] == generation:
+                waiting.discard(url)
+        await asyncio.sleep(0.02)
+
+
+async def restart(
+    client: Any,
+    urls: list[str],
+    opts: argparse.Namespace,
+    stack: contextlib.ExitStack,
+    old: subprocess.Popen[str],
+    address: str,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Kill the trainer while it sends and start another on its address, while requests go
+    on; the responses of this phase and its figures."""
+    figures: dict[str, Any] = {}
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def replace() -> None:
+        os.kill(old.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        await loop.run_in_executor(None, old.wait, 30)
+        new = start_trainer(stack, address, opts, generation=1)
+        await said(new, "bound")  # its process is up and its socket bound
+        bound = time.monotonic()
+        await every_server_on(client, urls, generation=1, timeout=CONNECT_S)
+        followed = time.monotonic()
+        figures["restart_s_from_kill"] = followed - killed
+        figures["restart_s_from_new_trainer_bound"] = followed - bound
+        await said(new, "connected")  # its connect() saw every server on its version 0
+        tell(new, "go")
+        sent = [0]
+        following = loop.run_in_executor(None, count_sent, new, sent)
+        deadline = time.monotonic() + 120
+        while sent[0] < opts.restart_versions and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        tell(new, "stop")
+        await following
+        figures["versions_sent_after_restart"] = sent[0]
+        await loop.run_in_executor(None, new.wait, 60)
+        figures["new_trainer_exit"] = new.returncode
+        done.set()
+
+    results, _ = await asyncio.gather(
+        load(
+            client, urls, requests=opts.requests, concurrency=opts.concurrency,
+            tokens=opts.tokens, seed=3, until=done.is_set,
+        ),
+        replace(),
+    )  # fmt: skip
+    figures["restart_requests"] = len(results)
+    figures["restart_failed"] = sum(not r["ok"] for r in results)
+    for g in (0, 1):
+        figures[f"restart_answered_by_trainer_{g}"] = sum(
+            r["ok"] and r["generation"] == g for r in results
+        )
+    return results, figures
+
+
 async def drive(opts: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
@@ -324,6 +464,7 @@ async def drive(opts: argparse.Namespace) -> dict[str, Any]:
     ports = [free_port() for _ in range(2)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     report: dict[str, Any] = {}
+    after: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         for i, port in enumerate(ports):
             stack.enter_context(
@@ -338,14 +479,7 @@ async def drive(opts: argparse.Namespace) -> dict[str, Any]:
             ]
             early = await client.post(f"{urls[0]}/generate", json={"prompt": [1, 2]})
             report["generate_before_ready"] = early.status_code
-            trainer = stack.enter_context(
-                started(
-                    ["trainer", "--address", address, "--interval", str(opts.interval)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                )
-            )
-            assert trainer.stdin is not None and trainer.stdout is not None
+            trainer = start_trainer(stack, address, opts, generation=0)
             for u in urls:
                 await wait_ready(client, u, want=200, timeout=120)
             print("both servers ready (version 0); requests without updates ...", flush=True)
@@ -356,64 +490,69 @@ async def drive(opts: argparse.Namespace) -> dict[str, Any]:
                 tokens=opts.tokens, seed=1,
             )  # fmt: skip
             print("requests while the trainer sends versions ...", flush=True)
-            loop = asyncio.get_running_loop()
-            assert await loop.run_in_executor(None, trainer.stdout.readline) == "connected\n"
+            await said(trainer, "connected")
             sent = [0]
-
-            def follow() -> str:
-                """The trainer's lines until it stops: the count of versions sent so far."""
-                for line in trainer.stdout:  # type: ignore[union-attr]
-                    word, version = line.split()
-                    sent[0] = int(version)
-                    if word == "stopped":
-                        return line
-                return ""
-
-            trainer.stdin.write("go\n")
-            trainer.stdin.flush()
-            following = loop.run_in_executor(None, follow)
+            tell(trainer, "go")
+            loop = asyncio.get_running_loop()
+            following = loop.run_in_executor(None, count_sent, trainer, sent)
             # Every request of this phase runs while versions are being sent: at least
             # --requests of them, and until at least --versions versions were sent.
             updating = await load(
                 client, urls, requests=opts.requests, concurrency=opts.concurrency,
                 tokens=opts.tokens, seed=2, until=lambda: sent[0] >= opts.versions,
             )  # fmt: skip
-            trainer.stdin.write("stop\n")
-            trainer.stdin.flush()
-            await following
-            report["versions_sent"] = sent[0]
-            trainer.wait(60)
-            report["trainer_exit"] = trainer.returncode
-    report.update(check(steady, updating, opts.tokens))
+            if opts.restart:
+                print("trainer killed while it sends; a new one starts ...", flush=True)
+                after, figures = await restart(client, urls, opts, stack, trainer, address)
+                await following  # the killed trainer's output ended
+                report["versions_sent"] = sent[0]
+                report["trainer_exit"] = figures.pop("new_trainer_exit")
+                report.update(figures)
+            else:
+                tell(trainer, "stop")
+                await following
+                report["versions_sent"] = sent[0]
+                trainer.wait(60)
+                report["trainer_exit"] = trainer.returncode
+    report.update(check(steady, updating, after, opts.tokens))
     return report
 
 
 def check(
-    steady: list[dict[str, Any]], updating: list[dict[str, Any]], tokens: int
+    steady: list[dict[str, Any]],
+    updating: list[dict[str, Any]],
+    after: list[dict[str, Any]],
+    tokens: int,
 ) -> dict[str, Any]:
-    """Every response against greedy decoding with the weights of the version it reports."""
+    """Every response against greedy decoding with the weights of the version it reports
+    (of the trainer it reports)."""
     torch.set_num_threads(1)
     model = make_model()
     base = parameters(model)
-    by_version: dict[int, dict[str, torch.Tensor]] = {}
+    by_version: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     mismatches = 0
-    answered = [r for r in steady + updating if r["ok"]]
+    every = steady + updating + after
+    answered = [r for r in every if r["ok"]]
     for r in answered:
-        v = r["version"]
-        if v not in by_version:
-            by_version[v] = weights_for(base, v)
-        if greedy(model, by_version[v], r["prompt"], tokens) != r["tokens"]:
+        key = (r["generation"], r["version"])
+        if key not in by_version:
+            by_version[key] = weights_for(base, key[1], key[0])
+        if greedy(model, by_version[key], r["prompt"], tokens) != r["tokens"]:
             mismatches += 1
     # Different versions give different tokens, or the check above would prove little.
     distinct_outputs = len(
         {tuple(greedy(model, w, [1, 2, 3, 4, 5, 6, 7, 8], tokens)) for w in by_version.values()}
     )
-    spans = [r["latest_at_end"] - r["version"] + 1 for r in updating if r["ok"]]
+    spans = [
+        r["latest_at_end"] - r["version"] + 1
+        for r in updating
+        if r["ok"] and r["generation_at_end"] == r["generation"]
+    ]
     return {
-        "requests": len(steady) + len(updating),
-        "failed": sum(not r["ok"] for r in steady + updating),
+        "requests": len(every),
+        "failed": sum(not r["ok"] for r in every),
         "mismatches": mismatches,
-        "versions_answered": sorted(by_version),
+        "versions_answered": [f"{g}:{v}" for g, v in sorted(by_version)],
         "distinct_outputs_of_one_prompt": distinct_outputs,
         "most_versions_within_one_request": max(spans, default=0),
         "p99_ms_without_updates": 1000 * p99([r["latency"] for r in steady]),
@@ -435,6 +574,7 @@ def main() -> None:
     t.add_argument("--address", required=True)
     t.add_argument("--workers", type=int, default=2)
     t.add_argument("--interval", type=float, default=0.05)
+    t.add_argument("--generation", type=int, default=0, help="which trainer: 0, 1 after a kill")
     parser.add_argument(
         "--requests",
         type=int,
@@ -454,13 +594,25 @@ def main() -> None:
     parser.add_argument(
         "--interval", type=float, default=0.05, help="seconds between two sends (default 0.05)"
     )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="then kill the trainer (SIGKILL) while it sends and start a new one; the "
+        "servers follow it while the requests go on",
+    )
+    parser.add_argument(
+        "--restart-versions",
+        type=int,
+        default=5,
+        help="with --restart, the new trainer sends at least this many (default 5)",
+    )
     parser.add_argument("--json", help="write the figures to this file")
     opts = parser.parse_args()
     if opts.command == "serve":
         serve(opts.address, opts.worker_idx, opts.port)
         return
     if opts.command == "trainer":
-        anyio.run(train, opts.address, opts.workers, opts.interval)
+        anyio.run(train, opts.address, opts.workers, opts.interval, opts.generation)
         return
     report = asyncio.run(drive(opts))
     for key, value in report.items():
