@@ -32,11 +32,13 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize("mode", ["auto", "copy"])
 async def test_a_receiver_follows_its_sender_to_a_new_one(
-    kind: Kind, caplog: pytest.LogCaptureFixture
+    kind: Kind, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """memory: the new sender binds the same address (reconnect=True); shm: it binds a fresh
-    one, which the function gives as an address; dist: the function gives its scheme."""
+    one, which the function gives as an address; dist: the function gives its scheme. In
+    copy mode the new sender's version goes into the private copy the model does not run."""
     caplog.set_level(logging.INFO, logger="aiowsync")
     bind = "mem://follow" if kind.name == "memory" else None
     senders: list[aiowsync.WeightSyncScheme] = []
@@ -51,7 +53,7 @@ async def test_a_receiver_follows_its_sender_to_a_new_one(
     hosts = [Hosted(first)]
     await hosts[0].start()
     mirror = model(100)
-    r = kind.scheme(first.address, plane=first.plane)
+    r = kind.scheme(first.address, plane=first.plane, apply_mode=mode)
     r.init_on_receiver(model=mirror, worker_idx=0, reconnect=True if bind else where)
     mixed: list[set[float]] = []
     stop = threading.Event()
@@ -73,7 +75,11 @@ async def test_a_receiver_follows_its_sender_to_a_new_one(
                 fill(first.model, step)
                 await first.send()
             assert (r.version, r.generation, values(mirror)) == (2, 0, {3.0})
+            private = r._receiver.applier.private
+            assert (private is None) == (mode != "copy")
 
+            kept = r.lease()  # held across the change of sender
+            await kept.__aenter__()
             await hosts[0].stop()  # the trainer goes (with a goodbye here)
             senders.clear()
             await eventually(lambda: not r.connected, what="the receiver sees its sender gone")
@@ -94,6 +100,8 @@ async def test_a_receiver_follows_its_sender_to_a_new_one(
             # Its version, as a fresh receiver gets it: version 0 of a new generation.
             assert await waiting == 0
             assert (r.version, r.generation, values(mirror)) == (0, 1, {9.0})
+            if mode == "copy":  # the same two private copies, not two more
+                assert r._receiver.applier.private is private
             assert r.connected and r.ready and r.address == second.address
             fill(second.model, 10.0)
             result = await second.send()
@@ -101,6 +109,10 @@ async def test_a_receiver_follows_its_sender_to_a_new_one(
             assert await r.wait_for_version(1, timeout=5) == 1
             async with r.lease() as held:
                 assert (held.version, held.generation) == (1, 1)
+            # The lease taken before still reads the first sender's version, whole.
+            assert (kept.version, kept.generation) == (2, 0)
+            assert {float(t.unique()) for t in kept.params().values()} == {3.0}
+            await kept.__aexit__(None, None, None)
     finally:
         stop.set()
         if reader.is_alive():
@@ -132,3 +144,46 @@ async def test_reconnect_is_refused_where_it_cannot_work() -> None:
     with pytest.raises(ValueError, match="cannot follow its sender across restarts"):
         upstream.relay_to(local)
     del sender
+
+
+async def test_a_failing_function_is_logged_once_and_asked_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="aiowsync")
+    kind = Kind("memory")
+    senders: list[aiowsync.WeightSyncScheme] = []
+
+    async def where() -> str:  # async: awaited on the receiver's loop
+        if not senders:
+            raise RuntimeError("no trainer registered yet")
+        return senders[-1].address
+
+    first = _sender(kind, 1.0, None)
+    senders.append(first)
+    hosts = [Hosted(first)]
+    await hosts[0].start()
+    mirror = model(100)
+    r = kind.scheme(first.address, plane=first.plane)
+    r.init_on_receiver(model=mirror, worker_idx=0, reconnect=where)
+    try:
+        async with r:
+            await asyncio.gather(first.connect(timeout=CONNECT), r.connect(timeout=CONNECT))
+            await hosts[0].stop()
+            senders.clear()
+            await eventually(lambda: not r.connected, what="the sender seen gone")
+            await asyncio.sleep(1.0)  # several tries, each asking the function
+            second = _sender(kind, 9.0, None)  # elsewhere: only the function knows where
+            hosts.append(Hosted(second))
+            await hosts[1].start()
+            senders.append(second)
+            await second.connect(timeout=CONNECT)
+            assert (r.version, r.generation, values(mirror)) == (0, 1, {9.0})
+            assert r.address == second.address != first.address
+    finally:
+        for host in reversed(hosts):
+            await host.stop()
+    failed = [m for m in _warnings(caplog) if "reconnect's function failed" in m]
+    assert failed == [
+        "worker 0: reconnect's function failed: RuntimeError: no trainer registered yet; "
+        "trying again (reconnect)"
+    ]

@@ -169,27 +169,26 @@ class Follower:
     async def _try(self, target: Target) -> bool:
         """One try at joining the sender at ``target``: whether it succeeded."""
         before = self._current
-        core = self._make(target, before)
-        self._joining = core
+        core: ReceiverCore | None = None
         failure: Exception | None = None
         try:
+            core = self._joining = self._make(target, before)
             handshake = self._timeouts.handshake
             await core.connect(handshake, answer_within=min(ANSWER_S, handshake))
         except Exception as exc:  # every failure is worth another try, none may end the task
             failure = exc
         finally:
             self._joining = None
-            if core.version >= 0:
+            if core is not None and core.version >= 0:
                 # It switched the model (even if what came after failed): it drives it now.
                 self._current, self._target = core, target
                 before.retire()
         if failure is None:
             return True
         if isinstance(failure, (WeightSyncTimeout, NotConnectedError)):  # nobody answered
-            log.debug("worker %d: %s", core.worker_idx, error_text(failure))
+            log.debug("worker %d: %s", before.worker_idx, error_text(failure))
         else:
-            self._note(f"worker {core.worker_idx} could not join {target.address}: "
-                       f"{error_text(failure)}")  # fmt: skip
+            self._note(f"could not join {target.address}: {error_text(failure)}")
         return False
 
     async def _next_target(self) -> Target | None:
@@ -238,4 +237,4 @@ class Follower:
         """Log ``text`` as a warning, once while this wait for a sender lasts."""
         if text not in self._noted:
             self._noted.add(text)
-            log.warning("%s; trying again (reconnect)", text)
+            log.warning("worker %d: %s; trying again (reconnect)", self._current.worker_idx, text)
