@@ -77,6 +77,16 @@ class ReceiverSession:
         hooks: list[Hook],
         reconnect: bool | Rejoin = False,
     ) -> None:
+        if reconnect is not False and reconnect is not True and not callable(reconnect):
+            raise TypeError(
+                f"reconnect must be True, False or a function giving the address, got {reconnect!r}"
+            )
+        if reconnect is not False and not options.background:
+            raise ValueError(
+                "reconnect= needs background=True: in pull mode the model switches only "
+                "inside receive(), so rejoin yourself (leave `async with`, enter it again, "
+                "connect())"
+            )
         if models is not None:
             targets = receiver_targets(models)
         elif isinstance(model, nn.Module):

@@ -248,26 +248,14 @@ class WeightSyncScheme(SchemeRuntime):
         ``weights=`` takes a ``TensorDict`` or state_dict instead, as on the sender;
         ``models=`` several models by model id, as the sender gave them.
 
-        ``reconnect``: follow the sender across restarts (background mode only). When the
-        sender is gone (goodbye, or lost), the receiver logs a warning, goes on running and
-        serving its version (``ready`` stays True, ``connected`` is False) and joins the
-        next sender that answers at the same address, taking its version as a fresh
-        receiver would (``generation`` then counts one more). ``True`` rejoins at the same
-        address; a function (sync or async, called on the event loop before each try)
-        returns where: an address, a scheme (the new sender's, pickled to this process: its
-        address, channel factory and plane, e.g. new CURVE keys), or None for "not yet".
+        ``reconnect``: follow the sender across restarts (background mode only). When it is
+        gone, the receiver warns once, serves its version meanwhile (``ready`` stays True,
+        ``connected`` is False) and joins the next sender that answers, as a fresh receiver
+        would (``generation`` counts one more). ``True`` tries the same address; a function
+        (sync or async, called before each try) returns where: an address, the new sender's
+        scheme (its address, channels and plane: new CURVE keys) or None for "not yet".
         See the failures guide.
         """
-        if reconnect is not False and reconnect is not True and not callable(reconnect):
-            raise TypeError(
-                f"reconnect must be True, False or a function giving the address, got {reconnect!r}"
-            )
-        if reconnect is not False and not self.background:
-            raise ValueError(
-                "reconnect= needs background=True: in pull mode the model switches only "
-                "inside receive(), so rejoin yourself (leave `async with`, enter it again, "
-                "connect())"
-            )
         if self._sending is not None and self._sending.forked:
             self._refuse_forked(self._sending, worker_idx)
         self._check_fresh()
