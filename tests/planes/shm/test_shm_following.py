@@ -1,5 +1,6 @@
 """A receiver with ``reconnect=True`` follows a trainer process that is SIGKILLed and started
-again on the same address: real processes, real ZeroMQ, real /dev/shm."""
+again on the same address: real processes, real ZeroMQ, real /dev/shm (and, the same story,
+real gloo for the distributed plane)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
 
 import aiowsync
-from _workers import SPAWN, make_model, sender_main
+from _workers import SPAWN, make_model, scheme_of, sender_main
 from aiowsync._planes.shm.slots import remove_stale_slots
 from helpers import eventually
 
@@ -25,21 +28,36 @@ def _uniform(tensors: dict[str, torch.Tensor]) -> set[float]:
     return {float(v) for t in tensors.values() for v in t.unique().tolist()}
 
 
+def _fixed_address(transport: str) -> str:
+    """An address a trainer can bind again once the one before is dead."""
+    if transport == "shm":
+        return f"ipc://@aiowsync-test-follow-{os.getpid()}-{time.monotonic_ns()}"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("transport", ["shm", "dist"])
 async def test_a_receiver_follows_a_killed_trainer_to_its_restart(
-    caplog: pytest.LogCaptureFixture,
+    transport: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="aiowsync")
-    bind = f"ipc://@aiowsync-test-follow-{os.getpid()}-{time.monotonic_ns()}"
-    beats = aiowsync.Heartbeats(interval=0.2, missed=10)
+    bind = _fixed_address(transport)
+    beats = (0.2, 10)
     queue = SPAWN.Queue()
-    procs = [SPAWN.Process(target=sender_main, args=(queue, "small", 7, bind), daemon=True)]
+
+    def trainer(value: float) -> Any:
+        args = (queue, "small", value, bind, transport, beats)
+        return SPAWN.Process(target=sender_main, args=args, daemon=True)
+
+    procs = [trainer(7)]
     procs[0].start()
     model = make_model("small")
     mixed: list[set[float]] = []
     stop = threading.Event()
     try:
         address = await asyncio.to_thread(queue.get, True, 90)
-        scheme = aiowsync.SharedMemWeightSyncScheme(address=address, heartbeats=beats)
+        scheme = scheme_of(transport, address=address, heartbeats=aiowsync.Heartbeats(*beats))
         scheme.init_on_receiver(model=model, worker_idx=0, reconnect=True)
 
         def read() -> None:
@@ -73,9 +91,7 @@ async def test_a_receiver_follows_a_killed_trainer_to_its_restart(
 
             # A new trainer on the same address: the receiver joins it without being told.
             queue = SPAWN.Queue()  # the killed one may have died holding the old queue's lock
-            procs.append(
-                SPAWN.Process(target=sender_main, args=(queue, "small", 9, bind), daemon=True)
-            )
+            procs.append(trainer(9))
             procs[1].start()
             assert await asyncio.to_thread(queue.get, True, 90) == address
             # The new trainer's connect() returns once this worker holds its version 0.
