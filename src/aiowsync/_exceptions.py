@@ -21,6 +21,7 @@ __all__ = [
     "RefusedError",
     "RemoteApplyError",
     "SenderGoneError",
+    "SlotsFull",
     "TransportError",
     "WeightSyncError",
     "WeightSyncTimeout",
@@ -143,6 +144,17 @@ class LostDuringSendError(WorkerLostError, WeightSyncTimeout):
         ids = _ids(worker_ids)
         WeightSyncError.__init__(self, f"{message} (workers {list(ids)})")
         self.worker_ids = ids
+
+
+class SlotsFull(WeightSyncError):
+    """No slot is free for a new version: every slot holds a version still in use (a worker
+    runs it, has not answered it yet, or leases it) and ``max_slots`` exist already.
+
+    ``send()`` and ``publish()`` wait for one to be released while a worker may still release
+    it (an answer to come, a lease held), and raise this at their stage deadline; at once when
+    only the versions the workers run are in use (a lagging worker moves on only when a
+    version is sent to it). Nothing is staged or announced: ``version`` is None.
+    """
 
 
 class RemoteApplyError(WeightSyncError):

@@ -103,14 +103,17 @@ async def test_leases_that_exhaust_max_slots_are_refused_naming_the_worker(name:
                 fill(rig_.src, 2.0)
                 await rig_.sender.send()  # versions 0 and 1 leased, 2 live: three slots
                 fill(rig_.src, 3.0)
-                with pytest.raises(aiowsync.WeightSyncError) as info:
-                    await rig_.sender.send()
+                # A lease may end: the send waits for that until its stage deadline.
+                with pytest.raises(aiowsync.SlotsFull) as info:
+                    await rig_.sender.send(timeout=1.0)
                 text = str(info.value)
                 assert "all 3 " in text and "slots hold versions still in use" in text
                 assert (
                     "worker 1 holds a lease on version 0 (its oldest; it leases versions "
-                    "[0, 1]): a leased version keeps its slot until its last lease ends"
+                    "[0, 1]): a leased version keeps its slot until its last lease ends "
+                    "(waited 1."
                 ) in text
+                assert info.value.version is None
                 assert rig_.sender.workers[1].leased == (0, 1)
                 assert rig_.versions() == [2, 2]  # nothing moved
         await eventually(
@@ -120,6 +123,41 @@ async def test_leases_that_exhaust_max_slots_are_refused_naming_the_worker(name:
         )
         result = await rig_.sender.send()
         assert result.version == 3 and rig_.versions() == [3, 3]
+
+
+@pytest.mark.parametrize("name", ["memory", "shm"])
+async def test_a_send_with_every_slot_leased_waits_for_a_lease_to_end(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    kind = Kind(name)
+    plane = (
+        aiowsync.MemoryPlane(num_slots=2, max_slots=3)
+        if name == "memory"
+        else aiowsync.SharedMemPlane(num_slots=2, max_slots=3)
+    )
+    caplog.set_level("WARNING", logger="aiowsync.sender")
+    async with kind.system(2, plane=plane) as rig_:
+        r, _ = rig_[1]
+        first = await r.lease().__aenter__()
+        fill(rig_.src, 1.0)
+        await rig_.sender.send()
+        async with r.lease() as second:
+            fill(rig_.src, 2.0)
+            await rig_.sender.send()  # versions 0 and 1 leased, 2 live: three slots
+            fill(rig_.src, 3.0)
+            sending = asyncio.create_task(rig_.sender.send(timeout=60))
+            await eventually(lambda: "no slot is free for version 3" in caplog.text, within=20)
+            assert not sending.done()
+            assert (first.version, second.version) == (0, 1)
+            await first.__aexit__(None, None, None)  # version 0 is free once this is reported
+            result = await asyncio.wait_for(sending, 30)
+        assert result.version == 3 and rig_.versions() == [3, 3]
+        warnings = [m for m in caplog.messages if m.startswith("no slot is free")]
+        assert warnings == [
+            "no slot is free for version 3: every slot holds a version still in use [0, 1, 2]; "
+            + warnings[0].split("; ", 1)[1]
+        ]
+        assert "to be released (worker 1 holds a lease on it)" in warnings[0]
 
 
 async def test_leases_of_one_version_share_one_copy_in_copy_mode(kind: Kind) -> None:

@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from .._exceptions import WeightSyncError
+from .._exceptions import SlotsFull, WeightSyncError
 from .._util.pids import pid_alive
 from .base import Delivery, InPlace, Member, Params, SenderPlane
 
-__all__ = ["InPlaceSenderPlane", "Slot", "SlotTable", "SlotsFull", "check_slot_counts"]
+__all__ = ["InPlaceSenderPlane", "Slot", "SlotTable", "check_slot_counts"]
 
 T = TypeVar("T")
 
@@ -27,10 +27,6 @@ class Slot(Generic[T]):
     version: int | None = None
     busy: bool = False
     """Reserved and being written; holds no version yet."""
-
-
-class SlotsFull(WeightSyncError):
-    """Every slot holds a version still in use and ``max_slots`` exist already."""
 
 
 def check_slot_counts(num_slots: int, max_slots: int) -> None:
@@ -71,7 +67,7 @@ class SlotTable(Generic[T]):
 
     def reserve(self, reusable: Callable[[Slot[T]], bool], full: Callable[[], str]) -> int:
         """The first idle slot that ``reusable`` accepts, or a new one while fewer than
-        ``max_slots`` exist; else :class:`WeightSyncError` with the text ``full()`` gives."""
+        ``max_slots`` exist; else :class:`SlotsFull` with the text ``full()`` gives."""
         for index, slot in enumerate(self.slots):
             if not slot.busy and reusable(slot):
                 slot.busy, slot.version = True, None

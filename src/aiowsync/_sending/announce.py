@@ -40,6 +40,18 @@ class Announcer:
             self._failed(peer, exc)
             return True
 
+    def offer(self, channel: SenderChannel, peer: Peer, update: Update) -> bool:
+        """Queue ``update`` to ``peer`` if its socket has room now, and only then record it as
+        sent: False leaves nothing done, to be offered again later."""
+        try:
+            if not channel.send_nowait(peer.routing, update):
+                return False
+            peer.conn.send(update)
+            peer.inflight.add(update.version)
+        except WeightSyncError as exc:
+            self._failed(peer, exc)
+        return True
+
     async def _rest(self, channel: SenderChannel, peer: Peer, update: Update) -> None:
         try:
             await channel.send(peer.routing, update, timeout=self._timeouts.control)

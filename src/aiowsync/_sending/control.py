@@ -18,7 +18,7 @@ from .. import _protocol as wire
 from .._channel import PeerId, SenderChannel
 from .._exceptions import ProtocolError, TransportError, WeightSyncError, WeightSyncTimeout
 from .._util.text import excerpt, worth_logging
-from .peers import DEAD_STATES, Peer, PeerTable
+from .peers import DEAD_STATES, LAG_IN_FLIGHT, Peer, PeerTable
 from .state import SenderState
 from .welcome import Greeter
 
@@ -192,8 +192,12 @@ class ControlLoop:
                 self._disown(routing)
             return
         peer.last_seen = time.monotonic()
+        self._send_deferred(peer)
         if message.leased is not None and routing == peer.routing:
-            peer.leased = frozenset(message.leased)
+            leased = frozenset(message.leased)
+            if leased != peer.leased:
+                peer.leased = leased
+                self._state.notify()  # a version may be free for a new one
         # Beats from the receiver's beat thread keep it fresh and show that its process runs;
         # updates reach it again only if its main connection is there too: a beat on that
         # connection shows it, and so does a probe on it that the socket routes.
@@ -202,6 +206,53 @@ class ControlLoop:
             log.info("worker %d is back", peer.worker_idx)
             peer.lost = False
             self._state.notify()
+
+    def _skipped(self, peer: Peer, version: int, error: str | None) -> None:
+        """Settle the earlier sends that ``peer`` skipped on its way to ``version`` (it lagged,
+        and was sent the newest version meant for it): superseded, or failed with it."""
+        worker = peer.worker_idx
+        for pending in self._state.pending.values():
+            if pending.version >= version or worker not in pending.waiting:
+                continue
+            if pending.version in peer.inflight:
+                continue  # announced to it, and answered in its turn
+            if error is None:
+                pending.superseded.add(worker)
+            else:
+                pending.nacks[worker] = f"skipped for version {version}, which failed: {error}"
+            pending.settle(worker)
+
+    def _send_deferred(self, peer: Peer) -> None:
+        """Announce the version deferred for ``peer`` once it lags no more (see
+        :data:`LAG_IN_FLIGHT`); where the socket has no room at once, a task of the loop's
+        waits for it, and nothing else is announced to ``peer`` meanwhile."""
+        update = peer.deferred
+        channel = self._state.channel
+        if (
+            update is None
+            or channel is None
+            or peer.lost
+            or peer.announcing
+            or len(peer.inflight) >= LAG_IN_FLIGHT
+        ):
+            return
+        if self._state.announcer.offer(channel, peer, update):
+            peer.deferred = None
+        elif self._tasks is not None:
+            peer.announcing = True
+            self._tasks.start_soon(self._announce_deferred, channel, peer, update)
+
+    async def _announce_deferred(
+        self, channel: SenderChannel, peer: Peer, update: wire.Update
+    ) -> None:
+        try:
+            await self._state.announcer.all(channel, [peer], update)
+        finally:
+            peer.announcing = False
+        if peer.deferred is update:
+            peer.deferred = None
+        else:  # a newer version was meant for it meanwhile
+            self._send_deferred(peer)
 
     def _on_answer(
         self,
@@ -212,8 +263,9 @@ class ControlLoop:
         retryable: bool = False,
         running: int = -1,
     ) -> None:
-        if PeerTable.answered(peer, version, ok=error is None, running=running):
-            self._state.notify()
+        PeerTable.answered(peer, version, ok=error is None, running=running)
+        self._state.notify()  # its version, its pins, and perhaps its readiness changed
+        self._skipped(peer, version, error)
         pending = self._state.pending.get(version)
         if pending is not None and peer.worker_idx in pending.waiting:
             if error is None:
@@ -230,3 +282,4 @@ class ControlLoop:
                 version,
                 excerpt(error),
             )
+        self._send_deferred(peer)

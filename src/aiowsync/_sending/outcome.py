@@ -42,6 +42,9 @@ class SendResult:
     delivered it everywhere."""
     retried: tuple[int, ...] = ()
     """The workers that needed another attempt."""
+    superseded: tuple[int, ...] = ()
+    """Targeted workers that went straight to a newer version instead (``publish()`` ran
+    ahead of them while they lagged): they run a newer version than this one."""
 
 
 class PendingSend:
@@ -113,6 +116,7 @@ class Answers:
     lost: set[int] = field(default_factory=set)
     retries: int = 0
     retried: set[int] = field(default_factory=set)
+    superseded: set[int] = field(default_factory=set)
     changed: Signal = field(default_factory=Signal)
 
     def settle(self, worker: int) -> None:
@@ -151,6 +155,7 @@ class Answers:
             stage_seconds,
             retries=self.retries,
             retried=tuple(sorted(self.retried)),
+            superseded=tuple(sorted(self.superseded)),
         )
 
     def reopen(self, workers: list[int]) -> None:

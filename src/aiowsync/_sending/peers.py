@@ -11,14 +11,20 @@ from dataclasses import dataclass, field
 from .._channel import PeerId
 from .._config import Heartbeats
 from .._planes.base import SenderPlane
-from .._protocol import Connection, State
+from .._protocol import Connection, State, Update
 from .._util.text import excerpt
 
-__all__ = ["DEAD_STATES", "Peer", "PeerTable"]
+__all__ = ["DEAD_STATES", "LAG_IN_FLIGHT", "Peer", "PeerTable"]
 
 log = logging.getLogger("aiowsync.sender")
 
 DEAD_STATES = frozenset({State.ERROR, State.CLOSED})
+
+LAG_IN_FLIGHT = 4
+"""Where receivers read the sender's slots: a worker with this many versions announced and not
+yet answered is announced no more; the newest version meant for it waits (one slot) until it
+answers, and the versions between are skipped for it. A worker whose loop is blocked then pins
+a few slots, not one per version published meanwhile."""
 
 
 @dataclass(slots=True)
@@ -41,6 +47,11 @@ class Peer:
     host: str = ""
     leased: frozenset[int] = frozenset()
     """Versions its leases read in the sender's memory, as it last reported them."""
+    deferred: Update | None = None
+    """The newest version meant for it while it lags (see :data:`LAG_IN_FLIGHT`), announced
+    once it has answered enough of those in flight; the versions between are skipped."""
+    announcing: bool = False
+    """The deferred version is on its way to it (its socket had no room at once)."""
 
 
 class PeerTable:
@@ -115,6 +126,7 @@ class PeerTable:
             if self.by_index.get(peer.worker_idx) is peer:
                 self.notes[peer.worker_idx] = why
         peer.lost = True
+        peer.deferred = None
         self._plane.forget(peer.worker_idx)
         self._on_lost(peer)
 
@@ -149,13 +161,20 @@ class PeerTable:
         self._retired = [p for p in self._retired if not self.gone(p)]
         for peer in [*self.by_index.values(), *self._retired]:
             acked = peer.conn.acked_version
-            if acked in pinned and peer.inflight <= pinned and peer.leased <= pinned:
+            if (
+                acked in pinned
+                and peer.inflight <= pinned
+                and peer.leased <= pinned
+                and (peer.deferred is None or peer.deferred.version in pinned)
+            ):
                 continue  # pins nothing more: no need to ask whether its process lives
             if self.gone(peer):
                 continue
             pinned.add(acked)
             pinned |= peer.inflight
             pinned |= peer.leased
+            if peer.deferred is not None:
+                pinned.add(peer.deferred.version)
         return pinned
 
     def leases_text(self) -> str:
@@ -170,6 +189,38 @@ class PeerTable:
             + (f" (its oldest; it leases versions {versions})" if len(versions) > 1 else "")
             for oldest, worker, versions in sorted(held)
         )
+
+    def releasing(self) -> bool:
+        """Some live receiver has versions still to answer or leases: a version in use may
+        be released without a send."""
+        return any(
+            (p.inflight or p.leased or p.deferred) and not self.gone(p)
+            for p in [*self.by_index.values(), *self._retired]
+        )
+
+    def holders_text(self, version: int) -> str:
+        """Who keeps ``version`` in use, and how: runs it, has not answered it, leases it."""
+        held = []
+        everyone = [*self.by_index.values(), *self._retired]
+        for peer in sorted(everyone, key=lambda p: p.worker_idx):
+            if self.gone(peer):
+                continue
+            how = [
+                what
+                for what, holds in (
+                    ("runs it", peer.conn.acked_version == version),
+                    ("has not answered it yet", version in peer.inflight),
+                    (
+                        "will be sent it once it answers",
+                        peer.deferred is not None and peer.deferred.version == version,
+                    ),
+                    ("holds a lease on it", version in peer.leased),
+                )
+                if holds
+            ]
+            if how:
+                held.append(f"worker {peer.worker_idx} {' and '.join(how)}")
+        return "; ".join(held) or "the latest version"
 
     @staticmethod
     def answered(peer: Peer, version: int, *, ok: bool, running: int = -1) -> bool:

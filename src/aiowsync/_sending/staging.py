@@ -3,19 +3,21 @@ send lock (its second half, delivery and answers, is the engine's)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
-from .._exceptions import WeightSyncError
-from .._planes.base import Delivery, WeightSource
-from .._planes.slot_table import SlotsFull
+from .._exceptions import SlotsFull, WeightSyncError
+from .._planes.base import Delivery, InPlace, WeightSource
 from .._protocol import Update
 from .._util.shield import to_the_end
 from .outcome import Answers
-from .peers import Peer, PeerTable
+from .peers import LAG_IN_FLIGHT, Peer, PeerTable
 from .state import SenderState
 
 __all__ = ["Staged", "stage_and_announce"]
+
+log = logging.getLogger("aiowsync.sender")
 
 
 @dataclass(slots=True)
@@ -29,14 +31,52 @@ class Staged:
     members: list[Peer]
 
 
-def _slots_full(peers: PeerTable, exc: SlotsFull) -> WeightSyncError:
-    """No slot is left: the error, naming the workers whose leases keep slots."""
-    leases = peers.leases_text()
-    if not leases:
-        return exc
-    return WeightSyncError(
-        f"{exc}; {leases}: a leased version keeps its slot until its last lease ends"
-    )
+def _slots_full(peers: PeerTable, exc: SlotsFull, waited: float | None) -> SlotsFull:
+    """No slot is left: the error, naming the workers whose leases keep slots, and how long
+    the send waited for one."""
+    text = str(exc)
+    if leases := peers.leases_text():
+        text = f"{text}; {leases}: a leased version keeps its slot until its last lease ends"
+    if waited is not None:
+        text = f"{text} (waited {waited:.1f} s for one to be released)"
+    return SlotsFull(text)
+
+
+SLOT_LOOK_S = 0.25
+"""While no slot is free, how often the pins are counted again beside the wake-ups of answers
+(a worker's process may end without one)."""
+
+
+async def _wait_for_a_slot(
+    state: SenderState,
+    full: SlotsFull,
+    version: int,
+    move_by: float,
+    since: float | None,
+) -> float:
+    """Every slot holds a version still in use: wait until the next look (an answer, a lease
+    ended, or :data:`SLOT_LOOK_S`); raise once ``move_by`` has passed, or at once when no
+    worker is answering or leasing (only sends move workers off the versions they run).
+    Warns once per version, naming who holds the oldest version in use; returns when the
+    wait began."""
+    now = time.monotonic()
+    if now >= move_by or not state.peers.releasing():
+        raise _slots_full(state.peers, full, None if since is None else now - since) from None
+    if since is None:
+        since = now
+        pinned = state.peers.pinned_versions(state.version)
+        oldest = min(pinned)
+        log.warning(
+            "no slot is free for version %d: every slot holds a version still in use %s; "
+            "waiting up to %.1f s for the oldest, %d, to be released (%s)",
+            version,
+            sorted(pinned),
+            move_by - now,
+            oldest,
+            state.peers.holders_text(oldest),
+        )
+    await state.changed(min(SLOT_LOOK_S, move_by - now))
+    return since
 
 
 async def stage_and_announce(
@@ -53,23 +93,32 @@ async def stage_and_announce(
         raise ValueError(f"version {at} does not follow the latest, {state.version}")
     version = state.version + 1 if at is None else at
     plane = state.plane
+    waiting_since: float | None = None
+    while True:
+        slot: int | None = None
+        try:
+            slot = plane.reserve(state.peers.pinned_versions(state.version))
+            t0 = time.perf_counter()
+            # The source checks the weights against the layout before any byte is written;
+            # a plane that takes its slots when staging does so before it reads the source.
+            await plane.stage(slot, source)
+            break
+        except SlotsFull as exc:
+            if slot is not None:
+                plane.release(slot)
+            waiting_since = await _wait_for_a_slot(state, exc, version, move_by, waiting_since)
+        except BaseException:
+            if slot is not None:
+                plane.release(slot)
+            raise
     try:
-        slot = plane.reserve(state.peers.pinned_versions(state.version))
-    except SlotsFull as exc:
-        raise _slots_full(state.peers, exc) from None
-    t0 = time.perf_counter()
-    try:
-        # The source checks the weights against the layout before any byte is written.
-        await plane.stage(slot, source)
         await state.digests.take(slot, version)
         if time.monotonic() >= move_by:
             # A copy cannot be interrupted, so its deadline is checked here: a version
             # staged too late is never announced.
             raise TimeoutError
-    except BaseException as exc:
+    except BaseException:
         plane.release(slot)
-        if isinstance(exc, SlotsFull):  # a plane that takes its slots when staging
-            raise _slots_full(state.peers, exc) from None
         raise
     stage_s = time.perf_counter() - t0
     channel = state.channel
@@ -99,11 +148,17 @@ async def stage_and_announce(
             proof=state.proof,
         )
         blocked: list[Peer] = []
+        # Where receivers read the sender's slots, a lagging worker is sent the newest version
+        # once it catches up rather than each one (see LAG_IN_FLIGHT); elsewhere every
+        # member takes part in the delivery.
+        in_place = isinstance(delivery, InPlace)
         for worker in targets:
             peer = peers[worker]
             if peer.lost:
                 pending.lost.add(worker)
                 pending.settle(worker)
+            elif in_place and (peer.deferred is not None or len(peer.inflight) >= LAG_IN_FLIGHT):
+                peer.deferred = update  # the version deferred before, if any, is skipped
             elif not state.announcer.nowait(channel, peer, update):
                 blocked.append(peer)
         if blocked:

@@ -58,9 +58,9 @@ class SenderState:
         """Wake whoever waits for a worker's state or version to change."""
         self._changed.notify()
 
-    async def changed(self) -> None:
-        """Wait until a worker's state or version changes."""
-        await self._changed.wait()
+    async def changed(self, timeout: float | None = None) -> None:
+        """Wait until a worker's state, version or leases change (at most ``timeout`` s)."""
+        await self._changed.wait(timeout)
 
     def with_digest(self, version: int, params: Params) -> Params:
         """``params`` for an update of ``version``, with its digest when there is one."""
