@@ -62,13 +62,16 @@ async def test_a_send_of_some_models_moves_those_and_the_others_keep_their_bytes
     async with policy_and_value(kind) as (sender, models, receivers):
         fill(models["policy"], 1.0)
         fill(models["value"], 1.0)
-        await sender.send()
+        every = (await sender.send()).nbytes
         sent_policy = frozen(models["policy"])
         # The trainer changes both, but sends the value net alone (as a TensorDict).
         fill(models["policy"], 5.0)
         new_value = TensorDict.from_module(value_net(7)).apply(lambda t: t.detach().clone())
         result = await sender.send(weights={"value": new_value})
         assert result.version == 2
+        # It counts the value net's bytes (padding included), not the policy's it left alone.
+        payload = {n: sum(t.nbytes for t in m.state_dict().values()) for n, m in models.items()}
+        assert payload["value"] <= result.nbytes <= every - payload["policy"]
         for r, mine in receivers:
             assert r.version == 2
             assert same(mine["policy"], sent_policy)  # v1's bytes, not the trainer's 5.0

@@ -306,6 +306,4 @@ class SenderCore:
             await pending.done.wait(wait)
         finally:
             self.state.pending.pop(version, None)
-        return pending.result(
-            self.state.layout.total_bytes, time.perf_counter() - started, staged.seconds
-        )
+        return pending.result(staged.nbytes, time.perf_counter() - started, staged.seconds)

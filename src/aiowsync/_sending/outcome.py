@@ -31,7 +31,8 @@ class SendResult:
     worker_ids: tuple[int, ...]
     """The workers that acknowledged it."""
     nbytes: int
-    """Bytes staged."""
+    """Bytes staged: those of the models the send moved (all of them but for a partial
+    send of several models, which leaves the others as they were), padding included."""
     seconds: float
     """Wall time of the whole call."""
     stage_seconds: float

@@ -27,6 +27,8 @@ class Staged:
     version: int
     pending: Answers
     seconds: float
+    nbytes: int
+    """Bytes of the models it moved (a partial send leaves the others as they were)."""
     delivery: Delivery
     members: list[Peer]
 
@@ -176,4 +178,5 @@ async def stage_and_announce(
             delivery.abandon()
             await delivery.finish()
         raise
-    return Staged(version, pending, stage_s, delivery, members)
+    nbytes = state.layout.bytes_without(source.carry)
+    return Staged(version, pending, stage_s, nbytes, delivery, members)

@@ -229,6 +229,16 @@ class Layout:
             out[name] = (first, spec.buffer + 1)
         return out
 
+    def bytes_without(self, carried: Iterable[str]) -> int:
+        """Bytes of the buffers of every model but those of ``carried`` (a partial send's
+        models taken unchanged from the latest version), padding included."""
+        skip = frozenset(carried)
+        return sum(
+            sum(self.buffer_sizes[first:last])
+            for name, (first, last) in self.sections.items()
+            if name not in skip
+        )
+
     def __len__(self) -> int:
         return len(self.specs)
 
