@@ -157,9 +157,14 @@ async def _worker(
     """Versions up to this one are not uniform (exact-bytes sends come first): no tear check."""
     stats = {"loop_reads": 0, "thread_reads": 0, "mixed": 0, "wrong_version": 0}
 
+    block_at, block_s = options.get("block", (-1, 0.0))
+    """Block the event loop for ``block_s`` in the hook of version ``block_at``."""
+
     def on_switch(version: int) -> None:
         if report_digests and (not tear or version <= tear_from):
             events.put(("version", worker_idx, version, digest(model)))
+        if version == block_at:
+            time.sleep(block_s)
 
     scheme.register_hook(on_switch)
     async with scheme:

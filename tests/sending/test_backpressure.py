@@ -10,6 +10,7 @@ import time
 import pytest
 
 import aiowsync
+from _workers import connect_all, digest, make_model, randomize, workers
 from aiowsync._sending.peers import LAG_IN_FLIGHT
 from helpers import Kind, fill, values
 
@@ -97,3 +98,65 @@ async def test_publish_with_every_slot_in_flight_waits_for_the_oldest_and_warns(
         # Worker 0 may not have answered version 1 yet either, on a busy host.
         assert "for the oldest, 0, to be released (" in warning
         assert warning.endswith("worker 1 runs it)"), warning
+
+
+PUBLISH_STEPS = 40
+BLOCKED_S = 5.0
+
+
+async def test_publish_40_versions_past_a_worker_whose_loop_is_blocked_for_5_s(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Real processes over shared memory, as the trainer of an async RL loop runs them: a
+    step of training, then ``publish()``. Worker 3's loop blocks for 5 s in its hook of
+    version 2. The trainer never waits for it, the others apply every version, worker 3
+    ends on the newest, and the sender says who held version 2's answers up and why."""
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    model = make_model("small")
+    scheme.init_on_sender(model=model, num_workers=4)
+    caplog.set_level("WARNING", logger="aiowsync.sender")
+    async with scheme:
+        with workers() as w:
+            for i in range(4):
+                extra = {"block": (2, BLOCKED_S)} if i == 3 else {}
+                w.start(i, "small", scheme=scheme, **extra)
+            await connect_all(scheme, w, 4)
+            expected = {0: digest(model)}
+            calls, pendings = [], []
+            for v in range(1, PUBLISH_STEPS + 1):
+                await asyncio.sleep(0.15)  # the training step
+                randomize(model, v)
+                expected[v] = digest(model)
+                began = time.perf_counter()
+                pendings.append(await scheme.publish())  # ack deadline: 30 s
+                calls.append(time.perf_counter() - began)
+            results = [await p.wait(60) for p in pendings]
+            applied: dict[int, list[int]] = {i: [] for i in range(4)}
+            deadline = time.monotonic() + 60
+            while any(not got or got[-1] != PUBLISH_STEPS for got in applied.values()):
+                left = deadline - time.monotonic()
+                assert left > 0, applied
+                _, worker, version, held = await asyncio.to_thread(w.next_event, left)
+                assert held == expected[version], (worker, version)  # the trainer's bytes
+                applied[worker].append(version)
+    print(f"longest publish() call {max(calls) * 1e3:.1f} ms, median {sorted(calls)[20] * 1e3:.1f}")
+    print(f"worker 3 applied {applied[3]}")
+    print("slowest calls", sorted(((round(c * 1e3, 1), i + 1) for i, c in enumerate(calls)), reverse=True)[:4])
+    print(*[m for m in caplog.messages if "waits on" in m], sep="\n")
+    # The trainer went on at its own pace: no call waited for the blocked worker.
+    assert max(calls) < BLOCKED_S / 2
+    assert [r.version for r in results] == list(range(1, PUBLISH_STEPS + 1))
+    assert all(3 in r.worker_ids + r.superseded for r in results)
+    assert sum(3 in r.superseded for r in results) > 0
+    # Worker 3 took the versions announced before it lagged, then the newest at once.
+    # Worker 3 took the versions announced before it lagged, jumped to the newest once it
+    # answered them, and then took each version as it came.
+    got = applied[3]
+    gaps = [(a, b) for a, b in zip(got, got[1:], strict=False) if b != a + 1]
+    assert got[0] == 1 and got[-1] == PUBLISH_STEPS and len(gaps) == 1, got
+    assert gaps[0][0] <= 2 + LAG_IN_FLIGHT, got
+    assert all(applied[i] == list(range(1, PUBLISH_STEPS + 1)) for i in range(3))
+    # One warning for the stall, naming the worker and what it was doing.
+    (held,) = [m for m in caplog.messages if "waits on" in m]
+    assert held.startswith("version 2 waits on 1 worker(s) after 3.0 s of its 30.0 s: worker 3: ")
+    assert "its event loop has not run for " in held and ", applying version 2 " in held

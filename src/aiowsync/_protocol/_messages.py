@@ -28,7 +28,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 """Raised whenever a message changes incompatibly (2: Hello lost transport and credential,
 Welcome lost missed_beats; 3: Hello gained host and problem; 4: Ack, Nack and Heartbeat
 gained leased; Welcome gained proof, which the sender's updates and beats carry; 5: the
@@ -165,6 +165,9 @@ class Heartbeat(_Base, frozen=True, tag="beat"):
     """From a receiver, on the connection its answers take (so in order with them): the
     versions its leases read in the sender's memory, all of them; the newest report wins.
     None: not said (the beats of the receiver's beat thread, which travel apart)."""
+    doing: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    """From a receiver's beat thread: what holds it up, if anything (its event loop blocked,
+    a version being applied, pull mode outside ``receive()``), for the sender's warnings."""
 
 
 class Bye(_Base, frozen=True, tag="bye"):

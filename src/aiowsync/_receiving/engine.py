@@ -204,6 +204,7 @@ class ReceiverCore:
         """Say hello, apply the welcome's version and answer, within ``timeout``; with
         ``answer_within``, the welcome (or a refusal) must come within that much of it."""
         self._loop = asyncio.get_running_loop()
+        self._state.activity.bind(self._loop)
         channel = self._channels.connect(self.address, heartbeat_timeout=self.beats.timeout)
         self._state.channel = channel
         first = timeout if answer_within is None else min(timeout, answer_within)
@@ -215,7 +216,7 @@ class ReceiverCore:
                 self.applier.generation = self._generation(welcome)
                 # The sender judges this worker's liveness from the welcome on, and bringing
                 # a big model up to date can take longer than its patience: beat already.
-                channel.start_heartbeat(self.heartbeat, welcome.heartbeat_interval)
+                channel.start_heartbeat(self._beat, welcome.heartbeat_interval)
                 self._state.connections_seen = self._state.confirmed = channel.connections
                 self._plane.setup(self.layout, welcome.params, swap=self.apply_mode == "swap")
                 answer = await self._updates.apply_and_answer(
@@ -250,6 +251,10 @@ class ReceiverCore:
 
     def heartbeat(self, leased: tuple[int, ...] | None = None) -> Heartbeat:
         return self._state.heartbeat(self.version, leased)
+
+    def _beat(self) -> Heartbeat:
+        """The beat thread's beat: it also says what holds this worker up."""
+        return self._state.heartbeat(self.version, doing=self._state.activity.text())
 
     def _report_leases_soon(self) -> None:
         """A leased version in the sender's memory is free again: tell the sender (from any

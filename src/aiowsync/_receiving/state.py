@@ -19,6 +19,7 @@ from .._config import Heartbeats, Timeouts
 from .._exceptions import NotConnectedError, SenderGoneError
 from .._protocol import Connection, Heartbeat, Role
 from .._util.signal import Signal
+from .activity import Activity
 
 __all__ = ["ReceiverState"]
 
@@ -55,6 +56,8 @@ class ReceiverState:
     _unsure_since: float | None = field(init=False, default=None)
     """Since when the connection is down or renewed without the sender's confirmation
     (None while it is confirmed)."""
+    activity: Activity = field(init=False, default_factory=Activity)
+    """What the worker is busy with, for its beats."""
     _changed: Signal = field(init=False, default_factory=Signal)
 
     def __post_init__(self) -> None:
@@ -75,13 +78,16 @@ class ReceiverState:
         dropped = self.protocol_errors + self.impostors
         return dropped + (0 if channel is None else channel.dropped)
 
-    def heartbeat(self, version: int, leased: tuple[int, ...] | None = None) -> Heartbeat:
-        """This worker's beat, saying that it runs ``version``."""
+    def heartbeat(
+        self, version: int, leased: tuple[int, ...] | None = None, doing: str = ""
+    ) -> Heartbeat:
+        """This worker's beat, saying that it runs ``version`` (and what it is doing)."""
         return Heartbeat(
             worker_idx=self.worker_idx,
             session=self.session,
             version=max(version, 0),
             leased=leased,
+            doing=doing[:200],
         )
 
     def gone(self, version: int) -> SenderGoneError | None:

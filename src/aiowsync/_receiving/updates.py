@@ -155,6 +155,15 @@ class UpdateLoop:
         if self._state.channel is None or self._state.bye is not None:
             self._state.check_sender(self._applier.version)
         before = self._applier.version
+        activity = self._state.activity
+        activity.pull = True
+        activity.enter_receive()
+        try:
+            return await self._receive(before, timeout)
+        finally:
+            activity.leave_receive()
+
+    async def _receive(self, before: int, timeout: float) -> int | None:
         with anyio.move_on_after(timeout):
             # What is queued is read before a lost connection counts: a goodbye may be there.
             while self._applier.version == before:
@@ -272,6 +281,8 @@ class UpdateLoop:
         """Apply ``version`` and answer the sender. An answer that cannot be sent is logged,
         unless ``must_send`` (the handshake's), when its error is raised."""
         answer: Ack | Nack
+        activity = self._state.activity
+        activity.applying = version
         try:
             await self._applier.apply(version, params)
             if self._applier.hooks:
@@ -287,6 +298,8 @@ class UpdateLoop:
             raise
         except Exception as exc:  # a user hook may raise anything; the sender must hear of it
             answer = self._failure(version, exc)
+        finally:
+            activity.applying = None
         await self._answer(answer, must_send=must_send)
         return answer
 

@@ -193,6 +193,8 @@ class ControlLoop:
             return
         peer.last_seen = time.monotonic()
         self._send_deferred(peer)
+        if message.leased is None:  # the beat thread's, which says what holds it up
+            peer.doing = message.doing
         if message.leased is not None and routing == peer.routing:
             leased = frozenset(message.leased)
             if leased != peer.leased:
@@ -264,6 +266,7 @@ class ControlLoop:
         running: int = -1,
     ) -> None:
         PeerTable.answered(peer, version, ok=error is None, running=running)
+        peer.warned_slow = False
         self._state.notify()  # its version, its pins, and perhaps its readiness changed
         self._skipped(peer, version, error)
         pending = self._state.pending.get(version)

@@ -28,7 +28,7 @@ from .._protocol import Bye
 from .._util.shield import to_the_end
 from .._weights.layout import Layout
 from .control import ControlLoop
-from .outcome import PendingSend, SendResult
+from .outcome import Answers, PendingSend, SendResult
 from .peers import PeerTable
 from .retries import AnswerRetries
 from .staging import Staged, stage_and_announce
@@ -43,6 +43,10 @@ BYE_WINDOW_S = 1.0
 """How long closing spends telling connected workers goodbye, in all."""
 BYE_SEND_S = 0.2
 """How long one goodbye may wait for room on its socket."""
+SLOW_FRACTION = 0.1
+"""A send whose answers take this part of its ack deadline warns who holds it up..."""
+SLOW_AFTER_S = 1.0
+"""...but never before this many seconds."""
 
 
 class SenderCore:
@@ -159,11 +163,12 @@ class SenderCore:
         everyone = set(range(self.state.num_workers))
         peers = self.state.peers
         # A worker lost before the wait may be restarting: waiting for it is the point.
-        waited_for = {p.worker_idx: p for p in peers.values() if p.lost}
+        lost_before = {p.worker_idx: p for p in peers.values() if p.lost}
         try:
             with anyio.fail_after(timeout):
                 while missing := everyone - self.ready_workers():
-                    if hopeless(peers, missing, waited_for):
+                    settles = hopeless(peers, missing, lost_before)
+                    if settles is not None and settles <= 0:
                         # Refused or lost, each of them: the deadline would only say so later.
                         ids = sorted(missing)
                         raise ConnectFailedError(
@@ -171,7 +176,7 @@ class SenderCore:
                             + explain_missing(peers, ids),
                             {w: peers.notes.get(w) or "lost" for w in ids},
                         )
-                    await self.state.changed()
+                    await self.state.changed(settles)
         except ConnectFailedError:
             raise  # a TimeoutError too, but not the deadline's
         except TimeoutError:
@@ -283,6 +288,37 @@ class SenderCore:
             self._send_lock.release()
             raise
 
+    async def _await_answers(self, pending: Answers, wait: float) -> None:
+        """Wait up to ``wait`` s for every answer to ``pending``; once a tenth of it has
+        passed (at least :data:`SLOW_AFTER_S`), warn naming who holds the send up and what
+        each said it was doing (once for each worker until it answers again)."""
+        first = max(SLOW_AFTER_S, SLOW_FRACTION * wait)
+        if first >= wait or await pending.done.wait(first):
+            await pending.done.wait(max(0.0, wait - first))
+            return
+        peers = self.state.peers
+        held = []
+        for worker in sorted(pending.waiting):
+            peer = peers.get(worker)
+            if peer is None or peer.warned_slow:
+                continue
+            peer.warned_slow = True
+            heard = time.monotonic() - peer.last_seen
+            held.append(
+                f"worker {worker}: {peer.doing or 'says nothing of itself'}"
+                f" (last heard {heard:.1f} s ago)"
+            )
+        if held:
+            log.warning(
+                "version %d waits on %d worker(s) after %.1f s of its %.1f s: %s",
+                pending.version,
+                len(held),
+                first,
+                wait,
+                "; ".join(held),
+            )
+        await pending.done.wait(wait - first)
+
     async def _complete(
         self, staged: Staged, ack_limit: float, deadline: float | None, started: float
     ) -> SendResult:
@@ -303,7 +339,7 @@ class SenderCore:
                 finally:
                     self._send_lock.release()
             wait = ack_limit if deadline is None else max(0.0, deadline - time.monotonic())
-            await pending.done.wait(wait)
+            await self._await_answers(pending, wait)
         finally:
             self.state.pending.pop(version, None)
         return pending.result(staged.nbytes, time.perf_counter() - started, staged.seconds)

@@ -50,6 +50,10 @@ class Peer:
     deferred: Update | None = None
     """The newest version meant for it while it lags (see :data:`LAG_IN_FLIGHT`), announced
     once it has answered enough of those in flight; the versions between are skipped."""
+    doing: str = ""
+    """What its last beat said holds it up ('' when nothing does)."""
+    warned_slow: bool = False
+    """A send's warning named it as holding the send up, and it has not answered since."""
     announcing: bool = False
     """The deferred version is on its way to it (its socket had no room at once)."""
 
@@ -70,6 +74,8 @@ class PeerTable:
         self.by_routing: dict[PeerId, Peer] = {}
         self._retired: list[Peer] = []
         """Replaced peers whose process may still read the version it ran."""
+        self.refused_at: dict[int, float] = {}
+        """By worker index, when its last hello was refused (monotonic)."""
         self.notes: dict[int, str] = {}
         """By worker index, the last thing known that explains its state (a refusal, a
         loss, a goodbye), for the worker table and the sender's errors."""

@@ -137,6 +137,7 @@ class Greeter:
         holder = peers.get(worker)
         if holder is None or holder.lost:
             peers.notes[worker] = f"{REFUSED}{reason[:NOTE_CHARS]}"
+            peers.refused_at[worker] = time.monotonic()
             self._state.notify()  # a connect() waiting for it can stop waiting
 
     async def _bring_up(self, peer: Peer, version: int, join: Delivery) -> None:

@@ -134,19 +134,31 @@ def refused(peers: PeerTable, worker: int) -> bool:
     return (peer is None or peer.lost) and peers.notes.get(worker, "").startswith(REFUSED)
 
 
-def hopeless(peers: PeerTable, workers: set[int], waited_for: Mapping[int, Peer]) -> bool:
-    """Every worker of ``workers`` (not empty) was refused, or was lost since the wait began:
-    waiting longer for them to hold a version cannot succeed unless a new process takes their
-    index. ``waited_for``: the peers already lost when the wait began (a restart of theirs may
-    be what the caller waits for), which do not count as hopeless."""
+REFUSAL_SETTLES_S = 1.0
+"""A refused index counts as hopeless once this long has passed without a new hello for it
+(another process may claim it right after a refusal, e.g. the fixed worker after a stray
+one)."""
+
+
+def hopeless(peers: PeerTable, workers: set[int], lost_before: Mapping[int, Peer]) -> float | None:
+    """Whether waiting longer for ``workers`` (not empty) to hold a version is hopeless: each
+    was refused, or was lost since the wait began (``lost_before``: the peers lost then, whose
+    restart may be what the caller waits for). 0.0: hopeless now; a positive number: hopeless
+    after that many seconds unless something changes (a refusal still settling); None: not
+    hopeless."""
     if not workers:
-        return False
+        return None
+    now = time.monotonic()
+    settles = 0.0
     for worker in workers:
         peer = peers.get(worker)
-        lost_now = peer is not None and peer.lost and waited_for.get(worker) is not peer
-        if not (refused(peers, worker) or lost_now):
-            return False
-    return True
+        if peer is not None and peer.lost and lost_before.get(worker) is not peer:
+            continue  # lost during the wait
+        if not refused(peers, worker):
+            return None
+        age = now - peers.refused_at.get(worker, 0.0)
+        settles = max(settles, REFUSAL_SETTLES_S - age)
+    return settles
 
 
 def unavailable_text(peers: PeerTable, workers: list[int]) -> str:
