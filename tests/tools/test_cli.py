@@ -97,7 +97,8 @@ def test_doctor_in_a_container_sized_shared_memory_says_what_to_raise() -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     assert (
         "[FAIL] shared memory (/dev/shm): 64.0 MiB in all, 64.0 MiB free; a sender of a "
-        "256.0 MiB model needs 512.0 MiB for its 2 slots (more while workers lag)\n"
+        "256.0 MiB model needs 512.0 MiB for its 2 slots, and 1.0 GiB leaves room for the slots "
+        "added while workers lag\n"
         "       fix: give /dev/shm at least 1.0 GiB: in docker, `docker run --shm-size=1g ...`"
     ) in done.stdout
 

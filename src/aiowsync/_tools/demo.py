@@ -187,8 +187,17 @@ async def _show_joining(scheme: SharedMemWeightSyncScheme) -> None:
     while True:
         await asyncio.sleep(2.0)
         states = [s.state for s in scheme.workers.values()]
-        counts = ", ".join(f"{states.count(k)} {k}" for k in dict.fromkeys(states))
-        print(f"  {time.monotonic() - started:4.0f} s: workers {counts}", flush=True)
+        ready = states.count("ready")
+        rest = ", ".join(
+            f"{states.count(k)} {'not connected yet' if k == 'never connected' else k}"
+            for k in dict.fromkeys(states)
+            if k != "ready"
+        )
+        print(
+            f"  {time.monotonic() - started:4.0f} s: {ready} of {len(states)} workers connected"
+            + (f" ({rest})" if rest else ""),
+            flush=True,
+        )
 
 
 def _summary(

@@ -75,17 +75,19 @@ def _shared_memory(model_bytes: int, slots: int, shm: Path) -> Finding:
         )
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     need = model_bytes * slots
+    room = need * 2  # slots are added while workers lag
     detail = (
         f"{_size(total)} in all, {_size(free)} free; a sender of a {_size(model_bytes)} model "
-        f"needs {_size(need)} for its {slots} slots (more while workers lag)"
+        f"needs {_size(need)} for its {slots} slots, and {_size(room)} leaves room for the "
+        "slots added while workers lag"
     )
-    if free >= need * 2:
+    if free >= room:
         return Finding("ok", what, detail)
     fix = (
-        f"give /dev/shm at least {_size(need * 2)}: in docker, "
-        f"`docker run --shm-size={max(1, -(-need * 2 // 2**30))}g ...`; in Kubernetes, an "
+        f"give /dev/shm at least {_size(room)}: in docker, "
+        f"`docker run --shm-size={max(1, -(-room // 2**30))}g ...`; in Kubernetes, an "
         "emptyDir with medium: Memory mounted at /dev/shm; on a host, "
-        f"`mount -o remount,size={max(1, -(-need * 2 // 2**30))}G /dev/shm`"
+        f"`mount -o remount,size={max(1, -(-room // 2**30))}G /dev/shm`"
     )
     return Finding("fail" if free < need else "warn", what, detail, fix)
 
