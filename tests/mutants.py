@@ -65,8 +65,8 @@ MUTANTS = [
         "pins",
         "the sender pins only its latest version, not the versions lagging workers still read",
         "src/aiowsync/_sending/peers.py",
-        "            pinned |= peer.leased\n        return pinned\n",
-        "            pinned |= peer.leased\n        return {current}\n",
+        "                pinned.add(peer.deferred.version)\n        return pinned\n",
+        "                pinned.add(peer.deferred.version)\n        return {current}\n",
     ),
     Mutant(
         "guard",

@@ -81,9 +81,12 @@ def test_the_servers_follow_a_killed_trainer_to_a_new_one_without_failing_a_requ
     assert figures["restart_answered_by_trainer_0"] >= 1
     assert figures["restart_answered_by_trainer_1"] >= 1
     assert figures["versions_sent_after_restart"] >= 5
-    # Both trainers' versions answered, each checked against its own trainer's weights.
+    # Both trainers' versions answered, each checked against its own trainer's weights (a
+    # request may or may not start while the new trainer's version 0 is the latest: its next
+    # versions follow within 50 ms).
     answered = figures["versions_answered"]
-    assert any(v.startswith("0:") for v in answered) and "1:0" in answered
+    assert any(v.startswith("0:") for v in answered)
+    assert any(v.startswith("1:") for v in answered)
     assert figures["restart_s_from_kill"] >= figures["restart_s_from_new_trainer_bound"] > 0
     # Each server warned once of the killed trainer (and once of the new one's goodbye).
     lost = [line for line in done.stderr.splitlines() if "was lost" in line]

@@ -293,8 +293,10 @@ class SenderCore:
         passed (at least :data:`SLOW_AFTER_S`), warn naming who holds the send up and what
         each said it was doing (once for each worker until it answers again)."""
         first = max(SLOW_AFTER_S, SLOW_FRACTION * wait)
-        if first >= wait or await pending.done.wait(first):
-            await pending.done.wait(max(0.0, wait - first))
+        if first >= wait:
+            await pending.done.wait(wait)
+            return
+        if await pending.done.wait(first):
             return
         peers = self.state.peers
         held = []
