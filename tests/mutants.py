@@ -193,6 +193,28 @@ MUTANTS = [
         "            elif False:\n                pass\n",
     ),
     Mutant(
+        "no-defer",
+        "a worker that lags is announced every version published (no newest-version deferral)",
+        "src/aiowsync/_sending/staging.py",
+        "            elif in_place and (peer.deferred is not None or len(peer.inflight) >= "
+        "LAG_IN_FLIGHT):\n",
+        "            elif False:\n",
+    ),
+    Mutant(
+        "no-supersede",
+        "sends a lagging worker skipped are never settled for it (they wait for its answer)",
+        "src/aiowsync/_sending/control.py",
+        "            if error is None:\n                pending.superseded.add(worker)\n",
+        "            if error is None:\n                continue\n",
+    ),
+    Mutant(
+        "connect-waits",
+        "the trainer's connect() waits out its deadline for workers that were refused",
+        "src/aiowsync/_sending/engine.py",
+        "                    if settles is not None and settles <= 0:\n",
+        "                    if False:\n",
+    ),
+    Mutant(
         "vllm-paused",
         "a vLLM server whose load failed is not resumed",
         "src/aiowsync/vllm/_servers.py",
