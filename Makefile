@@ -12,8 +12,8 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned in every pip call: an unpinned torch would pull a multi-GB CUDA build.
-#: byte-compiling every module of torch and vLLM at install takes minutes of
-# CPU; Python compiles the modules a process imports when it first imports them.
+# pip byte-compiles at install, and that matters: with PYTHONDONTWRITEBYTECODE set (as on
+# the CI host) nothing else ever writes a .pyc, and each spawned worker would compile torch.
 setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q torch==2.13.0 -e ".[test,dev,server,ray]"
