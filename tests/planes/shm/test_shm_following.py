@@ -1,6 +1,6 @@
 """A receiver with ``reconnect=True`` follows a trainer process that is SIGKILLed and started
-again on the same address: real processes, real ZeroMQ, real /dev/shm. (The helpers take a
-transport, so the same story runs on gloo too: ``-k`` it back in by hand.)"""
+again on the same address: real processes, real ZeroMQ, real /dev/shm. (The test takes a
+transport: adding "dist" to its parameters runs the same story on gloo.)"""
 
 from __future__ import annotations
 
