@@ -229,14 +229,13 @@ class PeerTable:
         return "; ".join(held) or "the latest version"
 
     @staticmethod
-    def answered(peer: Peer, version: int, *, ok: bool, running: int = -1) -> bool:
-        """Record ``peer``'s answer for ``version`` in its pins; True when this ack made it
-        ready (it holds the version it was welcomed with)."""
+    def answered(peer: Peer, version: int, *, ok: bool, running: int = -1) -> None:
+        """Record ``peer``'s answer for ``version`` in its pins, and that it is ready once it
+        holds the version it was welcomed with."""
         if ok:
             peer.inflight = {v for v in peer.inflight if v > version}
-            if version >= peer.welcome_version and not peer.ready:
+            if version >= peer.welcome_version:
                 peer.ready = True
-                return True
         elif running >= 0:
             # The worker answers in order and runs one version: ``running`` (this one, if it
             # switched before a hook failed, else an earlier one). Versions up to this one that
@@ -244,4 +243,3 @@ class PeerTable:
             # per failed version until none is left for anyone. A nack that does not say what
             # runs keeps its version pinned: the worker may have switched to it.
             peer.inflight = {v for v in peer.inflight if v > version or v == running}
-        return False
