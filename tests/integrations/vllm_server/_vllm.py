@@ -215,6 +215,34 @@ async def checksums(client: httpx.AsyncClient, url: str) -> dict[str, str]:
     return dict(reply.json()["checksums"])
 
 
+async def _counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The server's Prometheus samples, summed over their labels."""
+    reply = await client.get(f"{url}/metrics", timeout=60)
+    reply.raise_for_status()
+    out: dict[str, float] = {}
+    for line in reply.text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            name = name.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+async def generating(client: httpx.AsyncClient, url: str) -> None:
+    """Return once the server is part-way through a request: one is running, and tokens were
+    generated between two looks that both saw it running."""
+    before = None
+    while True:
+        now = await _counters(client, url)
+        if now.get("vllm:num_requests_running", 0.0) < 1:
+            before = None
+        elif before is not None and now["vllm:generation_tokens_total"] > before:
+            return
+        else:
+            before = now.get("vllm:generation_tokens_total", 0.0)
+        await asyncio.sleep(0.02)
+
+
 async def answers_within(
     client: httpx.AsyncClient, url: str, prompt: list[int], limit: float
 ) -> tuple[float, list[int], list[dict[str, Any]]]:

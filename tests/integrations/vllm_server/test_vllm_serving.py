@@ -16,6 +16,7 @@ from _vllm import (
     attached_trainer,
     checksums,
     generate,
+    generating,
     set_version,
     trainer_model,
 )
@@ -56,25 +57,17 @@ async def _keep_asking(
     seen: list[tuple[int, list[int], list[dict[str, object]]]],
     failures: list[BaseException],
     max_tokens: int,
-    busy: asyncio.Semaphore | None = None,
 ) -> None:
-    """Ask again and again; ``busy`` is released while a request is in flight (and taken back
-    when it ends), for a trainer that waits for one before it sends."""
+    """Ask again and again until ``stop`` is set."""
     for i in itertools.count():
         if stop.is_set():
             return
         p = i % len(PROMPTS)
-        asked = asyncio.ensure_future(generate(client, url, PROMPTS[p], max_tokens))
-        if busy is not None:
-            busy.release()
         try:
-            tokens, spans = await asked
+            tokens, spans = await generate(client, url, PROMPTS[p], max_tokens)
         except Exception as exc:  # counted, not raised: the test asserts none happened
             failures.append(exc)
             continue
-        finally:
-            if busy is not None:
-                await busy.acquire()
         seen.append((p, tokens, spans))
 
 
@@ -146,22 +139,18 @@ async def test_keep_continues_requests_on_the_new_version_and_their_spans_say_wh
         attached_trainer([server.url], pause="keep") as (scheme, model, servers),
     ):
         stop = asyncio.Event()
-        busy = asyncio.Semaphore(0)
         askers = [
-            asyncio.create_task(_keep_asking(client, server.url, stop, seen, failures, long, busy))
+            asyncio.create_task(_keep_asking(client, server.url, stop, seen, failures, long))
             for _ in range(4)
         ]
         try:
-            # At least 10 sends, and on until a response ran across a change (a busy host
-            # may finish every request it froze before the next step; 40 at most).
+            # At least 10 sends, and on until a response ran across a change (40 at most).
             for seed in range(1, 41):
                 if seed > 10 and any(len(spans) > 1 for _, _, spans in seen):
                     break
-                # A request is in flight and has had time to reach the server: the pause will
-                # find it running (however slow the host), and it continues on the new version.
-                await asyncio.wait_for(busy.acquire(), 60)
-                busy.release()
-                await asyncio.sleep(0.05)
+                # Each send comes while the server is generating for a request: the pause finds
+                # it part-way, however slow the host, and it continues on the new version.
+                await asyncio.wait_for(generating(client, server.url), 60)
                 set_version(model, seed)
                 await scheme.send(timeout=60)
         finally:
