@@ -4,9 +4,13 @@ Switches are made on the receiver's event loop, in one synchronous step, and onl
 reader holds the guard. Coroutines on that loop are therefore never mid-switch; they only need
 the guard to keep one version across an ``await``. Threads need it for every forward.
 
-Readers never wait for a switch that is merely pending; they wait only for the few
-milliseconds in which a switch is being made. So a coroutine that takes the guard on the loop
-can never deadlock against the switch, which runs on that same loop.
+A reader waits for the few milliseconds in which a switch is being made. It does not wait for
+a switch that is merely pending, with one exception that keeps switches from starving: a
+thread that does not hold the guard already, and comes once a switch has waited for the
+readers to leave for more than ``YIELD_AFTER_S``, waits for that switch. A thread's forwards
+that follow each other back to back would otherwise always hold the guard when the loop looks.
+Coroutines on the switching loop never wait for a pending switch, so they cannot deadlock
+against it; a thread that already holds the guard does not wait either (nested forwards).
 """
 
 from __future__ import annotations
@@ -14,15 +18,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
 import anyio
 
-__all__ = ["ReadGuard"]
+__all__ = ["YIELD_AFTER_S", "ReadGuard"]
 
 T = TypeVar("T")
+
+YIELD_AFTER_S = 0.02
+"""How long a switch waits for the readers to leave before new readers from other threads
+wait for it (see the module's text)."""
 
 
 class ReadGuard:
@@ -33,6 +42,9 @@ class ReadGuard:
         self._readers = 0
         self._switching = False
         self._idle_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._pending_since: float | None = None  # a switch waits for readers since then
+        self._pending_thread: int | None = None  # the thread of that switch's loop
+        self._held: dict[int, int] = {}  # readers per thread
 
     @property
     def readers(self) -> int:
@@ -40,11 +52,23 @@ class ReadGuard:
         return self._readers
 
     def acquire(self) -> None:
-        """Hold the guard (blocking; from a thread). Waits only while a switch is being made."""
+        """Hold the guard (blocking; from a thread). Waits while a switch is being made, or
+        for a switch that has waited too long for readers to leave (see the module's text)."""
+        me = threading.get_ident()
         with self._cond:
-            while self._switching:
+            while self._switching or self._must_yield(me):
                 self._cond.wait()
             self._readers += 1
+            self._held[me] = self._held.get(me, 0) + 1
+
+    def _must_yield(self, me: int) -> bool:
+        since = self._pending_since
+        return (
+            since is not None
+            and me != self._pending_thread
+            and me not in self._held
+            and time.monotonic() - since > YIELD_AFTER_S
+        )
 
     def release(self) -> None:
         """Let go of the guard; the last reader out lets a waiting switch proceed."""
@@ -52,6 +76,11 @@ class ReadGuard:
             if self._readers <= 0:
                 raise RuntimeError("read guard released more times than acquired")
             self._readers -= 1
+            me = threading.get_ident()
+            if me in self._held:
+                self._held[me] -= 1
+                if not self._held[me]:
+                    del self._held[me]
             if self._readers == 0:
                 for loop, event in self._idle_waiters:
                     with contextlib.suppress(RuntimeError):  # that loop is closed
@@ -126,6 +155,17 @@ class ReadGuard:
     async def _wait_idle(self, timeout: float) -> None:
         """Wait until no reader holds the guard, then mark a switch as in progress."""
         loop = asyncio.get_running_loop()
+        with self._cond:
+            self._pending_since = time.monotonic()
+            self._pending_thread = threading.get_ident()
+        try:
+            await self._wait_for_no_reader(loop, timeout)
+        finally:
+            with self._cond:
+                self._pending_since = self._pending_thread = None
+                self._cond.notify_all()  # readers that yielded to it go on (or wait for it)
+
+    async def _wait_for_no_reader(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
         with anyio.fail_after(timeout):
             while True:
                 with self._cond:
