@@ -74,7 +74,7 @@ demo: $(BIN)/python
 # The sdist and the wheel, built as a release would be; the wheel is installed into a fresh
 # venv (torch pinned) and imported there, with its compiled copy module and its command.
 WHEEL_VENV ?= .venv-wheel
-package: $(BIN)/python
+package: setup
 	rm -rf dist $(WHEEL_VENV)
 	$(BIN)/pip install -q build
 	$(BIN)/python -m build -q --outdir dist .
