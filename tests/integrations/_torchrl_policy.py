@@ -43,3 +43,14 @@ def make_env():  # type: ignore[no-untyped-def]
     from torchrl.envs import GymEnv
 
     return GymEnv("CartPole-v1")
+
+
+def marked_policy(marker: float = 0.0):  # type: ignore[no-untyped-def]
+    """A policy factory's product: a ``Marked`` policy whose marker starts at ``marker``
+    (``functools.partial(marked_policy, 1.0)`` pickles into spawned workers)."""
+    from tensordict.nn import TensorDictModule
+
+    module = Marked()
+    with torch.no_grad():
+        module.marker.fill_(marker)
+    return TensorDictModule(module, in_keys=["observation"], out_keys=["action", "marker"])

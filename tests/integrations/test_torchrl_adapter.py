@@ -240,13 +240,13 @@ def test_the_schemes_pickle_before_and_after_init() -> None:
         sender.init_on_sender(model_id="policy", context=trainer)
         try:
             copy = pickle.loads(pickle.dumps(sender))  # what each worker gets
-            assert copy._inner.address == sender._inner.address
+            assert copy._inners[0].address == sender._inners[0].address
             assert copy._face is None and not copy.initialized_on_sender
         finally:
             sender.shutdown()
     assert _segments() == set()
     with pytest.raises(ValueError, match="name workers by index"):
-        aiowsync.torchrl._worker_ids([torch.device("cpu")])
+        aiowsync.torchrl._adapter._worker_ids([torch.device("cpu")], 1)
 
 
 def test_without_torchrl_the_module_says_what_to_install() -> None:

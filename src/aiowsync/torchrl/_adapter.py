@@ -1,0 +1,368 @@
+"""The TorchRL face of aiowsync schemes: the calls TorchRL's collectors make, on both sides.
+
+One adapter holds one aiowsync scheme, or one per worker when the workers' weights are their
+own (see :mod:`._plan`). Each runs on a private event loop (:func:`aiowsync.blocking`), so the
+collector's plain calls block until aiowsync's coroutines are done.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tensordict import TensorDictBase
+from torch import nn
+from torchrl.weight_update import WeightSyncScheme as _TorchRLScheme
+
+from .._scheme.base import resolve_model
+from .._scheme.blocking import BlockingScheme, blocking
+from .._scheme.scheme import WeightSyncScheme as _Scheme
+from .._sending.outcome import SendResult
+from ._plan import Plan, plan_sender
+
+__all__ = ["CONNECT_TIMEOUT_S", "Adapter"]
+
+CONNECT_TIMEOUT_S = 120.0
+"""Default deadline of ``connect()`` on either side: worker processes import torch and build
+their environments first."""
+
+_RUNTIME = ("_plan", "_faces", "_face", "_guard_handles", "_closing", "_last_seen", "_unsettled")
+"""What an adapter holds only in the process that made it (never pickled)."""
+
+
+class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type information
+    """TorchRL's scheme interface over aiowsync schemes (see the package's text)."""
+
+    def __init__(
+        self,
+        strategy: str = "tensordict",
+        *,
+        per_worker_weights: bool = False,
+        sync: bool = True,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        send_timeout: float | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(strategy=strategy)
+        self.per_worker_weights = per_worker_weights
+        self.sync = sync
+        self.connect_timeout = connect_timeout
+        self.send_timeout = send_timeout
+        # A TorchRL worker may write into its policy (load_state_dict, exploration buffers):
+        # it keeps tensors of its own, and each version is copied into them.
+        options.setdefault("apply_mode", "copy")
+        self._options = dict(options, strategy=strategy)
+        self._inners: list[_Scheme] = []
+        self._route: list[tuple[int, int]] = []
+        self._set_runtime()
+
+    def _set_runtime(self) -> None:
+        self._plan: Plan | None = None
+        self._faces: list[BlockingScheme] = []
+        self._face: BlockingScheme | None = None
+        self._guard_handles: list[Any] = []
+        self._closing = threading.Lock()
+        self._last_seen: int | None = None
+        self._unsettled: list[concurrent.futures.Future[SendResult]] = []
+
+    def _make(self, **options: Any) -> _Scheme:
+        raise NotImplementedError
+
+    def create_transport(self, **kwargs: Any) -> Any:
+        """Not used: an aiowsync scheme carries its own control channel and data plane."""
+        raise NotImplementedError("aiowsync schemes carry their own transport")
+
+    # -- sender -------------------------------------------------------------------------------
+
+    def _init_on_sender_impl(
+        self,
+        model_id: str | None = None,
+        context: Any = None,
+        *,
+        model: nn.Module | None = None,
+        weights: TensorDictBase | None = None,
+        params_map: Mapping[int, TensorDictBase] | None = None,
+        devices: list[Any] | None = None,
+        device_map_fn: Any = None,
+        num_workers: int | None = None,
+        ctx: Any = None,
+    ) -> None:
+        # device_map_fn places each worker's copy on its device: aiowsync's workers keep
+        # their policy where it is and take each version into it, so it has nothing to do.
+        del device_map_fn, ctx
+        model_id = model_id or "policy"
+        self.model_id = model_id
+        if context is not None:
+            self.context = context
+        plan = plan_sender(
+            model_id=model_id,
+            context=context,
+            model=model,
+            weights=weights,
+            params_map=params_map,
+            devices=devices,
+            num_workers=num_workers,
+            per_worker=self.per_worker_weights,
+        )
+        self._plan = plan
+        if plan.local is not None:
+            return
+        self.per_worker_weights = plan.per_worker
+        inners = []
+        for k, source in enumerate(plan.sources):
+            inner = self._make(**self._options)
+            inner.init_on_sender(source, num_workers=len(plan.workers_of(k)))
+            inners.append(inner)
+        self._inners, self._route = inners, list(plan.route)
+        # Serving before the collector starts its workers (they join as they come up).
+        self._faces = [blocking(inner).__enter__() for inner in inners]
+        _shut_at_exit(self)
+
+    def _setup_connection_and_weights_on_sender_impl(
+        self, *, worker_idx: int | None = None, weights: Any = None
+    ) -> None:
+        for face in self._faces:
+            face.connect(self.connect_timeout)
+        if weights is not None and self._faces:  # first weights other than the model's
+            self.send(weights)
+
+    def send(
+        self, weights: Any = None, worker_ids: Any = None
+    ) -> SendResult | list[SendResult] | None:
+        """Send ``weights`` as a new version and return once every targeted worker runs it.
+
+        ``weights``: None (the trainer's model), a model id, a module, a ``TensorDict`` or
+        state_dict, or ``{worker_idx: weights}`` for workers whose weights are their own.
+        Raises aiowsync's errors, naming the workers. Returns the send's result, or one per
+        worker's scheme when each worker has its own.
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("send() needs init_on_sender() first")
+        if plan.local is not None:
+            self._apply_locally(plan.local, weights)
+            return None
+        if isinstance(weights, str):
+            weights = self._resolve(weights)
+        targets = _worker_ids(worker_ids, len(self._route))
+        if isinstance(weights, dict) and weights and all(isinstance(k, int) for k in weights):
+            jobs = self._per_worker_jobs(weights, targets)
+        else:
+            jobs = self._shared_jobs(weights, targets)
+        self._raise_unsettled()
+        if not self.sync:
+            # Returns once the version is staged (the weights may change then); its outcome
+            # is raised by the next send() or shutdown() if it failed.
+            for k, w, ids in jobs:
+                self._unsettled.append(self._faces[k].publish(w, ids, self.send_timeout))
+            return None
+        if len(jobs) == 1 and not plan.per_worker:
+            k, w, ids = jobs[0]
+            return self._faces[k].send(w, ids, self.send_timeout)
+        # Workers with senders of their own are sent to side by side; each send has its
+        # deadline (send_timeout, or the scheme's Timeouts).
+        futures = [self._faces[k].send_soon(w, ids, self.send_timeout) for k, w, ids in jobs]
+        return [f.result() for f in futures]
+
+    def _raise_unsettled(self) -> None:
+        """Raise the error of an earlier ``sync=False`` send that has failed since."""
+        done = [f for f in self._unsettled if f.done()]
+        self._unsettled = [f for f in self._unsettled if not f.done()]
+        for future in done:
+            future.result()
+
+    def _shared_jobs(self, weights: Any, targets: list[int]) -> list[tuple[int, Any, list[int]]]:
+        by_sender: dict[int, list[int]] = {}
+        for w in targets:
+            k, local = self._route[w]
+            by_sender.setdefault(k, []).append(local)
+        return [(k, weights, ids) for k, ids in sorted(by_sender.items())]
+
+    def _per_worker_jobs(
+        self, weights: Mapping[int, Any], targets: list[int]
+    ) -> list[tuple[int, Any, list[int]]]:
+        unknown = sorted(set(weights) - set(range(len(self._route))))
+        if unknown:
+            raise ValueError(f"weights for workers {unknown}: there are {len(self._route)}")
+        chosen = [w for w in targets if w in weights]
+        senders = [self._route[w][0] for w in chosen]
+        if len(set(senders)) != len(senders):
+            raise ValueError(
+                "weights of their own for each worker need per_worker_weights=True (or "
+                "distinct policy factories): these workers share one copy of the weights"
+            )
+        return [(self._route[w][0], weights[w], [self._route[w][1]]) for w in chosen]
+
+    def _apply_locally(self, local: nn.Module, weights: Any) -> None:
+        if isinstance(weights, str):
+            weights = self._resolve(weights)
+        if weights is not None and weights is not local:
+            self._strategy.apply_weights(local, weights, inplace=True)
+
+    def _resolve(self, model_id: str) -> Any:
+        context = getattr(self, "context", None)
+        if context is None:
+            raise ValueError(f"weights named {model_id!r} need the collector as context")
+        return resolve_model(context, model_id)
+
+    # -- receiver -----------------------------------------------------------------------------
+
+    def _init_on_receiver_impl(
+        self,
+        model_id: str,
+        context: Any = None,
+        *,
+        model: Any = None,
+        worker_idx: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.model_id = model_id
+        self.context = context
+        if model is None and context is not None:
+            model = resolve_model(context, model_id)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"a receiver of {model_id!r} needs its model (an nn.Module)")
+        if worker_idx is None:
+            worker_idx = getattr(context, "worker_idx", None)
+        if worker_idx is None:
+            raise ValueError("a receiver needs its worker_idx")
+        self.worker_idx = worker_idx
+        if not self._inners:
+            raise RuntimeError(
+                "this scheme reached the worker before init_on_sender(): set it up on the "
+                "trainer (the collector does, or call init_on_sender) before the workers start"
+            )
+        if not 0 <= worker_idx < len(self._route):
+            raise ValueError(f"worker_idx {worker_idx}: the trainer set up {len(self._route)}")
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            # TorchRL ships the policy to its workers without memory: give it some, which the
+            # first version fills before connect() returns.
+            model.to_empty(device="cpu")
+        k, local = self._route[worker_idx]
+        inner = self._inners[k]
+        inner.init_on_receiver(model=model, worker_idx=local)
+        inner.register_hook(self._count_version)
+        self._guard_forward(model, inner)
+
+    def _count_version(self, version: int) -> None:
+        """After each switch: move the collector's policy version on by as many versions
+        (TorchRL's ``track_policy_version``); the first version sets where counting starts."""
+        last, self._last_seen = self._last_seen, version
+        bump = getattr(getattr(self, "context", None), "increment_version", None)
+        if last is None or not callable(bump) or version <= last:
+            return
+        if getattr(self.context, "policy_version_tracker", None) is None:
+            return
+        for _ in range(version - last):
+            bump()
+
+    def _guard_forward(self, model: nn.Module, inner: _Scheme) -> None:
+        """Hold the read guard for each forward of ``model``: a switch waits for it to end."""
+        guard = inner.read_guard()
+        held = threading.local()  # a forward whose pre-hooks failed never took the guard
+
+        def enter(module: nn.Module, args: Any) -> None:
+            guard.acquire()
+            held.depth = getattr(held, "depth", 0) + 1
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            if getattr(held, "depth", 0) > 0:
+                held.depth -= 1
+                guard.release()
+
+        self._guard_handles = [
+            model.register_forward_pre_hook(enter),
+            model.register_forward_hook(leave, always_call=True),
+        ]
+
+    def _setup_connection_and_weights_on_receiver_impl(
+        self, *, worker_idx: int | None = None
+    ) -> None:
+        worker = self.worker_idx if worker_idx is None else worker_idx
+        if not self._inners or worker is None:
+            raise RuntimeError("init_on_receiver() first")
+        face = blocking(self._inners[self._route[worker][0]]).__enter__()
+        self._face = face
+        _shut_at_exit(self)  # a worker process ends without calling shutdown()
+        face.connect(self.connect_timeout)
+
+    def receive(self, timeout: float | None = None) -> int | None:
+        """Wait up to ``timeout`` seconds (none by default) for a version newer than the one
+        the model runs now; the version it runs then, or None. A background task applies
+        versions as they come, so this only reports them. Once the sender is gone it raises
+        :class:`~aiowsync.SenderGoneError`."""
+        if self._face is None:
+            raise RuntimeError("receive() needs a connected receiver")
+        current = self._face.version
+        try:
+            return self._face.wait_for_version(current + 1, timeout or 0.0)
+        except TimeoutError:
+            return None
+
+    @property
+    def version(self) -> int:
+        """Sender: the latest version sent (to any worker). Receiver: the version its model
+        runs. -1 before either is connected."""
+        faces = [self._face] if self._face is not None else self._faces
+        return max((f.version for f in faces), default=-1)
+
+    # -- both ---------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Leave the scheme: the sender's shared-memory files are removed, a receiver's model
+        keeps its last version. Idempotent."""
+        with self._closing:
+            unsettled, self._unsettled = self._unsettled, []
+            faces = [f for f in [self._face, *self._faces] if f is not None]
+            self._face, self._faces = None, []
+            for handle in self._guard_handles:
+                handle.remove()
+            self._guard_handles = []
+        try:
+            # Sends made with sync=False end (each within its deadline) before the scheme goes.
+            concurrent.futures.wait(unsettled)
+            for face in faces:
+                face.close()
+        finally:
+            super().shutdown()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state: dict[str, Any] = super().__getstate__()
+        for runtime in _RUNTIME:
+            state.pop(runtime, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._set_runtime()
+
+
+def _shut_at_exit(scheme: Adapter) -> None:
+    """Shut ``scheme`` down at interpreter exit, while its loop threads still run (a weak
+    reference: the scheme may go earlier)."""
+    ref = weakref.ref(scheme)
+
+    def shut() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.shutdown()
+
+    atexit.register(shut)
+
+
+def _worker_ids(worker_ids: Any, workers: int) -> list[int]:
+    if worker_ids is None:
+        return list(range(workers))
+    ids = [worker_ids] if isinstance(worker_ids, int) else worker_ids
+    if not isinstance(ids, Sequence) or not all(isinstance(w, int) for w in ids):
+        raise ValueError(
+            f"worker_ids={worker_ids!r}: aiowsync's TorchRL schemes name workers by index"
+        )
+    outside = sorted(w for w in ids if not 0 <= w < workers)
+    if outside:
+        raise ValueError(f"worker_ids {outside}: there are {workers} workers")
+    return list(ids)
