@@ -25,14 +25,15 @@ $(VENV)/.installed-test: $(BIN)/python pyproject.toml setup.py
 
 # The suite (AIOWSYNC_REQUIRE_EXTRAS: the inference-server and Ray tests must run, not skip),
 # then the tests that need torchrl 0.14.1 (the TorchRL adapter with real collectors
-# on CartPole, and the comparison that `aiowsync bench` rests on) in the bench venv, where
+# on CartPole, built from policies and from policy factories, and the comparison that `aiowsync bench` rests on) in the bench venv, where
 # they must run, not skip.
 test: setup test-setup-torchrl test-setup-vllm
 	@echo "== $$(date -u +%T) the suite"
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q --durations=25
 	@echo "== $$(date -u +%T) the torchrl tests"
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_TORCHRL=1 $(BENCH_BIN)/python -m pytest -q -rs \
-		-p no:cacheprovider tests/integrations/test_torchrl_adapter.py tests/tools/test_bench.py -k torchrl
+		-p no:cacheprovider tests/integrations/test_torchrl_adapter.py \
+		tests/integrations/test_torchrl_dropin.py tests/tools/test_bench.py -k torchrl
 	@echo "== $$(date -u +%T) the vLLM tests"
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -rs \
 		-p no:cacheprovider tests/integrations/vllm_server
