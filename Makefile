@@ -24,9 +24,9 @@ $(VENV)/.installed-test: $(BIN)/python pyproject.toml setup.py
 	touch $@
 
 # The suite (AIOWSYNC_REQUIRE_EXTRAS: the inference-server and Ray tests must run, not skip),
-# then the tests that need torchrl 0.14.1 (the TorchRL adapter with real collectors
-# on CartPole, built from policies and from policy factories, and the comparison that `aiowsync bench` rests on) in the bench venv, where
-# they must run, not skip.
+# then the tests that need torchrl 0.14.1 (the TorchRL adapter with real collectors on
+# CartPole, built from policies and from policy factories, and the comparison that
+# `aiowsync bench` rests on) in the bench venv, where they must run, not skip.
 test: setup test-setup-torchrl test-setup-vllm
 	@echo "== $$(date -u +%T) the suite"
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q --durations=25
