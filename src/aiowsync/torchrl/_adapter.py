@@ -119,7 +119,12 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
             inners.append(inner)
         self._inners, self._route = inners, list(plan.route)
         # Serving before the collector starts its workers (they join as they come up).
-        self._faces = [blocking(inner).__enter__() for inner in inners]
+        try:
+            for inner in inners:
+                self._faces.append(blocking(inner).__enter__())
+        except BaseException:
+            self.shutdown()  # the senders entered so far go (their files with them)
+            raise
         _shut_at_exit(self)
 
     def _setup_connection_and_weights_on_sender_impl(
