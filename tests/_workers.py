@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hashlib
 import multiprocessing as mp
+import multiprocessing.connection
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -229,11 +230,72 @@ def _thread_reader(
         time.sleep(0.0005)
 
 
+class Outbox:
+    """A worker's end of its own event pipe (``put`` as on a queue).
+
+    Each worker writes into a pipe of its own: a queue shared by all of them has one write
+    lock, and a worker killed or stopped while its feeder thread held it (in the instant
+    after the test read its event) kept every other worker's events from arriving."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def put(self, event: tuple[Any, ...]) -> None:
+        with self._lock:  # the worker's loop and its threads may both report
+            self._conn.send(event)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"conn": self._conn}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._conn = state["conn"]
+        self._lock = threading.Lock()
+
+
+class Events:
+    """The test's side: the events of every worker started, first come first served."""
+
+    def __init__(self) -> None:
+        self._readers: list[Any] = []
+
+    def add(self) -> Outbox:
+        reader, writer = SPAWN.Pipe(duplex=False)
+        self._readers.append(reader)
+        return Outbox(writer)
+
+    def get(self, timeout: float | None = None) -> tuple[Any, ...]:
+        """The next event; :class:`queue.Empty` after ``timeout`` seconds without one."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = mp.connection.wait(self._readers, left) if self._readers else []
+            for reader in ready:
+                try:
+                    return reader.recv()  # type: ignore[no-any-return]
+                except (EOFError, OSError):  # that worker has exited: nothing more from it
+                    self._readers.remove(reader)
+                    reader.close()
+            if not ready:
+                if deadline is None or time.monotonic() >= deadline:
+                    raise Empty
+                if not self._readers:
+                    time.sleep(min(0.05, left or 0.05))
+
+    def get_nowait(self) -> tuple[Any, ...]:
+        return self.get(timeout=0)
+
+    def close(self) -> None:
+        for reader in self._readers:
+            reader.close()
+        self._readers.clear()
+
+
 class Workers:
     """Spawned receiver processes; always terminated and joined on exit."""
 
     def __init__(self) -> None:
-        self.events = SPAWN.Queue()
+        self.events = Events()
         self.loaded = SPAWN.Queue()
         """Each worker's index, once it has started and imported torch (see :meth:`started`)."""
         self.stop = SPAWN.Event()
@@ -249,12 +311,14 @@ class Workers:
         address: str | None = None,
         **options: Any,
     ) -> Any:
+        outbox = self.events.add()
         proc = SPAWN.Process(
             target=worker_main,
-            args=(scheme, address, worker_idx, kind, self.events, self.stop, options, self.loaded),
+            args=(scheme, address, worker_idx, kind, outbox, self.stop, options, self.loaded),
             daemon=True,
         )
         proc.start()
+        outbox._conn.close()  # the worker holds the write end now: its exit ends the pipe
         self.procs[worker_idx] = proc
         return proc
 
@@ -302,6 +366,7 @@ class Workers:
                 proc.kill()
                 proc.join(5)
         self.procs.clear()
+        self.events.close()
 
 
 @contextlib.contextmanager

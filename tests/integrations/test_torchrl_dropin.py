@@ -233,3 +233,41 @@ def test_the_set_up_calls_torchrl_accepts() -> None:
             scheme.init_on_sender(**kwargs)
         assert not scheme.initialized_on_sender, name
     assert _segments() == set()
+
+
+def test_sync_false_returns_once_staged_and_updates_by_dict_and_model_id() -> None:
+    from _torchrl_policy import make_env, marked_policy
+    from tensordict import TensorDict
+    from torchrl.collectors import MultiSyncCollector
+
+    import aiowsync
+
+    policy = marked_policy(0.0)
+    scheme = _scheme("shm", sync=False)
+    collector = MultiSyncCollector(
+        [make_env, make_env],
+        policy,
+        frames_per_batch=FRAMES,
+        total_frames=-1,
+        cat_results="stack",
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        it = iter(collector)
+        assert _markers(next(it)) == [{0.0}, {0.0}]
+        assert collector.update_policy_weights_(weights_dict={"policy": _weights(5.0)}) is None
+        # Returned once staged: the workers take it within the next batches.
+        seen = [_markers(next(it)) for _ in range(3)]
+        assert seen[-1] == [{5.0}, {5.0}], seen
+        with torch.no_grad():
+            policy.module.marker.fill_(8.0)
+        collector.update_policy_weights_("policy")  # by model id: the trainer's policy
+        seen = [_markers(next(it)) for _ in range(3)]
+        assert seen[-1] == [{8.0}, {8.0}], seen
+        wrong = TensorDict({"module": {"net": {"weight": torch.zeros(3, 4)}}}, [])
+        with pytest.raises(aiowsync.LayoutMismatchError):
+            collector.update_policy_weights_(wrong)
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    assert _segments() == set()
