@@ -54,3 +54,39 @@ def marked_policy(marker: float = 0.0):  # type: ignore[no-untyped-def]
     with torch.no_grad():
         module.marker.fill_(marker)
     return TensorDictModule(module, in_keys=["observation"], out_keys=["action", "marker"])
+
+
+class MarkerNet(nn.Module):
+    """A model of an environment's own (say, a reward or observation model): its forward
+    gives its ``marker`` weight once per frame."""
+
+    def __init__(self, marker: float = 0.0) -> None:
+        super().__init__()
+        self.marker = nn.Parameter(torch.full((), marker))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.marker.detach().expand(obs.shape[:-1]).unsqueeze(-1).clone()
+
+
+def make_marked_env():  # type: ignore[no-untyped-def]
+    """CartPole whose transform runs a ``MarkerNet`` on each observation and writes its output
+    as ``env_marker``: a second model in each worker, at ``env.transform.net``."""
+    from torchrl.data import Unbounded
+    from torchrl.envs import GymEnv, Transform, TransformedEnv
+
+    class MarkObservation(Transform):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(in_keys=["observation"], out_keys=["env_marker"])
+            self.net = MarkerNet()
+
+        def _call(self, next_tensordict):  # type: ignore[no-untyped-def]
+            return next_tensordict.set("env_marker", self.net(next_tensordict["observation"]))
+
+        def _reset(self, tensordict, tensordict_reset):  # type: ignore[no-untyped-def]
+            return self._call(tensordict_reset)
+
+        def transform_observation_spec(self, observation_spec):  # type: ignore[no-untyped-def]
+            observation_spec["env_marker"] = Unbounded(shape=(1,), dtype=torch.float32)
+            return observation_spec
+
+    return TransformedEnv(GymEnv("CartPole-v1"), MarkObservation())

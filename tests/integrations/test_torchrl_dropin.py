@@ -271,3 +271,97 @@ def test_sync_false_returns_once_staged_and_updates_by_dict_and_model_id() -> No
         collector.shutdown()
         scheme.shutdown()
     assert _segments() == set()
+
+
+def _net_weights(marker: float) -> Any:
+    from _torchrl_policy import MarkerNet
+    from tensordict import TensorDict
+
+    return TensorDict.from_module(MarkerNet(marker)).data.clone()
+
+
+def _env_markers(batch: Any) -> list[set[float]]:
+    """Each worker's environment markers of the steps in a stacked batch (the observation a
+    batch starts from was made before it, by the weights then)."""
+    return [set(batch["next", "env_marker"][w].unique().tolist()) for w in range(batch.shape[0])]
+
+
+ENV_NET = "env.transform.net"
+"""Where each worker's second model lives: the net inside its environment's transform."""
+
+
+@pytest.mark.parametrize("kind", ["shm", "dist"])
+def test_two_models_each_with_a_scheme_update_together_and_alone(kind: str) -> None:
+    from _torchrl_policy import MarkerNet, make_marked_env, marked_policy
+    from torchrl.collectors import MultiSyncCollector
+
+    policy_scheme, env_scheme = _scheme(kind), _scheme(kind)
+    # The trainer holds no environment: the second model's scheme is set up by hand, from the
+    # trainer's copy of it, before the collector starts its workers.
+    env_scheme.init_on_sender(model_id=ENV_NET, model=MarkerNet(0.5), num_workers=2)
+    collector = MultiSyncCollector(
+        [make_marked_env, make_marked_env],
+        marked_policy(0.0),
+        frames_per_batch=FRAMES,
+        total_frames=-1,
+        cat_results="stack",
+        weight_sync_schemes={"policy": policy_scheme, ENV_NET: env_scheme},
+    )
+    try:
+        it = iter(collector)
+        first = next(it)
+        # Each worker's environment started on the trainer's copy of the second model.
+        assert (_markers(first), _env_markers(first)) == ([{0.0}] * 2, [{0.5}] * 2)
+        collector.update_policy_weights_(_net_weights(2.0), model_id=ENV_NET)
+        batch = next(it)
+        assert (_markers(batch), _env_markers(batch)) == ([{0.0}] * 2, [{2.0}] * 2)
+        collector.update_policy_weights_(
+            weights_dict={"policy": _weights(3.0), ENV_NET: _net_weights(4.0)}
+        )
+        batch = next(it)
+        assert (_markers(batch), _env_markers(batch)) == ([{3.0}] * 2, [{4.0}] * 2)
+        collector.update_policy_weights_(_weights(5.0))  # the policy's alone
+        batch = next(it)
+        assert (_markers(batch), _env_markers(batch)) == ([{5.0}] * 2, [{4.0}] * 2)
+        assert (policy_scheme.version, env_scheme.version) == (2, 2)
+    finally:
+        collector.shutdown()
+        policy_scheme.shutdown()
+        env_scheme.shutdown()
+    assert multiprocessing.active_children() == []
+    assert _segments() == set()
+
+
+def _both(batch: Any) -> tuple[set[float], set[float]]:
+    """The policy's and the environment's markers in a single collector's batch."""
+    return set(batch["marker"].unique().tolist()), set(
+        batch["next", "env_marker"].unique().tolist()
+    )
+
+
+def test_a_single_process_collector_takes_each_models_weights_into_its_own() -> None:
+    from _torchrl_policy import make_marked_env, marked_policy
+    from torchrl.collectors import Collector
+
+    policy_scheme, env_scheme = _scheme("shm"), _scheme("shm")
+    collector = Collector(
+        make_marked_env,
+        marked_policy(0.0),
+        frames_per_batch=8,
+        total_frames=-1,
+        weight_sync_schemes={"policy": policy_scheme, ENV_NET: env_scheme},
+    )
+    try:
+        it = iter(collector)
+        next(it)
+        collector.update_policy_weights_(
+            weights_dict={"policy": _weights(3.0), ENV_NET: _net_weights(4.0)}
+        )
+        assert _both(next(it)) == ({3.0}, {4.0})
+        collector.update_policy_weights_(_net_weights(6.0), model_id=ENV_NET)
+        assert _both(next(it)) == ({3.0}, {6.0})
+    finally:
+        collector.shutdown()
+        policy_scheme.shutdown()
+        env_scheme.shutdown()
+    assert _segments() == set()
