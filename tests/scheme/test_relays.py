@@ -155,6 +155,36 @@ async def test_a_leaf_that_left_is_named_in_the_roots_error_and_rejoins_at_the_l
         assert t.leaves_hold(result.version) and result.retries == 0
 
 
+async def test_a_leaf_still_joining_when_the_root_sends_is_brought_to_that_version() -> None:
+    async with tree() as t:
+        await t.stop_leaf(1)
+        # The leaf's hook holds its welcome's apply, so it is welcomed at version 0 and not yet
+        # ready when the root sends version 1 (on a busy host its answer can simply be late).
+        joined, release = asyncio.Event(), asyncio.Event()
+
+        async def hold_the_welcome(version: int) -> None:
+            if not joined.is_set():
+                joined.set()
+                await release.wait()
+
+        leaf = pickle.loads(pickle.dumps(t.local))
+        leaf.init_on_receiver(model=t.leaf_models[1], worker_idx=1)
+        leaf.register_hook(hold_the_welcome)
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(leaf)
+        t.leaves[1], t.leaf_stacks[1] = leaf, stack
+        connecting = asyncio.create_task(leaf.connect(timeout=20))
+        await asyncio.wait_for(joined.wait(), 20)
+        bump(t.src)
+        sending = asyncio.create_task(t.root.send(timeout=20))
+        while t.local.version < 1:  # the relay has staged version 1 for its leaves
+            await asyncio.sleep(0.01)
+        release.set()
+        await connecting
+        result = await sending
+        assert result.version == 1 and t.leaves_hold(1)
+
+
 async def test_a_relays_local_scheme_is_not_sent_to_directly_and_takes_one_relay() -> None:
     t = Tree()
     with pytest.raises(RuntimeError, match="each scheme takes part in one relay"):

@@ -150,7 +150,9 @@ class Relay:
             try:
                 await core.send(
                     self.local.default_source(),
-                    sorted(core.ready_workers()),
+                    # Leaves still joining too: one welcomed at the version before this
+                    # one is not ready yet, and would be left on it.
+                    sorted(core.reachable_workers()),
                     stage_limit=max(0.001, min(timeouts.transfer, end - time.monotonic())),
                     ack_limit=timeouts.ack,
                     deadline=end,

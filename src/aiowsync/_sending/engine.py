@@ -159,6 +159,12 @@ class SenderCore:
     def lost_workers(self) -> set[int]:
         return self.state.peers.lost_workers()
 
+    def reachable_workers(self) -> set[int]:
+        """Workers a version can be sent to now: ready ones, and those still joining (welcomed
+        at an earlier version, which a send must not leave them on)."""
+        everyone = list(range(self.state.num_workers))
+        return set(everyone) - set(self.state.peers.unavailable(everyone))
+
     async def wait_ready(self, timeout: float) -> None:
         everyone = set(range(self.state.num_workers))
         peers = self.state.peers
