@@ -90,3 +90,26 @@ def make_marked_env():  # type: ignore[no-untyped-def]
             return observation_spec
 
     return TransformedEnv(GymEnv("CartPole-v1"), MarkObservation())
+
+
+def low_level_worker(scheme, out, last: int) -> None:  # type: ignore[no-untyped-def]
+    """A worker that drives a TorchRL scheme by hand, as TorchRL's own workers do: it reports
+    ``(event, version, marker)`` through ``out`` on connecting and on each new version it
+    runs, polling ``receive()``, until version ``last`` (or 120 s)."""
+    policy = marked_policy(-1.0)
+    scheme.init_on_receiver(model_id="policy", model=policy, worker_idx=0)
+    scheme.connect(worker_idx=0)
+    seen = scheme.version
+    out.send(("connected", seen, policy.module.marker.item()))
+    deadline = time.monotonic() + 120
+    try:
+        while seen < last and time.monotonic() < deadline:
+            got = scheme.receive(timeout=0.5)  # the version run now if newer, else None
+            if got is not None and got != scheme.version:
+                out.send(("wrong", got, scheme.version))
+            if scheme.version != seen:  # also one applied before receive() was called
+                seen = scheme.version
+                out.send(("running", seen, policy.module.marker.item()))
+    finally:
+        scheme.shutdown()
+        out.close()

@@ -365,3 +365,43 @@ def test_a_single_process_collector_takes_each_models_weights_into_its_own() -> 
         policy_scheme.shutdown()
         env_scheme.shutdown()
     assert _segments() == set()
+
+
+def test_the_scheme_driven_by_hand_with_a_worker_process() -> None:
+    import multiprocessing as mp
+
+    from _torchrl_policy import low_level_worker, marked_policy
+
+    import aiowsync.torchrl
+
+    policy = marked_policy(1.0)
+    scheme = aiowsync.torchrl.SharedMemWeightSyncScheme(send_timeout=60)
+    scheme.init_on_sender(model=policy, num_workers=1)
+    reader, writer = mp.get_context("spawn").Pipe(duplex=False)
+    worker = mp.get_context("spawn").Process(target=low_level_worker, args=(scheme, writer, 3))
+    worker.start()
+    writer.close()
+    try:
+        scheme.connect()  # returns once the worker holds the trainer's weights
+
+        def report() -> tuple[str, int, float]:
+            assert reader.poll(120), "the worker reported nothing within 120 s"
+            return reader.recv()  # type: ignore[no-any-return]
+
+        assert report() == ("connected", 0, 1.0)
+        with torch.no_grad():
+            policy.module.marker.fill_(2.0)
+        assert scheme.send().version == 1  # the trainer's model
+        assert report() == ("running", 1, 2.0)
+        assert scheme.send(marked_policy(3.0)).version == 2  # a module
+        assert report() == ("running", 2, 3.0)
+        assert scheme.send(_weights(4.0)).version == 3  # a TensorDict
+        assert report() == ("running", 3, 4.0)
+        worker.join(60)
+        assert worker.exitcode == 0
+    finally:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(10)
+        scheme.shutdown()
+    assert _segments() == set()
