@@ -141,6 +141,13 @@ class ReceiverChannel(_Counting, abc.ABC):
         """
         return 1 if self.peer_alive else 0
 
+    @property
+    def changed_at(self) -> float | None:
+        """When (``time.monotonic()``) the connection entered its present state, if the
+        transport knows (None: it does not, and a receiver counts from when it first sees
+        the state)."""
+        return None
+
     @abc.abstractmethod
     def close(self, *, flush: float = 0.0) -> None:
         """Close. Idempotent. With ``flush``, messages already queued (a goodbye) get up to

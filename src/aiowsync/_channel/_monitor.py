@@ -63,6 +63,7 @@ class ConnectionWatch:
         self._lock = threading.Lock()
         self._alive = False
         self._connections = 0
+        self._changed_at: float | None = None
         self._beat: tuple[Callable[[], Heartbeat], float] | None = None
         self._stop = False
         self._wake = threading.Event()
@@ -85,6 +86,14 @@ class ConnectionWatch:
         self.read()
         return self._connections
 
+    @property
+    def changed_at(self) -> float | None:
+        """When (``time.monotonic()``) the latest connection event was taken in: the time the
+        connection has been in its present state since, to within the thread's period (None
+        before any event)."""
+        self.read()
+        return self._changed_at
+
     def read(self) -> None:
         with self._lock:
             self._drain()
@@ -99,7 +108,10 @@ class ConnectionWatch:
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._alive = True
                 self._connections += 1
+                self._changed_at = time.monotonic()
             elif event["event"] & _DOWN_EVENTS:
+                if self._alive or self._changed_at is None:
+                    self._changed_at = time.monotonic()  # down since the first such event
                 self._alive = False
 
     def start_heartbeat(self, beat: Callable[[], Heartbeat], interval: float) -> None:

@@ -172,6 +172,10 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
     def connections(self) -> int:
         return self._watch.connections
 
+    @property
+    def changed_at(self) -> float | None:
+        return self._watch.changed_at
+
     def start_heartbeat(self, beat: Callable[[], Heartbeat], interval: float) -> None:
         self._watch.start_heartbeat(beat, interval)
 

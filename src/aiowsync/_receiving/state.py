@@ -112,7 +112,9 @@ class ReceiverState:
             return None
         now = time.monotonic()
         if self._unsure_since is None:
-            self._unsure_since = now
+            # From when the connection dropped (or was renewed), where the transport knows:
+            # a receiver first asked long after its sender died is not given the time again.
+            self._unsure_since = min(now, channel.changed_at or now)
         timeout = self.beats.timeout
         if now - self._unsure_since <= timeout:
             return None
