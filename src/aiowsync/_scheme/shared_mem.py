@@ -41,7 +41,10 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
             (on the event loop) and faulted in again by the next read. ``"auto"`` (default)
             remaps models of 64 or more tensors averaging under 1 MiB and re-binds the others.
             Workers that run their model between every two updates of many small tensors may
-            prefer ``"rebind"``; see the shared-memory page of the docs.
+            prefer ``"rebind"``; see the shared-memory page of the docs. Re-bound slots are
+            mapped read only: a worker that writes into its weights in swap mode (a BatchNorm
+            in train mode, parameter noise) dies of a segmentation fault; give it
+            ``switch="remap"`` or ``apply_mode="copy"``.
         plane: another data plane instead of the shared-memory one built from the three
             arguments above (e.g. :class:`MemoryPlane` in tests); then none of them may be
             given.
