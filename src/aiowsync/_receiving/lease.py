@@ -106,6 +106,14 @@ class LeaseTable:
             if held is not None:
                 return held
             version = self._applier.version
+            with self._lock:
+                if len(self._held) >= MAX_LEASED:
+                    # The same cap as leases in the sender's memory: each copy is a whole
+                    # model's worth of this worker's memory.
+                    raise WeightSyncError(
+                        f"this worker's leases already hold {MAX_LEASED} versions (oldest "
+                        f"{min(self._held)}), each in a copy of its own; end some first"
+                    )
             tensors = self._applier.copy_live()
             with self._lock:
                 held = self._held.setdefault(
