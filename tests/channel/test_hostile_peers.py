@@ -370,7 +370,7 @@ def test_no_slot_name_can_be_foretold_from_the_others() -> None:
 
 
 def test_the_socket_directory_sweep_removes_only_this_users_dead_senders(tmp_path: Path) -> None:
-    from aiowsync._channel._address import remove_stale_socket_dirs
+    from aiowsync._channel._socket_dir import remove_stale_socket_dirs
 
     dead = tmp_path / "aiowsync-99999999999999999999-0123456789abcdef"  # no such pid
     live = tmp_path / f"aiowsync-{os.getpid()}-0123456789abcdef"

@@ -6,6 +6,7 @@ May import: aiowsync._exceptions, aiowsync._config, aiowsync._util, aiowsync._pr
 from ._address import LOCAL_BIND, is_loopback_address, resolve_local
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel
 from ._memory import MemoryChannelFactory
+from ._socket_dir import missing_socket
 from ._zmq import ZmqChannelFactory
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "SenderChannel",
     "ZmqChannelFactory",
     "is_loopback_address",
+    "missing_socket",
     "resolve_local",
 ]

@@ -71,6 +71,10 @@ class SenderChannel(_Counting, abc.ABC):
         del peer
         return None
 
+    def keep_bound(self) -> None:
+        """Called on every heartbeat period: a channel whose listening socket can be
+        removed from under it (a file) binds it again."""
+
     def send_nowait(self, peer: PeerId, message: Message) -> bool:
         """Queue ``message`` only if that needs no wait; False when :meth:`send` must be used.
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import logging
 import time
 from urllib.parse import urlsplit
 
@@ -11,10 +13,16 @@ import zmq
 
 from .._exceptions import TransportError
 from .._protocol import MAX_FRAME, Message, encode
-from ._address import claim_socket_dir, remove_owned_socket_dir, resolve_local
+from ._address import resolve_local
 from ._auth import CurveKeys, CurveServer, SameUserServer
 from ._base import PeerId, SenderChannel, timeout_error
 from ._fdwait import POLLIN, ZmqEnd, deadline_after
+from ._socket_dir import (
+    claim_socket_dir,
+    missing_socket,
+    owned_socket_dir,
+    remove_owned_socket_dir,
+)
 from ._zmq_options import (
     DROPS_PER_TURN,
     HANDSHAKE_MS,
@@ -28,6 +36,8 @@ from ._zmq_options import (
 )
 
 __all__ = ["ZmqSenderChannel"]
+
+log = logging.getLogger("aiowsync.channel")
 
 
 class ZmqSenderChannel(ZmqEnd, SenderChannel):
@@ -142,6 +152,27 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
 
     def peer_pid(self, peer: PeerId) -> int | None:
         return self._pids.get(peer)
+
+    def keep_bound(self) -> None:
+        """Bind the socket in its private directory again if its file is gone (removed by
+        hand, by a cleaner of the temporary directory, or by an older sweep that could not
+        see this process): workers connected already stay connected, and new ones can join."""
+        if self.closed or owned_socket_dir(self.address) is None:
+            return
+        path = missing_socket(self.address)
+        if path is None:
+            return
+        log.warning("the sender's socket %s was removed: binding it again", path)
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.unbind(self.address)
+        if self._socket_dir is not None:
+            remove_owned_socket_dir(self._socket_dir)  # what is left of it, and its lock
+            self._socket_dir = None
+        try:
+            self._socket_dir = claim_socket_dir(self.address)
+            self._sock.bind(self.address)
+        except (OSError, zmq.ZMQError) as exc:
+            log.warning("could not bind %s again (will retry): %s", self.address, exc)
 
     def close(self) -> None:
         self.closed = True

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import anyio
 import torch
 
-from .._channel import ChannelFactory, ReceiverChannel
+from .._channel import ChannelFactory, ReceiverChannel, missing_socket
 from .._config import Heartbeats, Timeouts
 from .._exceptions import (
     ConnectError,
@@ -224,9 +224,16 @@ class ReceiverCore:
                 )
         except TimeoutError:
             await self._abandon()
+            why = ""
+            if welcome is None and (path := missing_socket(self.address)) is not None:
+                why = (
+                    f": its socket {path} does not exist (the sender has closed or died, "
+                    "or the file was removed; a live sender binds it again within a "
+                    "heartbeat period)"
+                )
             raise WeightSyncTimeout(
                 f"worker {self.worker_idx}: no answer from the sender at {self.address} "
-                f"within {first if welcome is None else timeout:g} s",
+                f"within {first if welcome is None else timeout:g} s{why}",
                 [self.worker_idx],
             ) from None
         except BaseException:

@@ -82,6 +82,7 @@ class ControlLoop:
                     # else: more is queued than one round reads; beats may be among it, so
                     # nobody is judged silent until the queue has been read through.
                     await self._beat(channel)
+                    channel.keep_bound()
 
     async def _turn(self) -> None:
         """Give the event loop a turn every few messages, whatever they are: a receive that

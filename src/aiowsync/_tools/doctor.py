@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .._channel._address import remove_stale_socket_dirs
+from .._channel._socket_dir import remove_stale_socket_dirs
 from .._planes.shm.slots import SHM_DIR, remove_stale_slots
 
 __all__ = ["Finding", "clean_main", "doctor_main", "findings", "parse_size"]

@@ -337,4 +337,5 @@ def _renew_removed(table: SlotTable[_File], pinned: set[int]) -> None:
         path = slot.value.file.path
         if not os.path.exists(path):
             log.warning("shared-memory slot %s was removed by another process; made anew", path)
+            slot.value.file.release()
             table.renew(index)

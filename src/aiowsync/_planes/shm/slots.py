@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -53,14 +54,30 @@ def remove_stale_slots(directory: Path = SHM_DIR) -> list[str]:
         if m is None:
             continue
         # Another user's file is never ours to judge, whatever its name says: the owner is
-        # checked before the pid that the name claims.
+        # checked before the pid that the name claims, and a pid that looks dead may live in
+        # another pid namespace: its lock on the file says so.
         with contextlib.suppress(OSError):
-            if path.stat().st_uid == me and not pid_alive(int(m.group(1))):
+            if path.stat().st_uid == me and not _owner_lives(path, int(m.group(1))):
                 path.unlink()
                 removed.append(path.name)
     if removed:
         log.info("removed %d shared-memory slot(s) left by dead senders", len(removed))
     return removed
+
+
+def _owner_lives(path: Path, pid: int) -> bool:
+    """Whether the sender that made slot ``path`` may still live: its pid exists here, or
+    it holds its lock on the file (from a pid namespace where this pid means nothing)."""
+    if pid_alive(pid):
+        return True
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def check_slot_path(path: str, owner: int | None = None) -> None:
@@ -97,36 +114,43 @@ def open_slot(path: str, nbytes: int, *, writable: bool = True) -> int:
     return fd
 
 
-def _map(path: str, nbytes: int, flags: int, *, writable: bool = True) -> torch.Tensor:
+def _map(
+    path: str, nbytes: int, flags: int, *, writable: bool = True
+) -> tuple[torch.Tensor, int | None]:
     """Map ``path`` shared (created with ``O_CREAT`` in ``flags``); not ``writable``: read
     only, so that a write through the mapping faults in this process instead of reaching
-    the file."""
+    the file. A file created here comes with a descriptor on which its owner's lock is held
+    (see :func:`remove_stale_slots`), to be closed once the file is removed."""
     created = bool(flags & os.O_CREAT)
     if created:
         try:
-            fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new file: nobody else holds it
         except OSError as exc:
             raise TransportError(f"cannot create shared-memory slot {path}: {exc}") from None
     else:
         fd = open_slot(path, nbytes, writable=writable)
+    held = False
     try:
         if created:
             os.ftruncate(fd, max(nbytes, 1))
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, prot)
+        held = created
     except OSError as exc:
         if created:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         raise TransportError(f"cannot map shared-memory slot {path}: {exc}") from None
     finally:
-        os.close(fd)
+        if not held:
+            os.close(fd)
     # The tensor holds the only reference to the mapping; it is unmapped when the last view
     # of it (including a model's parameters) is gone.
     with warnings.catch_warnings():
         # torch warns that it cannot mark a tensor read-only: the mapping itself is.
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
-        return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+        return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], fd if held else None
 
 
 def _free_bytes(directory: str) -> int | str:
@@ -140,11 +164,14 @@ def _free_bytes(directory: str) -> int | str:
 class SlotFile:
     """One slot: a mapped file of ``nbytes`` bytes, viewed as a flat uint8 tensor."""
 
-    def __init__(self, path: str, nbytes: int, tensor: torch.Tensor, *, owner: bool) -> None:
+    def __init__(
+        self, path: str, nbytes: int, tensor: torch.Tensor, *, owner: bool, lock: int | None
+    ) -> None:
         self.path = path
         self.nbytes = nbytes
         self.tensor = tensor
         self.owner = owner
+        self._lock = lock
         self._backed = not owner
 
     def back(self) -> None:
@@ -179,17 +206,25 @@ class SlotFile:
         """A new slot file under a name of its own: a token drawn for it alone, so that no
         other process can take the name first (it is created exclusively)."""
         path = str(SHM_DIR / f"aiowsync-{os.getpid()}-{secrets.token_hex(8)}-{index}")
-        tensor = _map(path, nbytes, os.O_CREAT | os.O_EXCL | os.O_RDWR)
-        return cls(path, nbytes, tensor, owner=True)
+        tensor, lock = _map(path, nbytes, os.O_CREAT | os.O_EXCL | os.O_RDWR)
+        return cls(path, nbytes, tensor, owner=True, lock=lock)
 
     @classmethod
     def open(cls, path: str, nbytes: int, *, writable: bool = True) -> SlotFile:
         """Map another process's slot file (read only unless ``writable``)."""
         flags = os.O_RDWR if writable else os.O_RDONLY
-        return cls(path, nbytes, _map(path, nbytes, flags, writable=writable), owner=False)
+        tensor, _ = _map(path, nbytes, flags, writable=writable)
+        return cls(path, nbytes, tensor, owner=False, lock=None)
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid until their last view goes)."""
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+        self.release()
+
+    def release(self) -> None:
+        """Let go of the owner's lock (the file is removed, or was removed by another)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            os.close(lock)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
-from aiowsync._channel._address import claim_socket_dir, remove_owned_socket_dir
+from aiowsync._channel._socket_dir import claim_socket_dir, remove_owned_socket_dir
 from aiowsync._channel._zmq import LOCAL_BIND, resolve_local
 
 from ._models import raw_copy_bytes
