@@ -125,7 +125,6 @@ def _map(
     if created:
         try:
             fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new file: nobody else holds it
         except OSError as exc:
             raise TransportError(f"cannot create shared-memory slot {path}: {exc}") from None
     else:
@@ -133,6 +132,7 @@ def _map(
     held = False
     try:
         if created:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new file: nobody else holds it
             os.ftruncate(fd, max(nbytes, 1))
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, prot)
