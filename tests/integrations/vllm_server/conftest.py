@@ -6,6 +6,8 @@ They run only where vLLM is installed (the ``.venv-vllm`` that ``make test`` bui
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from _vllm import Server, start_servers
+
+from aiowsync._util.pids import pid_alive
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -35,3 +39,17 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Serv
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_openmp_files_left() -> Iterator[None]:
+    """Remove the /dev/shm registration files that Intel OpenMP's processes (vLLM's, and the
+    example's own servers) left during the test and could not remove, being killed; those of
+    live processes (the shared servers) stay until those end."""
+    before = set(glob.glob("/dev/shm/__KMP_REGISTERED_LIB_*"))
+    yield
+    for path in set(glob.glob("/dev/shm/__KMP_REGISTERED_LIB_*")) - before:
+        pid = path.rsplit("_", 2)[-2]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
