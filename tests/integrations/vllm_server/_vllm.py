@@ -229,17 +229,17 @@ async def _counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
 
 
 async def generating(client: httpx.AsyncClient, url: str) -> None:
-    """Return once the server is part-way through a request: one is running, and tokens were
-    generated between two looks that both saw it running."""
+    """Return once the server is generating: a request is running, and tokens were generated
+    since the look before. (On a busy host one look at /metrics can take seconds, and the
+    server may be between requests at many of them: one look that sees both is enough.)"""
     before = None
     while True:
         now = await _counters(client, url)
-        if now.get("vllm:num_requests_running", 0.0) < 1:
-            before = None
-        elif before is not None and now["vllm:generation_tokens_total"] > before:
+        tokens = now.get("vllm:generation_tokens_total", 0.0)
+        running = now.get("vllm:num_requests_running", 0.0) >= 1
+        if running and before is not None and tokens > before:
             return
-        else:
-            before = now.get("vllm:generation_tokens_total", 0.0)
+        before = tokens
         await asyncio.sleep(0.02)
 
 

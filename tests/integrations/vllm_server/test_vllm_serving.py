@@ -4,6 +4,7 @@ in flight; every response's tokens are those its version gives on a quiet server
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 
 import httpx
@@ -150,7 +151,10 @@ async def test_keep_continues_requests_on_the_new_version_and_their_spans_say_wh
                     break
                 # Each send comes while the server is generating for a request: the pause finds
                 # it part-way, however slow the host, and it continues on the new version.
-                await asyncio.wait_for(generating(client, server.url), 60)
+                # (Should the server be seen generating at no look for a minute, the send goes
+                # all the same: what is asserted is that some response spanned a change.)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(generating(client, server.url), 60)
                 set_version(model, seed)
                 await scheme.send(timeout=60)
         finally:
