@@ -90,8 +90,7 @@ class ConnectionWatch:
     def changed_at(self) -> float | None:
         """When (``time.monotonic()``) the latest connection event was taken in: the time the
         connection has been in its present state since, to within the thread's period (None
-        before any event)."""
-        self.read()
+        before any event). Read :attr:`alive` first: this takes in no events of its own."""
         return self._changed_at
 
     def read(self) -> None:
