@@ -144,7 +144,12 @@ async def _worker(
             if options.get("transport") == "gloo"
             else aiowsync.SharedMemWeightSyncScheme
         )
-        scheme = kind_of_scheme(address=address, background=options.get("background", True))
+        keys = options.get("keys")  # the sender's CurveKeys, for a tcp address
+        scheme = kind_of_scheme(
+            address=address,
+            background=options.get("background", True),
+            channels=None if keys is None else aiowsync.ZmqChannelFactory(curve=keys),
+        )
     model = make_model(kind)
     if isinstance(model, nn.ModuleDict):  # several models, one scheme
         scheme.init_on_receiver(models=dict(model.items()), worker_idx=worker_idx)
@@ -500,6 +505,22 @@ def scheme_of(transport: str, **options: Any) -> aiowsync.WeightSyncScheme:
     return aiowsync.DistributedWeightSyncScheme(backend="gloo", bucket_bytes=8 << 10, **options)
 
 
+def fixed_keys() -> tuple[dict[str, str], aiowsync.CurveKeys]:
+    """CURVE keys that every sender process of a test serves with (a restarted trainer must
+    keep its keys for its workers to follow it): (their fields as strings, the server secret
+    included, for :func:`sender_main`, since a pickled ``CurveKeys`` drops it; the keys its
+    receivers hold)."""
+    keys = aiowsync.CurveKeys.generate()
+    assert keys.server_secret is not None and keys.client_secret is not None
+    fields = {
+        "server_public": keys.server_public,
+        "server_secret": keys.server_secret,
+        "client_public": keys.client_public,
+        "client_secret": keys.client_secret,
+    }
+    return fields, keys.for_receiver()
+
+
 def sender_main(
     queue: Any,
     kind: str,
@@ -507,9 +528,11 @@ def sender_main(
     bind: str | None = None,
     transport: str = "shm",
     beats: tuple[float, int] = (0.5, 10),
+    keys: dict[str, str] | None = None,
 ) -> None:
     """A sender process of a model filled with ``value``, for one worker: puts its address on
-    ``queue``, then "connected", then serves until killed."""
+    ``queue``, then "connected", then serves until killed. ``keys``: the fields of the CURVE
+    keys it serves with (see :func:`fixed_keys`)."""
 
     async def main() -> None:
         model = make_model(kind)
@@ -517,6 +540,8 @@ def sender_main(
         options: dict[str, Any] = {"heartbeats": aiowsync.Heartbeats(*beats)}
         if bind is not None:
             options["bind"] = bind
+        if keys is not None:
+            options["channels"] = aiowsync.ZmqChannelFactory(curve=aiowsync.CurveKeys(**keys))
         scheme = scheme_of(transport, **options)
         scheme.init_on_sender(model=model, num_workers=1)
         async with scheme:
@@ -539,13 +564,16 @@ async def a_killed_sender(
 
     queue = SPAWN.Queue()
     beats = (0.25, 8)
+    fields, keys = fixed_keys() if transport == "dist" else (None, None)  # dist: tcp
     proc = SPAWN.Process(
-        target=sender_main, args=(queue, "small", 7, None, transport, beats), daemon=True
+        target=sender_main, args=(queue, "small", 7, None, transport, beats, fields), daemon=True
     )
     proc.start()
     try:
         address = await asyncio.to_thread(queue.get, True, 90)
         model = make_model("small")
+        if keys is not None:
+            receiver_options["channels"] = aiowsync.ZmqChannelFactory(curve=keys)
         r = scheme_of(
             transport, address=address, heartbeats=aiowsync.Heartbeats(*beats), **receiver_options
         )

@@ -204,6 +204,15 @@ def dist_system(
     )
 
 
+def keys_of(sender: aiowsync.WeightSyncScheme) -> aiowsync.ZmqChannelFactory:
+    """The channels of a receiver built from ``sender``'s address alone: the CURVE keys the
+    sender made for its tcp socket, without their server secret (what a worker is given)."""
+    assert sender.address  # bound now if it was not: the keys are made with the socket
+    curve = sender.channels.curve  # type: ignore[attr-defined]
+    assert curve is not None, "the sender has no keys: it is not bound to a tcp address"
+    return aiowsync.ZmqChannelFactory(curve=curve.for_receiver())
+
+
 def rss() -> int:
     """This process's resident memory, in bytes."""
     with open("/proc/self/statm") as statm:
@@ -260,7 +269,12 @@ class Kind:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.channels = aiowsync.MemoryChannelFactory() if name == "memory" else None
+        # The test's receivers share their sender's factory on every kind: on dist, the CURVE
+        # keys it makes for its tcp socket are then theirs too.
+        self.channels: aiowsync.ChannelFactory | None = {
+            "memory": aiowsync.MemoryChannelFactory(),
+            "dist": aiowsync.ZmqChannelFactory(),
+        }.get(name)
         self.late = LATE[name]
 
     def plane(self, *, inline_bytes: int | None = None, bucket_bytes: int = BUCKET) -> Any:

@@ -36,8 +36,10 @@ import aiowsync
 
 # Our sender first, as in a trainer; then an intruder that names itself with the id the
 # ROUTER would make up for the next peer that brings none (libzmq starts that counter at
-# rand(), which nobody seeds: 0x6b8b4567 in every process), then such a peer.
-channel = aiowsync.ZmqChannelFactory().bind("tcp://127.0.0.1:0", heartbeat_timeout=5.0)
+# rand(), which nobody seeds: 0x6b8b4567 in every process), then such a peer. Without
+# CURVE, which would keep these raw sockets out: any peer that holds the keys could do this.
+insecure = aiowsync.ZmqChannelFactory(allow_insecure_bind=True)
+channel = insecure.bind("tcp://127.0.0.1:0", heartbeat_timeout=5.0)
 ctx = zmq.Context()
 socks = []
 for k in range(8):
@@ -77,7 +79,9 @@ def _intruder(ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> zmq.Socket[b
 
 
 async def test_a_flood_of_junk_never_keeps_the_event_loop(caplog: pytest.LogCaptureFixture) -> None:
-    channel = aiowsync.ZmqChannelFactory().bind("tcp://127.0.0.1:0", heartbeat_timeout=5.0)
+    # Without CURVE, which would keep the raw socket out: a peer holding the keys could flood.
+    insecure = aiowsync.ZmqChannelFactory(allow_insecure_bind=True)
+    channel = insecure.bind("tcp://127.0.0.1:0", heartbeat_timeout=5.0)
     ctx = zmq.Context()
     raw = _intruder(ctx, channel.address)
     frames = 5000
@@ -182,7 +186,10 @@ async def test_a_receiver_refused_by_a_sender_of_another_version_says_so() -> No
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    r = aiowsync.SharedMemWeightSyncScheme(address=f"tcp://127.0.0.1:{port}")
+    r = aiowsync.SharedMemWeightSyncScheme(
+        address=f"tcp://127.0.0.1:{port}",
+        channels=aiowsync.ZmqChannelFactory(allow_insecure_bind=True),  # a raw ROUTER: no keys
+    )
     r.init_on_receiver(model=nn.Linear(4, 4), worker_idx=0)
     refusal = Refuse(reason="protocol 2 is not supported (sender speaks 3)")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import aiowsync
-from helpers import bump, model, pair, same
+from helpers import bump, keys_of, model, pair, same
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,12 +47,10 @@ class _RemotePlane(aiowsync.MemoryPlane):
 
 
 def test_an_explicit_swap_that_cannot_alias_the_planes_buffers_is_refused() -> None:
-    r = aiowsync.WeightSyncScheme("tcp://127.0.0.1:5555", plane=_RemotePlane(), apply_mode="swap")
+    r = aiowsync.WeightSyncScheme("ipc://@x", plane=_RemotePlane(), apply_mode="swap")
     with pytest.raises(ValueError, match=r"apply_mode='copy'"):
         r.init_on_receiver(model=model(1), worker_idx=0)
-    copy = aiowsync.WeightSyncScheme(
-        "tcp://127.0.0.1:5555", plane=_RemotePlane(), apply_mode="copy"
-    )
+    copy = aiowsync.WeightSyncScheme("ipc://@x", plane=_RemotePlane(), apply_mode="copy")
     copy.init_on_receiver(model=model(1), worker_idx=0)  # copy mode is always possible
 
 
@@ -76,11 +74,13 @@ async def test_a_cuda_receiver_gets_each_version_in_copy_mode(scheme: str) -> No
     )
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
+        # On tcp (gloo), a receiver built from the address is given the sender's keys.
+        keys = {} if scheme == "shm" else {"channels": keys_of(sender)}
         with pytest.raises(ValueError, match="apply_mode='copy'"):
-            make(address=sender.address, apply_mode="swap").init_on_receiver(
+            make(address=sender.address, apply_mode="swap", **keys).init_on_receiver(
                 model=model(1).cuda(), worker_idx=0
             )
-        r = make(address=sender.address)  # auto: copy mode for a GPU model
+        r = make(address=sender.address, **keys)  # auto: copy mode for a GPU model
         m = model(1).cuda()
         r.init_on_receiver(model=m, worker_idx=0)
         async with r:
@@ -115,7 +115,12 @@ from helpers import model
 warnings.simplefilter("ignore", aiowsync.ExperimentalWarning)
 
 async def main() -> None:
-    r = aiowsync.DistributedWeightSyncScheme(address=sys.argv[1], backend="nccl")
+    keys = aiowsync.CurveKeys(
+        server_public=sys.argv[3], client_public=sys.argv[4], client_secret=sys.argv[5]
+    )
+    r = aiowsync.DistributedWeightSyncScheme(
+        address=sys.argv[1], backend="nccl", channels=aiowsync.ZmqChannelFactory(curve=keys)
+    )
     m = model(1).to("cuda:1")
     r.init_on_receiver(model=m, worker_idx=0)
     async with r:
@@ -143,12 +148,17 @@ async def test_nccl_sends_cuda_weights() -> None:
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: helpers.py
+        keys = sender.channels.curve  # type: ignore[attr-defined]  # its tcp socket's keys
+        assert keys is not None and keys.client_public and keys.client_secret
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-c",
             _NCCL_RECEIVER,
             sender.address,
             here,
+            keys.server_public,
+            keys.client_public,
+            keys.client_secret,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )

@@ -106,7 +106,7 @@ async def test_a_module_whose_tensors_share_memory_is_not_rehomed() -> None:
 def test_a_receiver_on_the_meta_device_is_refused() -> None:
     with torch.device("meta"):
         model = nn.Linear(4, 4)
-    r = aiowsync.SharedMemWeightSyncScheme(address="tcp://127.0.0.1:1")
+    r = aiowsync.SharedMemWeightSyncScheme(address="ipc://@x")
     with pytest.raises(ValueError, match="meta device"):
         r.init_on_receiver(model=model, worker_idx=0)
 

@@ -116,6 +116,59 @@ def test_arguments() -> None:
         assert info.value.code == 2
 
 
+def test_dist_cells_are_measured_once_per_topology_and_control_auth() -> None:
+    from aiowsync._tools.bench._plan import Settings
+    from aiowsync._tools.bench._run import variants
+
+    args = _parse(["--topologies", "star,chain", "--control-auth", "curve,off,off,curve"])
+    assert args.topologies == ("star", "chain")
+    assert args.control_auth == ("curve", "off", "off", "curve")
+    assert _parse([]).topologies == ("star",) and _parse([]).control_auth == ("curve",)
+    settings = Settings(cells=(), topologies=("star", "chain"), control_auth=("curve", "off"))
+    assert variants("shm", settings) == [None]
+    assert variants("dist", settings) == [
+        ("star", "curve"), ("star", "off"), ("chain", "curve"), ("chain", "off"),
+    ]  # fmt: skip
+    for bad in (["--topologies", "ring"], ["--control-auth", "none"]):
+        with pytest.raises(SystemExit):
+            _parse(bad)
+
+
+def test_the_cost_of_curve_is_judged_on_the_pooled_samples_of_both() -> None:
+    def dist_cell(topology: str, auth: str, send_ms: float) -> dict[str, Any]:
+        return {
+            "model": "64MiB", "model_bytes": 64 * MIB, "tensors": 4, "workers": 4,
+            "transport": "dist", "topology": topology, "control_auth": auth,
+            "skipped": [], "errors": [],
+            "contenders": [
+                _row("aiowsync dist send()", "aiowsync", [send_ms] * 3, mixed=0),
+                _row("raw gloo broadcast", "limit", [40.0] * 3),
+            ],
+        }  # fmt: skip
+
+    cells = [
+        dist_cell("star", "curve", 41.0),
+        dist_cell("star", "off", 40.0),
+        dist_cell("chain", "curve", 50.0),
+        dist_cell("chain", "off", 40.0),
+    ]
+    report: dict[str, Any] = {"run": {"cells": cells}}
+    star = _check({"checks": checks(report)}, "64MiB x4 dist star: send() with CURVE")
+    assert star["met"] is True and star["value"].startswith("1.025x (41.00 / 40.00 ms")
+    assert star["target"] == "<= 1.05x"
+    chain = _check({"checks": checks(report)}, "64MiB x4 dist chain: send() with CURVE")
+    assert chain["met"] is False and chain["value"].startswith("1.250x")
+    env = {"command": "aiowsync bench", "date": "2026-12-06", "cpus": 2, "mem_gib": 24,
+           "python": "3.11", "torch": "2.13.0", "tensordict": "0.14.3", "aiowsync": "0.1.0",
+           "torchrl_status": "torchrl 0.14.1", "load_start": [0.5, 0.5, 0.5]}  # fmt: skip
+    report = {"env": env, "run": {**report["run"], "seconds": 60, "load_end": [1.0] * 3}}
+    report["checks"] = checks(report)
+    text = markdown(report)
+    assert "| 64MiB | 4 | **aiowsync dist send()** | 41.0 |" in text
+    assert "| 64MiB (control auth off) | 4 | **aiowsync dist send()** | 40.0 |" in text
+    assert "| 64MiB (chain, control auth off) | 4 |" in text
+
+
 def test_models_are_the_advertised_sizes() -> None:
     assert spec_bytes(model_spec("1GiB")) == GIB
     many = model_spec("1000t-64MiB")

@@ -1,8 +1,9 @@
 """CURVE keys for the ZeroMQ control channel, and the ZAP handlers that check who connects.
 
 A sender holds the server key pair and the set of client public keys it accepts; each receiver
-holds the server public key and one client key pair. A sender without keys on a Unix socket
-checks instead that each connecting process runs as its own user. See docs/security.md.
+holds the server public key and one client key pair. A tcp sender always has keys (its
+factory makes them when none are given); a sender without keys on a Unix socket checks
+instead that each connecting process runs as its own user. See docs/security.md.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def _check_pair(kind: str, public: str, secret: str) -> None:
 
 
 class CurveKeys:
-    """CURVE key material for :class:`ZmqChannelFactory` (all keys are z85 strings).
+    """CURVE key material for :class:`ZmqChannelFactory` (all keys are z85 strings). A factory
+    given none makes keys of its own for its tcp binds, as :meth:`generate` does.
 
     The sender needs ``server_secret`` and ``allowed_clients``; a receiver needs
     ``server_public`` and one client key pair (``client_public``, ``client_secret``).

@@ -167,6 +167,12 @@ class ChannelFactory(abc.ABC):
         built, so that a typo fails there rather than at ``connect()``."""
         del address, bind
 
+    def check_receiver(self, address: str) -> None:
+        """Raise ``ValueError``, naming what is missing, unless a receiver of this factory
+        holds what joining the sender at ``address`` takes (its CURVE keys, say).
+        ``init_on_receiver`` calls it, so that a receiver without them fails there."""
+        del address
+
     @abc.abstractmethod
     def bind(
         self, address: str, *, heartbeat_timeout: float, max_message: int | None = None

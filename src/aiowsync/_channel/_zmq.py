@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import zmq
 
@@ -211,27 +212,35 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
 
 
 class ZmqChannelFactory(ChannelFactory):
-    """Control channels over ZeroMQ (tcp or ipc), optionally authenticated with CURVE.
+    """Control channels over ZeroMQ (tcp or ipc), authenticated with CURVE on every tcp bind.
 
-    With ``curve`` set, the sender's socket is a CURVE server that admits only the client
-    public keys in ``curve.allowed_clients``, and every receiver socket is a CURVE client
-    presenting ``curve``'s client key pair; traffic is then also encrypted. The sender needs
-    the keys with their server secret, a receiver only the server public key and a client key
-    pair (pickling the factory, or a scheme holding it, drops the server secret).
+    A sender bound to a ``tcp://`` address, loopback included, is a CURVE server: it admits
+    only the client public keys in ``curve.allowed_clients``, and every receiver socket is a
+    CURVE client presenting ``curve``'s client key pair; traffic is then also encrypted.
+    Without ``curve``, the factory makes keys of its own at its first tcp bind (``curve``
+    then holds them), so that another local user who finds the port cannot join. Pickling the
+    factory, or a scheme holding it, carries the keys a receiver needs and drops the server
+    secret; a receiver built from a tcp address alone must be given the sender's keys, or
+    :meth:`connect` raises ``ValueError`` naming them.
 
-    Binding an address that is not loopback requires ``curve``, or the explicit opt-out
-    ``allow_insecure_bind=True``: anyone who can reach the port could otherwise join.
-    Without ``curve``, a sender bound to a Unix socket (``ipc://``, the shared-memory
-    scheme's default) admits only processes that run as its own user or as root: the kernel
-    tells it who connects (Linux). See docs/security.md.
+    ``allow_insecure_bind=True`` is the opt-out: no keys are made and tcp binds take every
+    peer that reaches the port (receivers of such a sender pass it too). Keys given as
+    ``curve`` are used on every address, ``ipc://`` included. Without them, a sender bound to
+    a Unix socket (``ipc://``, the shared-memory scheme's default) admits only processes that
+    run as its own user or as root: the kernel tells it who connects (Linux). See
+    docs/security.md.
 
     Args:
-        curve: the CURVE keys, see :class:`CurveKeys`; ``None`` leaves the channel
-            unauthenticated (loopback only, unless ``allow_insecure_bind``).
-        allow_insecure_bind: allow binding a non-loopback address without authentication.
+        curve: the CURVE keys, see :class:`CurveKeys`; ``None`` (default): keys of the
+            factory's own on tcp, none on Unix sockets.
+        allow_insecure_bind: no authentication on tcp: any process that reaches the port
+            can join (and receivers connect without keys). Only for a network you trust.
         allow_other_users: without ``curve``, let processes of any user connect to a sender
             bound to a Unix socket.
     """
+
+    _own_keys = False
+    """``curve`` was made by this factory (or the one it was pickled from) for tcp binds."""
 
     def __init__(
         self,
@@ -249,27 +258,69 @@ class ZmqChannelFactory(ChannelFactory):
     def check_address(self, address: str, *, bind: bool) -> None:
         check_zmq_address(address, bind=bind)
 
+    def receiver_keys(self, address: str) -> CurveKeys | None:
+        """The keys a receiver presents to the sender at ``address`` (None: it presents none).
+
+        Raises:
+            ValueError: ``address`` is a tcp sender's and this factory holds no keys (a
+                receiver built from the address alone), naming what it must be given.
+        """
+        if self.curve is not None and not self._own_keys:
+            return self.curve
+        if not _is_tcp(address) or self.allow_insecure_bind:
+            return None
+        if self.curve is None:
+            raise ValueError(
+                f"the sender at {address} admits only workers holding its CURVE keys (every "
+                "tcp:// sender does unless it opts out): give this receiver the sender's keys, "
+                "either as the scheme the trainer pickled (it carries them) or as "
+                "channels=ZmqChannelFactory(curve=keys) with keys = the trainer's "
+                "scheme.channels.curve.for_receiver(); a sender built with "
+                "ZmqChannelFactory(allow_insecure_bind=True) takes receivers built with it too"
+            )
+        return self.curve
+
+    def check_receiver(self, address: str) -> None:
+        keys = self.receiver_keys(address)
+        if keys is not None:
+            client_options(keys)  # keys given without a client key pair: refused here too
+
+    def _sender_keys(self, address: str) -> CurveKeys | None:
+        """The keys a sender bound to ``address`` serves with, made on the first tcp bind."""
+        if self.curve is not None and not self._own_keys:
+            check_server_keys(self.curve)
+            return self.curve
+        if not _is_tcp(address) or self.allow_insecure_bind:
+            return None
+        if self.curve is None:
+            self.curve = CurveKeys.generate()
+            self._own_keys = True
+        if self.curve.server_secret is None:
+            raise ValueError(
+                "this ZmqChannelFactory came pickled from a sender: the keys it carries let "
+                "its receivers in but cannot serve (pickling drops the server secret); give a "
+                "scheme that binds here a ZmqChannelFactory() of its own"
+            )
+        return self.curve
+
     def bind(
         self, address: str, *, heartbeat_timeout: float, max_message: int | None = None
     ) -> SenderChannel:
-        if self.curve is None:
-            if not is_loopback_address(address) and not self.allow_insecure_bind:
-                raise ValueError(
-                    f"refusing to bind {address!r}: it is not a loopback address and no "
-                    "authentication is configured; pass curve=CurveKeys.generate() to require "
-                    "CURVE keys, or allow_insecure_bind=True to accept the risk"
-                )
-        else:
-            check_server_keys(self.curve)
+        keys = self._sender_keys(address)  # before the context: a refusal leaves nothing open
         return ZmqSenderChannel(
             zmq.Context(),
             address,
             heartbeat_timeout,
-            self.curve,
+            keys,
             other_users=self.allow_other_users,
             max_message=max_message,
         )
 
     def connect(self, address: str, *, heartbeat_timeout: float) -> ReceiverChannel:
-        options = None if self.curve is None else client_options(self.curve)
+        keys = self.receiver_keys(address)
+        options = None if keys is None else client_options(keys)
         return ZmqReceiverChannel(zmq.Context(), address, heartbeat_timeout, options)
+
+
+def _is_tcp(address: str) -> bool:
+    return urlsplit(address).scheme == "tcp"

@@ -43,8 +43,13 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         plane: another data plane instead of the one built from the arguments above (then
             none of them may be given).
 
-    See :class:`WeightSyncScheme` for the other arguments. Receivers built from an address take
-    the same arguments; ``backend`` must match the sender's.
+    The control socket (``tcp://127.0.0.1:0`` unless ``bind`` says otherwise) admits only
+    workers that hold the scheme's CURVE keys: made at the first bind and carried by the
+    pickled scheme (never the server secret). See :class:`WeightSyncScheme` for the other
+    arguments. Receivers built from an address take the same arguments, ``backend`` matching
+    the sender's, and the sender's keys:
+    ``channels=ZmqChannelFactory(curve=sender.channels.curve.for_receiver())`` (see the
+    security page of the docs; ``allow_insecure_bind=True`` on both sides opts out).
     """
 
     def __init__(

@@ -67,7 +67,10 @@ class WeightSyncScheme(SchemeRuntime):
         bind: where the sender binds its control socket (loopback by default).
         timeouts: named deadlines, see :class:`Timeouts`.
         heartbeats: liveness settings, see :class:`Heartbeats`.
-        channels: the control-channel factory (ZeroMQ by default; the in-memory twin in tests).
+        channels: the control-channel factory (the in-memory twin in tests). By default a
+            :class:`ZmqChannelFactory` that authenticates every tcp bind with CURVE keys of
+            its own, carried to workers in the pickled scheme;
+            ``ZmqChannelFactory(allow_insecure_bind=True)`` opts out.
         apply_mode: receivers only: ``"swap"`` re-points the model at the shared copy (no bytes
             copied), ``"copy"`` keeps private tensors and copies each version into them;
             ``"auto"`` picks swap for CPU models and copy otherwise.
@@ -255,6 +258,10 @@ class WeightSyncScheme(SchemeRuntime):
         (sync or async, called before each try) returns where: an address, the new sender's
         scheme (its address, channels and plane: new CURVE keys) or None for "not yet".
         See the failures guide.
+
+        A receiver of a ``tcp://`` sender needs the sender's CURVE keys: the pickled scheme
+        carries them; one built from the address alone is given them with ``channels=``
+        (see docs/security.md), or this raises ``ValueError`` naming them.
         """
         if self._sending is not None and self._sending.forked:
             self._refuse_forked(self._sending, worker_idx)
@@ -278,6 +285,7 @@ class WeightSyncScheme(SchemeRuntime):
             raise ValueError(f"worker_idx must be a non-negative integer, got {worker_idx!r}")
         if self._address is None:
             raise ValueError("a receiver needs the sender's address: pass address= or unpickle it")
+        self.channels.check_receiver(self._address)
         self._session = ReceiverSession(
             self._session_options(named),
             model=model,

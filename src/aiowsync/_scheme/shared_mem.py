@@ -30,6 +30,8 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
             they cost the sender anything; a loopback TCP port where there are no Unix
             sockets. ``"ipc://@*"`` binds a fresh abstract socket instead (Linux), which
             workers in another mount namespace of the same network namespace can reach.
+            A ``tcp://`` bind (and the loopback port) admits only workers holding the
+            scheme's CURVE keys, which the pickled scheme carries (see ``channels``).
         num_slots: slots created up front (at least 2).
         max_slots: the most slots the sender creates when versions stay in use side by side
             (sends to subsets of the workers, or workers that missed an ack).

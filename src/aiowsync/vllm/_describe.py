@@ -2,8 +2,9 @@
 
 A vLLM server's workers join the trainer's scheme from a JSON body (no pickle on any socket):
 the scheme's kind, its sender's address, the options a receiver must share with the sender,
-the CURVE keys a receiver presents (never the server secret), and the names, dtypes and shapes
-of the tensors the trainer sends.
+the CURVE keys a receiver presents (never the server secret; every tcp sender has keys unless
+it opted out), and the names, dtypes and shapes of the tensors the trainer sends. The keys
+make the description a secret: it travels in the body of one request and is never logged.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from .._scheme.shared_mem import SharedMemWeightSyncScheme
 
 __all__ = ["describe", "placeholders", "rebuild"]
 
-FORMAT = 1
-"""Raised whenever the description changes in a way an older engine cannot read."""
+FORMAT = 2
+"""Raised whenever the description changes in a way an older engine cannot read (2: tcp
+senders authenticate by default, and ``allow_insecure_bind`` says when one does not)."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -62,7 +64,8 @@ def describe(scheme: WeightSyncScheme) -> dict[str, Any]:
     channels = scheme.channels
     if not isinstance(channels, ZmqChannelFactory):
         raise TypeError("vLLM servers reach the trainer over ZeroMQ: keep the default channels")
-    curve = channels.curve
+    address = scheme.address  # bound first: a tcp bind makes the keys its receivers present
+    curve = channels.receiver_keys(address)
     keys = None
     if curve is not None:
         if curve.client_public is None or curve.client_secret is None:
@@ -86,7 +89,7 @@ def describe(scheme: WeightSyncScheme) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "kind": kind,
-        "address": scheme.address,
+        "address": address,
         "model_id": scheme.model_id,
         "plane": plane,
         "integrity": scheme.integrity,
@@ -94,6 +97,7 @@ def describe(scheme: WeightSyncScheme) -> dict[str, Any]:
         "timeouts": dataclasses.asdict(scheme.timeouts),
         "heartbeats": dataclasses.asdict(scheme.heartbeats),
         "curve": keys,
+        "allow_insecure_bind": channels.allow_insecure_bind,
         "allow_other_users": channels.allow_other_users,
         "tensors": [[s.key, _dtype_name(s.dtype), list(s.shape)] for s in layout.specs],
         "skip": skip,
@@ -111,6 +115,7 @@ def rebuild(description: dict[str, Any]) -> WeightSyncScheme:
     curve = description["curve"]
     channels = ZmqChannelFactory(
         curve=None if curve is None else CurveKeys(**curve),
+        allow_insecure_bind=bool(description["allow_insecure_bind"]),
         allow_other_users=bool(description["allow_other_users"]),
     )
     wire = description["wire_dtype"]

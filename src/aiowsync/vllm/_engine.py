@@ -49,8 +49,9 @@ was labelled (``/finish_weight_update``) and of the model's first forward after 
 class AiowsyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     """``/init_weight_transfer_engine``'s body: the trainer's scheme, described."""
 
-    scheme: dict[str, Any] = field(default_factory=dict)
-    """:func:`aiowsync.vllm._describe.describe`'s output."""
+    scheme: dict[str, Any] = field(default_factory=dict, repr=False)
+    """:func:`aiowsync.vllm._describe.describe`'s output (it holds a client secret key, so
+    it stays out of the repr, and so out of vLLM's logs)."""
     first_worker: int = 0
     """The receiver index of this server's worker of rank 0."""
     server_url: str | None = None

@@ -47,8 +47,12 @@ async def test_subsets_pull_mode_and_a_receiver_joining_from_the_address_alone()
         async with scheme:
             for i in range(3):
                 w.start(i, "small", scheme=scheme)
-            # An unrelated process: the address and the same constructor arguments only.
-            w.start(3, "small", address=scheme.address, transport="gloo", background=False)
+            # An unrelated process: the address, the same constructor arguments, and the
+            # keys of the sender's tcp socket (no server secret), as its user would hand them.
+            keys = scheme.channels.curve.for_receiver()  # type: ignore[attr-defined]
+            w.start(
+                3, "small", address=scheme.address, transport="gloo", background=False, keys=keys
+            )
             await connect_all(scheme, w, 4)
 
             randomize(model, 1)

@@ -24,7 +24,7 @@ import aiowsync
 from aiowsync._planes.base import Source
 from aiowsync._planes.dist.buckets import Buckets
 from aiowsync._planes.dist.receiver import DistReceiverPlane
-from helpers import BEATS, bump, dist_model, dist_system, same
+from helpers import BEATS, bump, dist_model, dist_system, keys_of, same
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -125,7 +125,7 @@ async def test_send_of_explicit_weights_and_rehomed_sender() -> None:
     sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=777, heartbeats=BEATS)
     sender.init_on_sender(model=src, num_workers=1, rehome=True)
     async with sender:
-        r = aiowsync.DistributedWeightSyncScheme(address=sender.address)
+        r = aiowsync.DistributedWeightSyncScheme(address=sender.address, channels=keys_of(sender))
         m = dist_model(2)
         r.init_on_receiver(model=m, worker_idx=0)
         async with r:
@@ -199,7 +199,9 @@ async def test_a_cancelled_send_never_reads_the_model_after_it_returns() -> None
         await stack.enter_async_context(sender)
         mirrors = []
         for i in range(2):
-            r = aiowsync.DistributedWeightSyncScheme(address=sender.address)
+            r = aiowsync.DistributedWeightSyncScheme(
+                address=sender.address, channels=keys_of(sender)
+            )
             m = nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256))
             r.init_on_receiver(model=m, worker_idx=i)
             await stack.enter_async_context(r)
@@ -233,7 +235,7 @@ async def test_version_0_is_the_model_at_start_even_for_late_joiners() -> None:
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
         bump(src, 100)  # after start, before anyone joined: not part of version 0
-        r = aiowsync.DistributedWeightSyncScheme(address=sender.address)
+        r = aiowsync.DistributedWeightSyncScheme(address=sender.address, channels=keys_of(sender))
         m = dist_model(9)
         r.init_on_receiver(model=m, worker_idx=0)
         async with r:
@@ -259,7 +261,7 @@ async def test_hook_failure_is_surfaced_and_the_model_stays_whole() -> None:
 
 async def test_wrong_model_is_refused_naming_the_difference() -> None:
     async with dist_system(1) as (sender, _, _):
-        bad = aiowsync.DistributedWeightSyncScheme(address=sender.address)
+        bad = aiowsync.DistributedWeightSyncScheme(address=sender.address, channels=keys_of(sender))
         bad.init_on_receiver(model=dist_model(0, width=65), worker_idx=0)
         async with bad:
             with pytest.raises(aiowsync.RefusedError, match=r"0\.weight"):
@@ -271,7 +273,9 @@ async def test_copy_mode_receiver_keeps_private_tensors() -> None:
     sender = aiowsync.DistributedWeightSyncScheme(bucket_bytes=2048, heartbeats=BEATS)
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
-        r = aiowsync.DistributedWeightSyncScheme(address=sender.address, apply_mode="copy")
+        r = aiowsync.DistributedWeightSyncScheme(
+            address=sender.address, channels=keys_of(sender), apply_mode="copy"
+        )
         m = dist_model(5)
         r.init_on_receiver(model=m, worker_idx=0)
         async with r:

@@ -299,23 +299,24 @@ def _scheme(bind: str, channels: ZmqChannelFactory | None = None) -> Distributed
     )
 
 
-async def test_binding_the_veth_address_needs_keys_or_an_explicit_opt_out(netns: Netns) -> None:
+async def test_binding_the_veth_address_is_authenticated_unless_opted_out(netns: Netns) -> None:
+    # Before, such a bind was refused without keys; now the scheme makes keys of its own.
     address = f"tcp://{netns.host_ip}:0"
-    with pytest.raises(ValueError, match="not a loopback address"):
-        ZmqChannelFactory().bind(address, heartbeat_timeout=1.5)
-
-    refused = _scheme(address)
-    refused.init_on_sender(model=make_model("small"), num_workers=1)
-    with pytest.raises(ValueError, match="not a loopback address"):
-        async with refused:
-            pass
-    assert _listening_ports(netns.host_ip) == set(), "the refused sender left a port open"
+    default = _scheme(address)
+    default.init_on_sender(model=make_model("small"), num_workers=1)
+    async with default:
+        assert default.address.startswith(f"tcp://{netns.host_ip}:")
+        assert _port_of(default.address) in _listening_ports(netns.host_ip)
+        keys = default.channels.curve  # type: ignore[attr-defined]
+        assert keys is not None and keys.server_secret is not None
+    assert _listening_ports(netns.host_ip) == set(), "the sender left a port open"
 
     insecure = _scheme(address, ZmqChannelFactory(allow_insecure_bind=True))
     insecure.init_on_sender(model=make_model("small"), num_workers=1)
     async with insecure:
         assert insecure.address.startswith(f"tcp://{netns.host_ip}:")
         assert _port_of(insecure.address) in _listening_ports(netns.host_ip)
+        assert insecure.channels.curve is None  # type: ignore[attr-defined]
     assert _listening_ports(netns.host_ip) == set()
 
 

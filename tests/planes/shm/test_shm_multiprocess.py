@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from _workers import (
     connect_all,
     digest,
     exact_bytes_then_no_mixed_reads,
+    fixed_keys,
     make_model,
     on_version_1,
     randomize,
@@ -168,13 +170,24 @@ async def test_a_sender_restarted_on_the_same_address_is_not_taken_for_the_old_o
             probe.bind(("127.0.0.1", 0))
             bind = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
     beats = aiowsync.Heartbeats(interval=0.2, missed=10)
+    # On tcp both trainers serve with the same keys, as a restarted trainer must for its
+    # workers to reach it (each would otherwise make keys of its own).
+    fields, keys = fixed_keys() if transport == "tcp" else (None, None)
+    channels = None if keys is None else aiowsync.ZmqChannelFactory(curve=keys)
     queue = SPAWN.Queue()
-    procs = [SPAWN.Process(target=sender_main, args=(queue, "small", 7, bind), daemon=True)]
+
+    def trainer(value: float) -> Any:
+        args = (queue, "small", value, bind, "shm", (0.5, 10), fields)
+        return SPAWN.Process(target=sender_main, args=args, daemon=True)
+
+    procs = [trainer(7)]
     procs[0].start()
     try:
         address = await asyncio.to_thread(queue.get, True, 60)
         model = make_model("small")
-        scheme = aiowsync.SharedMemWeightSyncScheme(address=address, heartbeats=beats)
+        scheme = aiowsync.SharedMemWeightSyncScheme(
+            address=address, heartbeats=beats, channels=channels
+        )
         scheme.init_on_receiver(model=model, worker_idx=0)
         async with scheme:
             await scheme.connect(timeout=30)
@@ -186,9 +199,7 @@ async def test_a_sender_restarted_on_the_same_address_is_not_taken_for_the_old_o
             # A queue of its own: the killed sender may have died between writing "connected"
             # and releasing the queue's write lock, which would then block every later put.
             queue = SPAWN.Queue()
-            procs.append(
-                SPAWN.Process(target=sender_main, args=(queue, "small", 9, bind), daemon=True)
-            )
+            procs.append(trainer(9))
             procs[1].start()
             assert await asyncio.to_thread(queue.get, True, 60) == address
             # The worker's socket reconnects within a fraction of a second; for three

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 import aiowsync
-from helpers import SHM_BEATS, bump, model, same
+from helpers import SHM_BEATS, bump, keys_of, model, same
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +39,9 @@ async def test_the_address_is_known_after_init_on_sender_and_kept_across_session
     else:
         assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":0")
     by_pickle = pickle.loads(pickle.dumps(sender))  # carries the same address
-    by_address = aiowsync.SharedMemWeightSyncScheme(address=address)
+    # Built from the address: on tcp it is also given the sender's keys.
+    keys = {} if bind is None else {"channels": keys_of(sender)}
+    by_address = aiowsync.SharedMemWeightSyncScheme(address=address, **keys)
     for _session in range(2):
         mirrors = [model(1), model(2)]
         by_pickle.init_on_receiver(model=mirrors[0], worker_idx=0)
@@ -56,7 +58,7 @@ async def test_the_address_is_known_after_init_on_sender_and_kept_across_session
             assert result.worker_ids == (0, 1) and all(same(m, src) for m in mirrors)
         # A later session serves on the same address; receivers are made afresh.
         by_pickle = pickle.loads(pickle.dumps(sender))
-        by_address = aiowsync.SharedMemWeightSyncScheme(address=address)
+        by_address = aiowsync.SharedMemWeightSyncScheme(address=address, **keys)
 
 
 @pytest.mark.parametrize("bind", [None, "tcp://127.0.0.1:0"], ids=["default", "tcp"])
@@ -112,7 +114,8 @@ async def test_a_later_session_whose_address_is_taken_binds_a_fresh_one(
         with caplog.at_level(logging.WARNING, logger="aiowsync"):
             async with sender:
                 second = sender.address
-                r = aiowsync.SharedMemWeightSyncScheme(address=second)
+                keys = {} if bind is None else {"channels": keys_of(sender)}
+                r = aiowsync.SharedMemWeightSyncScheme(address=second, **keys)
                 mirror = model(1)
                 r.init_on_receiver(model=mirror, worker_idx=0)
                 async with r:

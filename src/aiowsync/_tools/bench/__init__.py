@@ -84,6 +84,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="bucket size of aiowsync's distributed scheme, MiB (default: the scheme's)",
     )
     p.add_argument(
+        "--topologies",
+        help="comma-separated topologies of aiowsync's distributed scheme: star, chain; each "
+        "dist cell is measured once per topology (default: star)",
+    )
+    p.add_argument(
+        "--control-auth",
+        help="comma-separated, of the dist cells' control channel: curve (the default: CURVE "
+        "keys of the scheme's own), off (ZmqChannelFactory(allow_insecure_bind=True)); each "
+        "dist cell is measured once per entry, in this order (repeats allowed, e.g. "
+        "curve,off,off,curve), and the checks compare curve with off",
+    )
+    p.add_argument(
         "--timeout", type=float, default=120.0, help="deadline of every wait, s (default: 120)"
     )
     p.add_argument(
@@ -112,6 +124,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         p.error("--samples must be at least 1")
     if args.bucket_mib is not None and args.bucket_mib <= 0:
         p.error("--bucket-mib must be positive")
+    args.topologies = tuple(args.topologies.split(",")) if args.topologies else ("star",)
+    if not set(args.topologies) <= {"star", "chain"}:
+        p.error("--topologies takes star, chain or both")
+    args.control_auth = tuple(args.control_auth.split(",")) if args.control_auth else ("curve",)
+    if not set(args.control_auth) <= {"curve", "off"}:
+        p.error("--control-auth takes curve and off")
     from ._plan import QUICK_CELLS, matrix
 
     chosen = args.models or args.workers or args.transports
@@ -199,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         wire_dtype=args.wire_dtype,
         rehome=args.rehome,
         bucket_bytes=None if args.bucket_mib is None else int(args.bucket_mib * 2**20),
+        topologies=args.topologies,
+        control_auth=args.control_auth,
     )
     print(f"aiowsync bench: {torchrl_line}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {

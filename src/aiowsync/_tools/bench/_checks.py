@@ -19,6 +19,7 @@ __all__ = [
     "percentile",
     "reads_of",
     "rows_of",
+    "variant_text",
 ]
 
 # TorchRL contender -> the aiowsync contender it is compared with
@@ -61,9 +62,22 @@ def cells_of(report: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield from (c for c in report["run"]["cells"] if "failed" not in c)
 
 
+def variant_text(cell: dict[str, Any]) -> str:
+    """What sets a dist cell apart from the default (star, CURVE): "" for the default."""
+    parts = []
+    if cell.get("topology", "star") != "star":
+        parts.append(cell["topology"])
+    if cell.get("control_auth", "curve") != "curve":
+        parts.append("control auth off")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _find_cell(report: dict[str, Any], model: str, n: int, transport: str) -> dict[str, Any] | None:
+    """The first cell of (model, n, transport) on the defaults (star, CURVE)."""
     for cell in cells_of(report):
-        if (cell["model"], cell["workers"], cell["transport"]) == (model, n, transport):
+        if (cell["model"], cell["workers"], cell["transport"]) == (model, n, transport) and (
+            not variant_text(cell)
+        ):
             return cell
     return None
 
@@ -212,6 +226,7 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
                 f" (measured again: {len(aside)} window pair(s) in which the host took "
                 f"{', '.join(f'{ms:.0f}' for ms in aside)} ms of CPU)"
             )
+    out += _auth_costs(report)
     mixed = [
         m
         for c in cells_of(report)
@@ -233,6 +248,49 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
         "{:.1%}",
         False,
     )
+    return out
+
+
+AUTH_COST = 1.05
+"""The most a dist send() with CURVE on its control channel (the default) may take, as a
+multiple of the same send without (``allow_insecure_bind=True``)."""
+
+
+def _auth_costs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """For each dist (model, workers, topology) measured both with CURVE and without
+    (``--control-auth``): the median of ``send()`` with it / without it, every sample of
+    each pooled; and the same of the medians taken as multiples of each cell's raw gloo."""
+    groups: dict[tuple[str, int, str], dict[str, list[dict[str, Any]]]] = {}
+    for cell in cells_of(report):
+        if cell["transport"] == "dist" and "control_auth" in cell:
+            key = (cell["model"], cell["workers"], cell["topology"])
+            groups.setdefault(key, {}).setdefault(cell["control_auth"], []).append(cell)
+    out = []
+    for (model, n, topology), by_auth in groups.items():
+        if set(by_auth) != {"curve", "off"}:
+            continue
+        pooled, relative = {}, {}
+        for auth, cells in by_auth.items():
+            rows = [rows_of(c) for c in cells]
+            sends = [r["aiowsync dist send()"] for r in rows if "aiowsync dist send()" in r]
+            pooled[auth] = statistics.median(s for row in sends for s in row["samples_s"])
+            relative[auth] = statistics.median(
+                _ratio(c, "aiowsync dist send()", LIMIT["dist"]) or float("nan") for c in cells
+            )
+        ratio = pooled["curve"] / pooled["off"]
+        out.append(
+            {
+                "check": f"{model} x{n} dist {topology}: send() with CURVE (default) / "
+                "without (allow_insecure_bind=True)",
+                "value": f"{ratio:.3f}x ({pooled['curve'] * 1e3:.2f} / "
+                f"{pooled['off'] * 1e3:.2f} ms; as multiples of the cells' raw gloo: "
+                f"{relative['curve']:.3f} / {relative['off']:.3f} = "
+                f"{relative['curve'] / relative['off']:.3f}x; "
+                f"{len(by_auth['curve'])} + {len(by_auth['off'])} cells)",
+                "target": f"<= {AUTH_COST:.2f}x",
+                "met": ratio <= AUTH_COST,
+            }
+        )
     return out
 
 

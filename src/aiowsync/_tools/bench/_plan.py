@@ -80,6 +80,11 @@ class Settings:
     """aiowsync's senders re-home their model (``init_on_sender(..., rehome=True)``)."""
     bucket_bytes: int | None = None
     """The distributed scheme's bucket size (its default when None)."""
+    topologies: tuple[str, ...] = ("star",)
+    """The distributed scheme's topologies: each dist cell is measured once per topology."""
+    control_auth: tuple[str, ...] = ("curve",)
+    """The dist cells' control channel: ``"curve"`` (the default, keys of the scheme's own)
+    or ``"off"`` (``allow_insecure_bind=True``); each dist cell is measured once per entry."""
 
 
 QUICK_LEAVE_OUT: tuple[tuple[str, str], ...] = (("1000t-64MiB", "mp"),)

@@ -17,6 +17,7 @@ from ._checks import (
     percentile,
     reads_of,
     rows_of,
+    variant_text,
 )
 
 __all__ = ["markdown", "plot"]
@@ -118,14 +119,16 @@ def markdown(report: dict[str, Any]) -> str:
         "processes and its echo from each worker's event loop, no weights: the least any "
         "update signalled over ZeroMQ costs on this machine at this point of the run. "
         "In cells of models up to 4 MiB each turn of a contender is two sends back to back, "
-        "and the sample is the second; the first ones are listed after this table.",
+        "and the sample is the second; the first ones are listed after this table. "
+        "A dist cell names its topology and control-channel authentication where they are "
+        "not the defaults (star, CURVE keys).",
         "",
         "| model | workers | contender | median ms | p90 ms | n | vs limit | aiowsync speed-up "
         "| sender loop gap | worst worker gap | mixed reads |",
         "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for cell in report["run"]["cells"]:
-        head = f"| {cell['model']} | {cell['workers']} |"
+        head = f"| {cell['model']}{variant_text(cell)} | {cell['workers']} |"
         if "failed" in cell:
             last = cell["failed"].strip().splitlines()[-1]
             lines.append(f"{head} {cell['transport']}: FAILED ({last}) | | | | | | | | |")
@@ -157,7 +160,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{head} TorchRL {'+'.join(e['batch'])}: failed ({last}) | | | | | | | | |"
             )
     lead_lines = [
-        f"| {cell['model']} | {cell['workers']} | {row['name']} | {_ms(lead)} "
+        f"| {cell['model']}{variant_text(cell)} | {cell['workers']} | {row['name']} | {_ms(lead)} "
         f"| {_ms(median(row))} |"
         for cell in cells_of(report)
         for row in cell["contenders"]

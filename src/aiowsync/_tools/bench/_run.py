@@ -13,6 +13,7 @@ import time
 import traceback
 from typing import Any
 
+from ._checks import variant_text
 from ._contenders import Contender, RawCopy, RawGloo, RawZmq, TorchRLContender
 from ._models import MIB, model_spec, spec_bytes
 from ._plan import (
@@ -29,7 +30,16 @@ from ._probe import QUIET_AGAIN_S, QUIET_MOST_S, host_steal_ms
 from ._session import DIGEST_MODE, AiowsyncSend, AiowsyncSession
 from ._torchrl import TorchRLError, TorchRLTree
 
-__all__ = ["GAP_RETAKES", "ROUND_START", "Progress", "raw_gloo_rounds", "run", "run_sync"]
+__all__ = [
+    "GAP_RETAKES",
+    "ROUND_START",
+    "Progress",
+    "Variant",
+    "raw_gloo_rounds",
+    "run",
+    "run_sync",
+    "variants",
+]
 
 
 class Progress:
@@ -52,6 +62,18 @@ class Progress:
             )
 
 
+Variant = tuple[str, str]
+"""A dist cell's (topology, control-channel authentication: "curve" or "off")."""
+
+
+def variants(transport: str, settings: Settings) -> list[Variant | None]:
+    """Each measurement of a cell of ``transport``: one per topology and authentication for
+    dist cells (in the order given), one (None) otherwise."""
+    if transport != "dist":
+        return [None]
+    return [(t, a) for t in settings.topologies for a in settings.control_auth]
+
+
 async def _cell(
     transport: str,
     model: str,
@@ -60,6 +82,7 @@ async def _cell(
     settings: Settings,
     budget: int,
     progress: Progress,
+    variant: Variant | None = None,
 ) -> dict[str, Any]:
     spec = model_spec(model)
     nbytes = spec_bytes(spec)
@@ -78,7 +101,9 @@ async def _cell(
         "errors": [],
         "batches": [],
     }
-    label = f"{model} x{n} {transport}"
+    if variant is not None:
+        out["topology"], out["control_auth"] = variant
+    label = f"{model} x{n} {transport}{variant_text(out)}"
     if base > budget:
         out["skipped"].append(
             {
@@ -111,6 +136,7 @@ async def _cell(
         settings.wire_dtype,
         rehome=settings.rehome,
         bucket_bytes=settings.bucket_bytes,
+        variant=variant,
     )
     ours: list[Contender] = [AiowsyncSend(session, "send()"), AiowsyncSend(session, "publish()")]
     digested = AiowsyncSend(session, DIGEST_MODE)  # timed only: its reads are send()'s
@@ -336,7 +362,8 @@ async def run(settings: Settings) -> dict[str, Any]:
     """Every cell of the matrix; a JSON-able dict of every sample."""
     cells = settings.cells
     most = max(n for _, n, _ in cells)
-    progress = Progress(len(cells))
+    plan = [(m, n, t, v) for m, n, t in cells for v in variants(t, settings)]
+    progress = Progress(len(plan))
     progress.say(f"starting {most} worker processes")
     pool = WorkerPool(most, name="aiowsync-bench-worker")
     results: list[dict[str, Any]] = []
@@ -345,16 +372,19 @@ async def run(settings: Settings) -> dict[str, Any]:
     try:
         await pool.start()
         budget = int(available_bytes() * settings.memory_fraction)
-        for model, n, transport in cells:
+        for model, n, transport, variant in plan:
             progress.cell += 1
             try:
-                results.append(await _cell(transport, model, n, pool, settings, budget, progress))
+                results.append(
+                    await _cell(transport, model, n, pool, settings, budget, progress, variant)
+                )
             except Exception:
                 text = traceback.format_exc()
-                progress.say(f"{model} x{n} {transport} FAILED:\n{text}")
-                results.append(
-                    {"model": model, "workers": n, "transport": transport, "failed": text}
-                )
+                progress.say(f"{model} x{n} {transport} {variant or ''} FAILED:\n{text}")
+                failed = {"model": model, "workers": n, "transport": transport, "failed": text}
+                if variant is not None:
+                    failed["topology"], failed["control_auth"] = variant
+                results.append(failed)
                 # A failed session may leave workers in it: start from a fresh pool.
                 await pool.close()
                 pool = WorkerPool(most, name="aiowsync-bench-worker")

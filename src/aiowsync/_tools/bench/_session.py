@@ -10,7 +10,12 @@ from typing import Any
 
 import torch
 
-from aiowsync import DistributedWeightSyncScheme, Heartbeats, SharedMemWeightSyncScheme
+from aiowsync import (
+    DistributedWeightSyncScheme,
+    Heartbeats,
+    SharedMemWeightSyncScheme,
+    ZmqChannelFactory,
+)
 
 from ._contenders import Contender
 from ._models import SendSources, Spec, build_model, fill, fingerprint, random_init, spec_bytes
@@ -29,7 +34,9 @@ class AiowsyncSession:
     Both modes share the session: ``send()`` sends the model given at ``init_on_sender``;
     ``send(weights)`` sends a ``TensorDict`` clone of it, filled separately. ``rehome``: the
     sender's model is re-homed (its tensors become views of one flat buffer);
-    ``bucket_bytes``: the distributed scheme's bucket size (its default when None).
+    ``bucket_bytes``: the distributed scheme's bucket size (its default when None);
+    ``variant``: the distributed scheme's topology and its control channel's authentication
+    (``"curve"``, the default, or ``"off"``); (star, curve) when None.
     """
 
     def __init__(
@@ -43,6 +50,7 @@ class AiowsyncSession:
         *,
         rehome: bool = False,
         bucket_bytes: int | None = None,
+        variant: tuple[str, str] | None = None,
     ):
         self.transport = transport
         self.wire = getattr(torch, wire_dtype) if wire_dtype else None
@@ -64,10 +72,18 @@ class AiowsyncSession:
                 heartbeats=beats, wire_dtype=self.wire, integrity=False
             )
         else:
-            # The scheme's own default bucket unless one was asked for.
-            buckets: dict[str, Any] = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+            # The scheme's own defaults unless others were asked for.
+            extra: dict[str, Any] = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+            topology, auth = variant or ("star", "curve")
+            if auth == "off":
+                extra["channels"] = ZmqChannelFactory(allow_insecure_bind=True)
             self.scheme = DistributedWeightSyncScheme(
-                backend="gloo", heartbeats=beats, wire_dtype=self.wire, integrity=False, **buckets
+                backend="gloo",
+                heartbeats=beats,
+                wire_dtype=self.wire,
+                integrity=False,
+                topology=topology,  # type: ignore[arg-type]
+                **extra,
             )
         self.scheme.init_on_sender(model=self.sources.module, num_workers=n, rehome=rehome)
         self._joined = False
