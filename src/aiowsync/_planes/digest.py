@@ -11,18 +11,27 @@ that names the worker and the bucket), so the model keeps its version.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio
 import torch
 import xxhash
 
 from .._exceptions import WeightSyncError
+from .._protocol import ParamValue
 from .._util.shield import to_the_end
 from .._weights.layout import Layout
 from .base import Params, SenderPlane
 
-__all__ = ["DigestMismatch", "Digests", "bucket_bytes", "check_digest", "digest", "fits"]
+__all__ = [
+    "DigestMismatch",
+    "Digests",
+    "bucket_bytes",
+    "check_digest",
+    "digest",
+    "fits",
+    "forwarded_by",
+]
 
 _BUCKET = 8 << 20
 """Bytes per bucket for models up to 8 GiB; larger ones get larger buckets."""
@@ -99,6 +108,17 @@ def _where(layout: Layout, buffer: int, lo: int, hi: int) -> str:
     named = "no tensor" if not keys else keys[0] if len(keys) == 1 else f"{keys[0]} ... {keys[-1]}"
     where = f"bytes {lo}-{hi} of buffer {buffer}"
     return f"{where}: {named}"
+
+
+def forwarded_by(params: Mapping[str, ParamValue], worker: int) -> int | None:
+    """In a chain delivery (``params`` of the update), the member that forwards ``worker``
+    its bytes; None when they come from the sender."""
+    members = params.get("members")
+    if params.get("topology") != "chain" or not isinstance(members, str):
+        return None
+    order = members.split(",")
+    at = order.index(str(worker)) if str(worker) in order else 0
+    return int(order[at - 1]) if at > 0 else None
 
 
 def fits(layout: Layout, value: str) -> bool:

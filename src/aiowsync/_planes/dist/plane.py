@@ -292,6 +292,11 @@ class DistSenderPlane(SenderPlane):
     def forget(self, worker: int) -> None:
         """Drop every group that counts ``worker`` (lost, replaced or gone)."""
         self._groups.forget(worker)
+        self._groups.last.discard(worker)  # a new process under that index starts trusted
+
+    def distrust(self, workers: set[int]) -> None:
+        """Later chains put ``workers`` last, where they forward to nobody."""
+        self._groups.last |= workers
 
     # -- transfer (in a worker thread) --------------------------------------------------------
 
