@@ -472,6 +472,35 @@ async def on_version_1(
             yield model, w
 
 
+async def arrivals(
+    w: Workers, want: dict[int, tuple[int, str]], started: float, within: float
+) -> dict[int, float]:
+    """Read version reports until each worker of ``want`` reported ``want[worker]`` (version,
+    digest), for at most ``within`` seconds: by worker, the seconds from ``started``
+    (monotonic) until that report was read. Call it while the send runs, so that each figure
+    is how long that worker waited for the version."""
+    waited: dict[int, float] = {}
+    end = time.monotonic() + within
+    while set(waited) != set(want):
+        left = end - time.monotonic()
+        try:
+            event = (await asyncio.to_thread(w.collect, "version", 1, max(0.0, left)))[0]
+        except Empty:
+            missing = {k: v for k, (v, _) in want.items() if k not in waited}
+            raise AssertionError(
+                f"within {within:g} s, workers {sorted(missing)} did not report holding the "
+                f"sender's bytes of versions {missing}"
+            ) from None
+        if want.get(event[1]) == (event[2], event[3]):
+            waited.setdefault(event[1], time.monotonic() - started)
+    return waited
+
+
+def waits_text(waited: dict[int, float]) -> str:
+    """What :func:`arrivals` gave, as a test prints it."""
+    return ", ".join(f"worker {k} {v:.2f} s" for k, v in sorted(waited.items()))
+
+
 def blocking_worker_main(scheme: Any, worker_idx: int, events: Any, stop: Any) -> None:
     """A synchronous worker: ``aiowsync.blocking`` and a plain loop that reads the model under
     the read guard. Reports ("done", idx, version, digest, reads, torn reads, versions seen)."""

@@ -40,6 +40,7 @@ DEFAULT_TESTS = [
     "tests/receiving/test_leases.py",
     "tests/planes/distributed/test_dist_scheme.py",
     "tests/planes/distributed/test_dist_chain.py",
+    "tests/planes/distributed/test_dist_links.py",
     "tests/planes/test_integrity.py",
     "tests/scheme/test_relays.py",
 ]
@@ -181,6 +182,13 @@ MUTANTS = [
         "src/aiowsync/_planes/dist/chain.py",
         '"hop_ms": round(self.hop * 1000)',
         '"hop_ms": round(self.hop)',
+    ),
+    Mutant(
+        "star-waits-unbounded",
+        "the star's sender waits on a stopped member until the deadline (the others with it)",
+        "src/aiowsync/_planes/dist/send.py",
+        "allowed=stall, deadline=deadline, peer=peer)",
+        'allowed=float("inf"), deadline=deadline, peer=peer)',
     ),
     # aiowsync.vllm: run with .venv-vllm's python and --tests tests/integrations/vllm_server
     # (VLLM_TESTS below); the default tests do not start vLLM.

@@ -184,6 +184,70 @@ async def test_a_bucket_flipped_in_transit_over_gloo_is_refused_by_that_worker_a
         assert all(r.version == 3 and same(m, src) for r, m in receivers)
 
 
+class _ForwardsDamage:
+    """A chain member's process group whose sends carry a flipped byte: the member holds the
+    right bytes (they passed its check) and forwards wrong ones."""
+
+    def __init__(self, pg: Any) -> None:
+        self._pg = pg
+        self._kept: list[torch.Tensor] = []  # alive until the group goes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        bad = [t.clone() for t in tensors]
+        _flip(bad, where=5)
+        self._kept += bad
+        return self._pg.send(bad, dst, tag)
+
+
+async def test_a_chain_member_that_damages_what_it_forwards_is_named_and_routed_around(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # N2. Before: worker 1 acked (its own bytes were right), workers 2 and 3 after it nacked
+    # DigestMismatch and the send failed naming only them; the next send failed the same way,
+    # since the chain was built in the same order. Now those after it are sent the version
+    # again, within the same send, on a chain without it; it is named; and later chains put it
+    # last, where it forwards to nobody.
+    from aiowsync._planes.dist import receiver as dist_receiver
+
+    real = dist_receiver.receive_and_forward
+
+    def damaging(pg: Any, rank: int, workers: list[int], *args: Any, **kw: Any) -> str:
+        if workers[rank - 1] == 1:
+            pg = _ForwardsDamage(pg)
+        return real(pg, rank, workers, *args, **kw)
+
+    async with helpers.system(
+        aiowsync.DistributedWeightSyncScheme,
+        4,
+        make_model=_wide,
+        connect_timeout=60,
+        heartbeats=BEATS,
+        bucket_bytes=1 << 20,
+        topology="chain",
+    ) as (sender, src, receivers):
+        bump(src)
+        first = await sender.send(timeout=60)
+        assert first.retries == 0 and first.suspects == ()
+        monkeypatch.setattr(dist_receiver, "receive_and_forward", damaging)
+        bump(src)
+        result = await sender.send(timeout=60)
+        assert result.worker_ids == (0, 1, 2, 3)
+        assert result.suspects == (1,) and result.retried == (2, 3)
+        assert result.retries in (1, 2)  # one attempt for both, or one each as their nacks came
+        assert all(r.version == 2 and same(m, src) for r, m in receivers)  # exact bytes
+        bump(src)  # worker 1 still damages what it forwards, last in the chain now
+        later = await sender.send(timeout=60)
+        assert later.retries == 0 and later.suspects == ()
+        assert all(r.version == 3 and same(m, src) for r, m in receivers)
+        print(
+            f"damaging member: send with one retry took {result.seconds:.2f} s "
+            f"(clean {first.seconds:.2f} s), the next {later.seconds:.2f} s"
+        )
+
+
 async def test_digests_are_off_on_one_host_unless_asked_for() -> None:
     async with helpers.system(aiowsync.SharedMemWeightSyncScheme, 1, heartbeats=BEATS) as (
         sender,

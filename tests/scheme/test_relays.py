@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pickle
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 import aiowsync
@@ -31,13 +32,17 @@ class Tree:
     """A root sender, one relay (an upstream receiver and a local sender on one model) and
     its leaves, all in this process on the in-process plane."""
 
-    def __init__(self, leaves: int = 2) -> None:
+    def __init__(
+        self, leaves: int = 2, *, before_relay: Callable[[int], None] | None = None, **root: Any
+    ) -> None:
         self.src = model(0)
-        self.root = _memory(aiowsync.MemoryChannelFactory())
+        self.root = _memory(aiowsync.MemoryChannelFactory(), **root)
         self.root.init_on_sender(model=self.src, num_workers=1)
         self.relay_model = model(1)
         self.upstream = pickle.loads(pickle.dumps(self.root))
         self.upstream.init_on_receiver(model=self.relay_model, worker_idx=0)
+        if before_relay is not None:  # a hook of the upstream's that runs before the relay's
+            self.upstream.register_hook(before_relay)
         self.local = _memory(aiowsync.MemoryChannelFactory())
         self.local.init_on_sender(model=self.relay_model, num_workers=leaves)
         self.upstream.relay_to(self.local)
@@ -68,8 +73,8 @@ class Tree:
 
 
 @contextlib.asynccontextmanager
-async def tree(leaves: int = 2, *, local_first: bool = True) -> AsyncIterator[Tree]:
-    t = Tree(leaves)
+async def tree(leaves: int = 2, *, local_first: bool = True, **kw: Any) -> AsyncIterator[Tree]:
+    t = Tree(leaves, **kw)
     async with t.stack:
         await t.stack.enter_async_context(t.root)
         order = [t.local, t.upstream] if local_first else [t.upstream, t.local]
@@ -104,6 +109,38 @@ async def test_every_leaf_runs_each_root_version_when_the_roots_send_returns(
             assert result.worker_ids == (0,) and result.retries == 0
             assert t.leaves_hold(result.version), result.version
         assert t.local.version == t.root.version == 10
+
+
+async def test_leaves_check_the_roots_digest_so_a_relay_that_damages_its_copy_fails() -> None:
+    # N3. Before: the relay's sender digested its own copy, so bytes the relay damaged after
+    # its upstream had checked them (a flipped bit, a bug; here a hook that runs before the
+    # relay's) reached the leaves under a digest of the damage, passed their check, and the
+    # root's send() succeeded. Now the leaves check the root's digest.
+    damage = {"on": False}
+
+    def flip(version: int) -> None:
+        if damage["on"]:
+            with torch.no_grad():
+                next(t.relay_model.parameters()).view(-1)[3] += 1.0
+
+    async with tree(before_relay=flip, integrity=True, apply_mode="copy") as t:
+        bump(t.src)
+        assert (await t.root.send(timeout=20)).worker_ids == (0,) and t.leaves_hold(1)
+        kept = [{k: v.clone() for k, v in m.state_dict().items()} for m in t.leaf_models]
+        damage["on"] = True
+        bump(t.src)
+        with pytest.raises(aiowsync.RemoteApplyError) as info:
+            await t.root.send(timeout=20)
+        error = info.value.errors[0]
+        relay = "WeightSyncError: relay (worker 0): leaves [0, 1] do not hold version 2"
+        assert error.startswith(relay), error
+        assert error.count("DigestMismatch: bucket 0 of 1") == 2, error
+        for leaf, m, before in zip(t.leaves, t.leaf_models, kept, strict=True):
+            assert leaf is not None and leaf.version == 1  # the version before, exactly
+            assert same(m, before)
+        damage["on"] = False
+        bump(t.src)
+        assert (await t.root.send(timeout=20)).worker_ids == (0,) and t.leaves_hold(3)
 
 
 async def test_local_connect_before_the_upstream_is_entered_fails_at_once_with_the_order() -> None:

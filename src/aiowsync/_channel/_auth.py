@@ -321,6 +321,16 @@ class SameUserServer:
     def apply(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN.encode("ascii"))
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        # libzmq closes another user's connection as it accepts it, before it costs the
+        # sender anything: unfiltered, a user who opens many silent connections to an abstract
+        # socket (no file permissions) holds one of the sender's descriptors each until the
+        # handshake limit, and once they run out libzmq aborts the process. The ZAP check
+        # above stays for a libzmq built without the filter.
+        try:
+            for uid in sorted(self._auth.users or ()):
+                sock.setsockopt(zmq.IPC_FILTER_UID, uid)
+        except (zmq.ZMQError, AttributeError) as exc:
+            log.info("no uid filter on the Unix socket (%s): other users are refused later", exc)
 
     def close(self) -> None:
         self._auth.stop()

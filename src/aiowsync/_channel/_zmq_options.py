@@ -20,7 +20,9 @@ __all__ = [
     "PEER_CREDENTIALS",
     "PIDS_KEPT",
     "QUEUED_PER_PEER",
+    "OPEN_ABSTRACT_SOCKET_FILES",
     "base_options",
+    "check_open_abstract_socket",
     "ms",
     "own_routing_id",
     "raise_open_files_limit",
@@ -80,6 +82,39 @@ def raise_open_files_limit() -> None:
         except (ValueError, OSError):
             return
         log.debug("raised the open-files limit from %d to %d", soft, wanted)
+
+
+OPEN_ABSTRACT_SOCKET_FILES = 1 << 16
+"""The open-files limit below which an abstract socket open to other users is refused."""
+
+
+def check_open_abstract_socket(address: str) -> None:
+    """Refuse to bind an abstract Unix socket that admits other users' processes
+    (``allow_other_users`` or CURVE keys) while this process may open fewer than
+    :data:`OPEN_ABSTRACT_SOCKET_FILES` files.
+
+    An abstract socket has no file permissions: any process of the network namespace can
+    connect. libzmq aborts the whole process when accepting a Unix-socket connection finds
+    no descriptor left (over TCP it drops the connection and goes on), and when other users
+    are admitted nothing turns their connections away before the handshake, so another
+    user's silent connections could use the descriptors up. (A socket file that only its
+    user can write is safe: the kernel refuses other users' ``connect()``. One that others
+    may write carries the same risk; this check cannot see its permissions.)"""
+    try:
+        import resource
+    except ImportError:  # not a Unix system
+        return
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft >= OPEN_ABSTRACT_SOCKET_FILES:
+        return
+    raise ValueError(
+        f"{address} is an abstract socket open to other users' processes, and this process "
+        f"may open only {soft} files: another user holding that many connections to it "
+        "would make libzmq abort the process. Raise the hard open-files limit to at least "
+        f"{OPEN_ABSTRACT_SOCKET_FILES} (ulimit -Hn, LimitNOFILE=, docker --ulimit nofile=), "
+        "bind tcp:// with CURVE keys instead, or admit only this user (no "
+        "allow_other_users, no CURVE keys)"
+    )
 
 
 def unpredictable_generated_ids() -> None:

@@ -30,6 +30,7 @@ from ._zmq_options import (
     PIDS_KEPT,
     QUEUED_PER_PEER,
     base_options,
+    check_open_abstract_socket,
     raise_open_files_limit,
     terminate,
     unpredictable_generated_ids,
@@ -54,18 +55,25 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
         address = resolve_local(address)
         self._pids: collections.OrderedDict[PeerId, int] = collections.OrderedDict()
         """By routing id, the pid the kernel gave for the peer's process (Unix sockets)."""
+        unix = urlsplit(address).scheme == "ipc"
+        same_user = unix and curve is None and not other_users and PEER_CREDENTIALS
+        raise_open_files_limit()
         try:
+            if address.startswith("ipc://@") and not same_user:
+                check_open_abstract_socket(address)
             self._socket_dir = claim_socket_dir(address)
             """The private directory of the socket, removed with it (see LOCAL_BIND)."""
         except OSError as exc:
             ctx.term()
             raise TransportError(f"cannot bind {address}: {exc}") from None
-        raise_open_files_limit()
+        except BaseException:
+            ctx.term()
+            raise
         self._auth: CurveServer | SameUserServer | None = None
         try:
             if curve is not None:
                 self._auth = CurveServer(ctx, curve)
-            elif urlsplit(address).scheme == "ipc" and not other_users and PEER_CREDENTIALS:
+            elif same_user:
                 self._auth = SameUserServer(ctx)
                 self.user_ids = True  # the handler names each peer's process (its pid)
         except BaseException:

@@ -231,6 +231,11 @@ class SenderPlane(abc.ABC):
         """``worker`` is lost or replaced: drop whatever state involves it."""
         del worker
 
+    def distrust(self, workers: set[int]) -> None:
+        """``workers`` forwarded bytes that were not the sender's: a plane whose receivers
+        forward to each other (a chain) keeps them from forwarding again."""
+        del workers
+
     def process_gone(self, pid: int) -> bool | None:
         """Whether receiver process ``pid`` has ended, where the plane can see it: None for
         receivers on other hosts. A receiver that reads the sender's memory keeps its

@@ -11,18 +11,27 @@ that names the worker and the bucket), so the model keeps its version.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio
 import torch
 import xxhash
 
 from .._exceptions import WeightSyncError
+from .._protocol import ParamValue
 from .._util.shield import to_the_end
 from .._weights.layout import Layout
 from .base import Params, SenderPlane
 
-__all__ = ["DigestMismatch", "Digests", "bucket_bytes", "check_digest", "digest"]
+__all__ = [
+    "DigestMismatch",
+    "Digests",
+    "bucket_bytes",
+    "check_digest",
+    "digest",
+    "fits",
+    "forwarded_by",
+]
 
 _BUCKET = 8 << 20
 """Bytes per bucket for models up to 8 GiB; larger ones get larger buckets."""
@@ -101,17 +110,55 @@ def _where(layout: Layout, buffer: int, lo: int, hi: int) -> str:
     return f"{where}: {named}"
 
 
+def forwarded_by(params: Mapping[str, ParamValue], worker: int) -> int | None:
+    """In a chain delivery (``params`` of the update), the member that forwards ``worker``
+    its bytes; None when they come from the sender."""
+    members = params.get("members")
+    if params.get("topology") != "chain" or not isinstance(members, str):
+        return None
+    order = members.split(",")
+    at = order.index(str(worker)) if str(worker) in order else 0
+    return int(order[at - 1]) if at > 0 else None
+
+
+def fits(layout: Layout, value: str) -> bool:
+    """Whether ``value`` is a digest of this module's form for a version of ``layout``."""
+    scheme, _, rest = value.partition(":")
+    size, _, hexes = rest.partition(":")
+    if scheme != _SCHEME or size != str(bucket_bytes(layout)):
+        return False
+    return len(hexes) == 16 * len(_ranges(layout, bucket_bytes(layout)))
+
+
 class Digests:
-    """The sender's digests of its latest versions (nothing when not ``enabled``)."""
+    """The sender's digests of its latest versions (nothing when not ``enabled``, unless one
+    was given)."""
 
     def __init__(self, layout: Layout, plane: SenderPlane, *, enabled: bool) -> None:
         self.layout = layout
         self.plane = plane
         self.enabled = enabled
         self._by_version: dict[int, str] = {}
+        self._given: dict[int, str] = {}
+
+    def give(self, version: int, value: str) -> bool:
+        """Carry ``value`` as the digest of ``version`` (to be staged next) instead of one of
+        this sender's own: a relay hands on the root's, so that its leaves check the bytes
+        against what the root sent, not against the relay's copy. False (and nothing given)
+        where ``value`` does not fit this sender's layout."""
+        if not fits(self.layout, value):
+            return False
+        self._given = {version: value}
+        return True
 
     async def take(self, slot: int, version: int) -> None:
-        """Digest what ``slot`` holds, staged as ``version``."""
+        """Digest what ``slot`` holds, staged as ``version`` (or take the digest given for
+        it)."""
+        given = self._given.pop(version, None)
+        if given is not None:
+            self._by_version[version] = given
+            self._forget_old()
+            return
         if not self.enabled:
             return
         layout, plane = self.layout, self.plane
@@ -123,6 +170,9 @@ class Digests:
             self._by_version[version] = compute()
         else:
             self._by_version[version] = await to_the_end(anyio.to_thread.run_sync(compute))
+        self._forget_old()
+
+    def _forget_old(self) -> None:
         for old in sorted(self._by_version)[:-_KEPT]:
             del self._by_version[old]
 

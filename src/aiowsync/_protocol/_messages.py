@@ -151,6 +151,9 @@ class Nack(_Base, frozen=True, tag="nack"):
     this receiver. -1: not said, and the nacked version stays kept too."""
     leased: Leased = ()
     """As in :class:`Ack`."""
+    forwarded_by: Annotated[int, msgspec.Meta(ge=-1, le=2**31)] = -1
+    """In a chain, the member that forwarded this receiver the bytes that failed its digest
+    check (-1: none, or the bytes came from the sender)."""
 
 
 class Heartbeat(_Base, frozen=True, tag="beat"):

@@ -86,6 +86,9 @@ class Applier:
         self._timeouts = timeouts
         self._on_switch = on_switch
         self.version = -1
+        self.digest: tuple[int, str] | None = None
+        """The sender's digest of the version the model runs, and that version, if the
+        update carried one (a relay hands it on to its leaves)."""
         self.generation = 0
         """Which sender ``version`` counts in: 0 for the receiver's first, one more for each
         new sender it followed (a restarted trainer numbers its versions from 0 again)."""
@@ -168,6 +171,7 @@ class Applier:
 
         def commit() -> None:
             self._commit(version, staged)
+            self.digest = None if expected is None else (version, str(expected))
             if private is not None:
                 # Only now is the other half the spare: after a switch that did not happen,
                 # the model still reads the old one, which the next copy must not touch.

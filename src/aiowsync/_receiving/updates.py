@@ -22,6 +22,7 @@ from .._exceptions import (
     WeightSyncError,
     WeightSyncTimeout,
 )
+from .._planes.digest import DigestMismatch, forwarded_by
 from .._protocol import Ack, Bye, Heartbeat, Message, Nack, ParamValue, Update
 from .._util.shield import to_the_end
 from .._util.text import error_text
@@ -110,7 +111,7 @@ class UpdateLoop:
             return False
         answer: Ack | Nack
         if isinstance(switched, Exception):
-            answer = self._failure(version, switched)
+            answer = self._failure(version, switched, message.params)
         else:
             answer = Ack(
                 worker_idx=self._state.worker_idx,
@@ -297,22 +298,30 @@ class UpdateLoop:
                 await self._answer(self._nack(version, "receiver shut down"))
             raise
         except Exception as exc:  # a user hook may raise anything; the sender must hear of it
-            answer = self._failure(version, exc)
+            answer = self._failure(version, exc, params)
         finally:
             activity.applying = None
         await self._answer(answer, must_send=must_send)
         return answer
 
-    def _failure(self, version: int, exc: Exception) -> Nack:
-        """The nack for ``exc``, raised while applying ``version`` or by a hook."""
+    def _failure(self, version: int, exc: Exception, params: Mapping[str, ParamValue]) -> Nack:
+        """The nack for ``exc``, raised while applying ``version`` (of update ``params``) or
+        by a hook."""
         if isinstance(exc, (WeightSyncError, OSError, RuntimeError, ValueError, TimeoutError)):
             log.warning(
                 "worker %d could not apply version %d: %s", self._state.worker_idx, version, exc
             )
+            upstream = forwarded_by(params, self._state.worker_idx)
+            if isinstance(exc, DigestMismatch) and upstream is not None:
+                # The member before it in the chain passed on bytes that are not the
+                # sender's: worth another attempt, on a route without that member.
+                return self._nack(version, error_text(exc), retryable=True, forwarded=upstream)
             return self._nack(version, error_text(exc), retryable=isinstance(exc, TransportError))
         return self._nack(version, error_text(exc))
 
-    def _nack(self, version: int, error: str, *, retryable: bool = False) -> Nack:
+    def _nack(
+        self, version: int, error: str, *, retryable: bool = False, forwarded: int = -1
+    ) -> Nack:
         """A nack of ``version`` that also says which version the model runs now."""
         return Nack(
             worker_idx=self._state.worker_idx,
@@ -321,6 +330,7 @@ class UpdateLoop:
             retryable=retryable,
             running=self._applier.version,
             leased=self._pinned(),
+            forwarded_by=forwarded,
         )
 
     async def _answer(self, answer: Ack | Nack, *, must_send: bool = False) -> None:

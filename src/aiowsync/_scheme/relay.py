@@ -14,10 +14,11 @@ order.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -29,7 +30,12 @@ from .._sending.engine import SenderCore
 from .._sending.workers import WorkerTable
 from .._util.text import error_text
 
-__all__ = ["LocalSender", "Relay", "Upstream"]
+if TYPE_CHECKING:
+    from .._receiving.engine import ReceiverCore
+
+__all__ = ["LocalSender", "Relay", "Upstream", "digest_of"]
+
+log = logging.getLogger("aiowsync.relay")
 
 _POLL_S = 0.05
 """How often the wait for leaves looks again, beside the sender's own wake-ups."""
@@ -47,6 +53,8 @@ class Upstream:
     """The version the upstream's model runs (-1 before it holds one)."""
     entered: Callable[[], bool]
     """The upstream is inside ``async with`` (it cannot receive a version before)."""
+    digest: Callable[[int], str | None] = lambda version: None
+    """The root's digest of ``version``, if the update that brought it carried one."""
 
 
 class LocalSender(Protocol):
@@ -76,6 +84,13 @@ class LocalSender(Protocol):
         """Where a send takes the model's weights from."""
 
 
+def digest_of(core: ReceiverCore | None, version: int) -> str | None:
+    """The sender's digest of ``version``, if ``core``'s model runs it and its update carried
+    one."""
+    held = None if core is None else core.applier.digest
+    return held[1] if held is not None and held[0] == version else None
+
+
 class Relay:
     """What ``upstream.relay_to(local)`` sets up (see the module)."""
 
@@ -83,6 +98,7 @@ class Relay:
         self.upstream = upstream
         self.local = local
         self._lock: anyio.Lock | None = None
+        self._unfit_logged = False
 
     async def start_local(self, at: int | None = None) -> SenderCore | None:
         """``local``'s engine, started if it is not yet; None while it cannot start.
@@ -147,6 +163,7 @@ class Relay:
         end = min(end, time.monotonic() + wait)
         failure = ""
         if version > core.version:
+            self._hand_on_digest(core, version)
             try:
                 await core.send(
                     self.local.default_source(),
@@ -163,6 +180,21 @@ class Relay:
         missing = await self._leaves_short_of(core, version, end - time.monotonic())
         if missing or failure:
             raise WeightSyncError(self._explain(version, missing, failure))
+
+    def _hand_on_digest(self, core: SenderCore, version: int) -> None:
+        """The leaves check ``version`` against the root's digest, when the root sent one:
+        bytes the relay damaged after its own check (a flipped bit, a bug) are then refused
+        by the leaves, not passed on under a digest of the damage."""
+        root = self.upstream.digest(version)
+        if root is None:
+            return
+        if not core.digests.give(version, root) and not self._unfit_logged:
+            self._unfit_logged = True
+            log.warning(
+                "relay (worker %d): the root's digests do not fit the leaves' layout (a "
+                "wire dtype or model differs); the leaves check the relay's own digest",
+                self.upstream.worker_idx,
+            )
 
     async def _leaves_short_of(
         self, core: SenderCore, version: int, timeout: float

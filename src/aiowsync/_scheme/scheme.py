@@ -27,7 +27,7 @@ from .base import forked_text, resolve_model
 from .config import SchemeOptions
 from .follow import Rejoin
 from .receiver import TELL_WAIT_S, ReceiverSession, tell_sender
-from .relay import Relay, Upstream
+from .relay import Relay, Upstream, digest_of
 from .running import SchemeRuntime
 from .sender import SenderSession
 
@@ -392,6 +392,7 @@ class WeightSyncScheme(SchemeRuntime):
             guard=self._guard,
             version=lambda: self.version,
             entered=lambda: self._exit is not None,
+            digest=lambda version: digest_of(upstream.core, version),
         )
         relay = Relay(feed, leaves)
         upstream.relays_to = relay

@@ -181,6 +181,7 @@ class ControlLoop:
                 message.error,
                 retryable=message.retryable,
                 running=message.running,
+                forwarded_by=message.forwarded_by,
             )
         elif isinstance(message, wire.Bye):
             self._state.peers.said_goodbye(peer, message.reason)
@@ -265,6 +266,7 @@ class ControlLoop:
         *,
         retryable: bool = False,
         running: int = -1,
+        forwarded_by: int = -1,
     ) -> None:
         PeerTable.answered(peer, version, ok=error is None, running=running)
         peer.warned_slow = False
@@ -278,6 +280,8 @@ class ControlLoop:
                 pending.nacks[peer.worker_idx] = error
                 if retryable:
                     pending.retryable.add(peer.worker_idx)
+                if forwarded_by >= 0:
+                    pending.forwarded_by[peer.worker_idx] = forwarded_by
             pending.settle(peer.worker_idx)
         if error is not None:
             log.warning(

@@ -350,4 +350,12 @@ class SenderCore:
             await self._await_answers(pending, wait)
         finally:
             self.state.pending.pop(version, None)
+            if suspects := pending.suspects:
+                log.warning(
+                    "version %d: workers %s passed on bytes that failed the next member's digest "
+                    "check; later chains put them last",
+                    version,
+                    sorted(suspects),
+                )
+                self.state.plane.distrust(suspects)
         return pending.result(staged.nbytes, time.perf_counter() - started, staged.seconds)

@@ -46,6 +46,10 @@ class SendResult:
     superseded: tuple[int, ...] = ()
     """Targeted workers that went straight to a newer version instead (``publish()`` ran
     ahead of them while they lagged): they run a newer version than this one."""
+    suspects: tuple[int, ...] = ()
+    """Chain members (``topology="chain"``) that passed their own digest check but forwarded
+    bytes that failed the next member's: the members after them were sent the version again
+    on a chain without them, and later chains put them last, where they forward nothing."""
 
 
 class PendingSend:
@@ -118,7 +122,16 @@ class Answers:
     retries: int = 0
     retried: set[int] = field(default_factory=set)
     superseded: set[int] = field(default_factory=set)
+    forwarded_by: dict[int, int] = field(default_factory=dict)
+    """Chain members whose forwarded bytes failed a member's digest check, by that member."""
     changed: Signal = field(default_factory=Signal)
+
+    @property
+    def suspects(self) -> set[int]:
+        """Members that forwarded bytes which failed the check, while their own passed (a
+        member that failed it too only passed on what it was given)."""
+        failed = self.forwarded_by.keys()
+        return {k for k in self.forwarded_by.values() if k in self.acked and k not in failed}
 
     def settle(self, worker: int) -> None:
         self.waiting.discard(worker)
@@ -157,6 +170,7 @@ class Answers:
             retries=self.retries,
             retried=tuple(sorted(self.retried)),
             superseded=tuple(sorted(self.superseded)),
+            suspects=tuple(sorted(self.suspects)),
         )
 
     def reopen(self, workers: list[int]) -> None:

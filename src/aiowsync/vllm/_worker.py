@@ -101,6 +101,7 @@ class WorkerReceiver:
         """Held while a version is applied, finished or undone (the engine's calls and the
         watch of the sender run in different threads)."""
         self._heartbeat = scheme.heartbeats.interval
+        self._pages = PagesIn()
         self._facade.__enter__()
         try:
             self._facade.connect(timeout=scheme.timeouts.handshake)
@@ -233,7 +234,9 @@ class WorkerReceiver:
     async def _map_in(self, version: int) -> None:
         """Map the new version's pages into this process before the worker acks it (while
         the server generates), so that loading it in the pause reads memory, not page faults."""
-        await anyio.to_thread.run_sync(populate, list(self._model.values()))
+        tensors = list(self._model.values())
+        if self._pages.needed(tensors):
+            await anyio.to_thread.run_sync(self._pages.map_in, tensors)
 
     # -- a trainer that goes away -------------------------------------------------------------
 
@@ -292,20 +295,52 @@ class WorkerReceiver:
 _MADV_POPULATE_READ = 22  # Linux 5.14+; older kernels refuse it and the pages fault in later
 
 
-def populate(tensors: Iterable[torch.Tensor]) -> None:
-    """Have the kernel map every page of the tensors' storages (shared memory a receiver
-    re-pointed them at) into this process, without reading them."""
+class PagesIn:
+    """Maps the pages of tensors' storages into this process, each storage once.
+
+    A receiver keeps each slot file mapped from version to version, and a page once mapped
+    stays mapped; so only a slot's first version has pages to map. Asking the kernel again
+    is not free: it walks every page (about 50 ms for 610 MiB), on a core the server also
+    generates on.
+    """
+
+    KEPT = 64
+    """Past this many storages the record starts afresh (slots are re-made over time)."""
+
+    def __init__(self) -> None:
+        self._done: set[tuple[int, int]] = set()
+
+    def needed(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``tensors`` lies in a storage not mapped in yet."""
+        return not _storages(tensors) <= self._done
+
+    def map_in(self, tensors: Iterable[torch.Tensor]) -> set[tuple[int, int]]:
+        """Map the storages of ``tensors`` not mapped in before; returns them, each as
+        (address, size)."""
+        new = _storages(tensors) - self._done
+        if not new:
+            return new
+        if len(self._done) + len(new) > self.KEPT:
+            self._done.clear()
+        populate(new)
+        self._done |= new
+        return new
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> set[tuple[int, int]]:
+    """(address, size) of each non-empty CPU storage under ``tensors``."""
+    storages = (t.untyped_storage() for t in tensors if t.device.type == "cpu")
+    return {(s.data_ptr(), s.nbytes()) for s in storages if s.nbytes() > 0}
+
+
+def populate(storages: Iterable[tuple[int, int]]) -> None:
+    """Have the kernel map every page of ``storages`` ((address, size) of memory a receiver
+    mapped, such as a slot file) into this process, without reading them."""
     lib = libc()
     if lib is None:
         return
     page = mmap.PAGESIZE
-    seen: set[int] = set()
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        start, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or start in seen or tensor.device.type != "cpu":
-            continue
-        seen.add(start)
+    for start, size in storages:
         aligned = start - start % page
         lib.madvise(
             ctypes.c_void_p(aligned), ctypes.c_size_t(start + size - aligned), _MADV_POPULATE_READ

@@ -14,8 +14,9 @@ import torch
 from torch._C._distributed_c10d import HashStore
 
 from aiowsync._exceptions import TransportError
-from aiowsync._planes.dist.chain import CHAIN_STALL, ChainLimits, receive_and_forward
+from aiowsync._planes.dist.chain import ChainLimits, receive_and_forward
 from aiowsync._planes.dist.collectives import finish, new_group
+from aiowsync._planes.dist.links import LINK_STALL
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,11 +32,11 @@ BUCKET = 4096
 
 def test_the_limits_grow_with_the_time_a_bucket_takes() -> None:
     fast, slow = ChainLimits.for_pace(0.0), ChainLimits.for_pace(0.5)
-    assert fast.stall == CHAIN_STALL and fast.hop == pytest.approx(0.05)
-    assert slow.stall == pytest.approx(CHAIN_STALL + 2.0) and slow.hop == pytest.approx(1.05)
+    assert fast.stall == LINK_STALL and fast.hop == pytest.approx(0.05)
+    assert slow.stall == pytest.approx(LINK_STALL + 2.0) and slow.hop == pytest.approx(1.05)
     # The first bucket passes through every member before: each adds a hop to the wait.
     assert slow.first(0) == slow.stall
-    assert slow.first(3) == pytest.approx(CHAIN_STALL + 2.0 + 3 * 1.05)
+    assert slow.first(3) == pytest.approx(LINK_STALL + 2.0 + 3 * 1.05)
 
 
 def test_the_limits_travel_in_an_update_in_whole_milliseconds() -> None:

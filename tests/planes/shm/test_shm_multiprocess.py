@@ -16,6 +16,7 @@ import aiowsync
 from _workers import (
     SPAWN,
     a_killed_sender,
+    arrivals,
     connect_all,
     digest,
     exact_bytes_then_no_mixed_reads,
@@ -24,6 +25,7 @@ from _workers import (
     on_version_1,
     randomize,
     sender_main,
+    waits_text,
     workers,
 )
 from helpers import eventually
@@ -263,6 +265,36 @@ async def test_frozen_worker_is_not_waited_for_and_its_slot_is_never_rewritten()
         assert {idx: (e[2], e[3]) for idx, e in last.items()} == dict.fromkeys(
             range(3), (5, digest(model))
         )
+
+
+async def test_a_worker_stopped_before_a_send_holds_up_no_one() -> None:
+    # Each worker maps the slot and switches on its own: a stopped one delays nobody (unlike
+    # a star of gloo links, where the sender had to stop waiting on it). The send names it
+    # once its beats are missed.
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=LOADED)
+    async with on_version_1(scheme, 3) as (model, w):
+        stopped = w.procs[2]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+            randomize(model, 2)
+            deadline = 30.0
+            started = time.monotonic()
+            send = asyncio.create_task(scheme.send(timeout=deadline))
+            try:
+                want = dict.fromkeys((0, 1), (2, digest(model)))
+                waited = await arrivals(w, want, started, within=deadline)
+                with pytest.raises(aiowsync.LostDuringSendError) as info:
+                    await send
+            finally:
+                send.cancel()  # a no-op once it ended
+                await asyncio.wait([send])
+            took = time.monotonic() - started
+            print(f"stopped worker: the others waited {waits_text(waited)}; {took:.2f} s in all")
+            assert info.value.worker_ids == (2,) and info.value.acked == (0, 1)
+            # Neither waited for the stopped worker to be found lost (that ended the send).
+            assert max(waited.values()) < LOADED.timeout / 2, (waited, took)
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
 
 
 async def test_workers_closing_together_are_seen_leaving_not_lost(

@@ -1,17 +1,14 @@
 """The chain topology of the distributed plane: each member receives every bucket from the
 member before it and forwards it to the member after, and waits on its links for a bounded
-time only.
+time only (see :mod:`~aiowsync._planes.dist.links`).
 
-Why bounded: a gloo receive cannot be interrupted, and a connection that closes does not
-always fail the receives already posted on it (a member killed before the version reached it
-left the members after it waiting until the send's deadline). So a member that gets nothing
-from the member before it for :attr:`ChainLimits.stall` seconds fails its receive, which the
-sender retries on a fresh chain without the dead member, well within the deadline.
+A member that gets nothing from the member before it for :attr:`ChainLimits.stall` seconds
+fails its receive, which the sender retries on a fresh chain without the dead member, well
+within the deadline.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,17 +19,10 @@ from aiowsync._exceptions import TransportError
 from aiowsync._util.text import first_line
 
 from ..base import Params
-from .collectives import Backend, finish, seconds_left
+from .collectives import Backend
+from .links import stall_limit, wait_link
 
-__all__ = ["CHAIN_STALL", "SLOW_LINK", "ChainLimits", "receive_and_forward", "wait_link"]
-
-CHAIN_STALL = 5.0
-"""How long a link may move nothing, beyond a few times what a bucket takes, before the member
-waiting on it takes the member at its other end for dead or stalled."""
-
-SLOW_LINK = 100e6 / 8
-"""The link speed, in bytes per second, that a chain's limits assume until a transfer has
-shown the real one (100 Mbit/s)."""
+__all__ = ["ChainLimits", "receive_and_forward"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +38,7 @@ class ChainLimits:
     def for_pace(cls, bucket_seconds: float) -> ChainLimits:
         """The limits for links that move a bucket in ``bucket_seconds``, with room to spare
         for a busy host."""
-        return cls(CHAIN_STALL + 4 * bucket_seconds, 2 * bucket_seconds + 0.05)
+        return cls(stall_limit(bucket_seconds), 2 * bucket_seconds + 0.05)
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> ChainLimits | None:
@@ -64,34 +54,6 @@ class ChainLimits:
     def first(self, before: int) -> float:
         """The wait for the first bucket of a member with ``before`` members before it."""
         return self.stall + before * self.hop
-
-
-def wait_link(
-    work: Any,
-    backend: Backend,
-    device: torch.device,
-    *,
-    allowed: float,
-    deadline: float,
-    peer: str,
-) -> None:
-    """Wait for one send or receive on the link to ``peer``: at most ``allowed`` seconds, and
-    never past ``deadline``. A link that moved nothing for ``allowed`` seconds raises
-    :class:`TransportError` naming ``peer``."""
-    left = seconds_left(deadline)
-    if allowed >= left:
-        finish(work, backend, left, device)
-        return
-    started = time.monotonic()
-    try:
-        finish(work, backend, allowed, device)
-    except RuntimeError as exc:
-        if time.monotonic() - started < 0.95 * allowed:
-            raise  # failed on its own, not for lack of time
-        raise TransportError(
-            f"nothing moved on the link to {peer} for {allowed:.1f} s: {peer} died or "
-            "stalled, or waits on a member that did"
-        ) from exc
 
 
 def receive_and_forward(

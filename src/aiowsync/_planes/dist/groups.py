@@ -108,6 +108,8 @@ class SenderGroups:
         self.host = host
         self.form_timeout = form_timeout
         self.port = 0
+        self.last: set[int] = set()
+        """Workers that chains put last (they forwarded bytes that were not the sender's)."""
         self._table: dict[tuple[Member, ...], Group] = {}
         self._lock = threading.Lock()
         self.store = StoreServer(host)
@@ -128,7 +130,9 @@ class SenderGroups:
     def route(self, members: Sequence[Member], purpose: str = "") -> Group:
         """The group for ``members``, created on first use and not evicted until :meth:`done`
         was called for it (``purpose`` keeps groups of different uses apart)."""
-        key = (*sorted(members), (-1, purpose))
+        # Sorted, so that the same members make the same group (and chain order), but the
+        # members kept from forwarding come last.
+        key = (*sorted(members, key=lambda m: (m[0] in self.last, m)), (-1, purpose))
         with self._lock:
             group = self._table.get(key)
             if group is None:

@@ -31,7 +31,7 @@ from aiowsync._weights.layout import Layout
 from ..base import Delivery, Member, Params, SenderPlane, WeightSource
 from ..slot_table import Slot, SlotTable
 from .buckets import Image, Packer
-from .chain import SLOW_LINK, ChainLimits
+from .chain import ChainLimits
 from .collectives import Backend
 from .delivery import DistDelivery, TransferChain
 from .groups import (
@@ -42,6 +42,7 @@ from .groups import (
     host_of,
     local_ip_towards,
 )
+from .links import SLOW_LINK, stall_limit
 from .send import send_buckets
 
 __all__ = [
@@ -88,8 +89,8 @@ class DistSenderPlane(SenderPlane):
         self.backend: Backend = backend
         self.topology: Topology = topology
         self._bucket_seconds = bucket_bytes / SLOW_LINK
-        """In a chain, how long the latest transfer took per bucket (at first, as if on a
-        slow link): the members' limits on their links scale with it."""
+        """How long the latest transfer took per bucket and link the sender sent it on (at
+        first, as if on a slow link): the stall limits on the links scale with it."""
         self.form_timeout = form_timeout
         self.bucket_bytes = bucket_bytes
         self.host = host
@@ -284,14 +285,26 @@ class DistSenderPlane(SenderPlane):
         return params
 
     def chain_limits(self) -> ChainLimits | None:
-        """How long a chain's links may stall now (None for a star: the deadline alone)."""
+        """How long a chain's links may stall now (None for a star: its members wait on the
+        sender alone, for the deadline)."""
         if self.topology != "chain":
             return None
         return ChainLimits.for_pace(self._bucket_seconds)
 
+    def _peers(self, route: Group) -> dict[int, int]:
+        """The ranks the sender sends a version on ``route`` to, each with its worker index:
+        every member of a star, the first member of a chain."""
+        workers = route.workers if self.topology == "star" else route.workers[:1]
+        return dict(enumerate(workers, start=1))
+
     def forget(self, worker: int) -> None:
         """Drop every group that counts ``worker`` (lost, replaced or gone)."""
         self._groups.forget(worker)
+        self._groups.last.discard(worker)  # a new process under that index starts trusted
+
+    def distrust(self, workers: set[int]) -> None:
+        """Later chains put ``workers`` last, where they forward to nobody."""
+        self._groups.last |= workers
 
     # -- transfer (in a worker thread) --------------------------------------------------------
 
@@ -322,7 +335,10 @@ class DistSenderPlane(SenderPlane):
             numbers = range(len(images)) if moved is None else moved
             wanted = set(numbers)
             indices = [i for i, span in enumerate(self.buckets.span_of) if span in wanted]
-            limits = self.chain_limits()
+            peers = self._peers(route)
+            # The sender's links share its bandwidth: a bucket to each peer takes that many
+            # bucket times.
+            stall = stall_limit(self._bucket_seconds * len(peers))
 
             def send(pg: Any) -> None:
                 started = time.monotonic()
@@ -331,15 +347,16 @@ class DistSenderPlane(SenderPlane):
                     self._packer,
                     images,
                     indices,
-                    route.workers,
+                    peers,
                     deadline,
-                    limits=limits,
+                    stall=stall,
                     backend=self.backend,
                     device=self.device,
                 )
-                if limits is not None and len(indices) > 1:
-                    # The pace of the chain's links, for the limits of the next transfers.
-                    self._bucket_seconds = (time.monotonic() - started) / len(indices)
+                if len(indices) > 1 and peers:
+                    # The links' pace, for the limits of the next transfers.
+                    spent = time.monotonic() - started
+                    self._bucket_seconds = spent / len(indices) / len(peers)
 
             self._groups.run(route, deadline, send)
         except Exception as exc:  # every failure, whatever raised it, ends in a dropped group

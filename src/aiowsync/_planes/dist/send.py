@@ -3,7 +3,7 @@ point, in a star to every member, in a chain to the first one only."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,8 +12,8 @@ from aiowsync._exceptions import TransportError
 from aiowsync._util.text import first_line
 
 from .buckets import Image, Packer
-from .chain import ChainLimits, wait_link
-from .collectives import Backend, finish, seconds_left
+from .collectives import Backend
+from .links import wait_link
 
 __all__ = ["send_buckets"]
 
@@ -23,34 +23,38 @@ def send_buckets(
     packer: Packer,
     images: Sequence[Image],
     indices: Sequence[int],
-    workers: Sequence[int],
+    peers: Mapping[int, int],
     deadline: float,
     *,
-    limits: ChainLimits | None,
+    stall: float,
     backend: Backend,
     device: torch.device,
 ) -> None:
     """Send buckets ``indices`` (each from the image of its model in ``images``) from rank 0
-    to the members ``workers`` (ranks 1, 2, ...); with chain ``limits``, to the first member
-    only, which forwards them, and a member that takes nothing for ``limits.stall`` seconds
-    counts as failed. Each bucket is packed just before it is sent, while the one before it
-    is still on the wire.
+    to the ranks of ``peers`` (rank -> worker index): every member in a star, the first one
+    in a chain (which forwards them). Each bucket is packed just before it is sent, while the
+    one before it is still on the wire.
 
     Not a broadcast: gloo relays a broadcast through a tree of receivers, so one dead
     receiver would hold up the others behind it until the deadline. Here each member depends
-    on the sender alone; a member that fails is left out of the later buckets, the others
-    get the whole version, and the failure is raised at the end, naming each failed member.
+    on the sender alone. A member whose send fails is left out of the later buckets, the
+    others get the whole version, and the failure is raised at the end, naming each failed
+    member. A member whose link moved nothing for ``stall`` seconds (a stopped process, whose
+    connections stay open) is raised at once: the wait that found it closed the group's
+    every connection (see :mod:`~aiowsync._planes.dist.links`), so the others fail their
+    receives and are sent the version again on a fresh group.
     """
     buckets = packer.buckets
-    alive = dict(enumerate(workers, start=1))  # rank -> worker index
-    if limits is not None:
-        alive = dict(list(alive.items())[:1])  # the first member; it forwards the rest
+    alive = dict(peers)  # rank -> worker index
     failed: dict[int, str] = {}
 
     def fail(rank: int, exc: BaseException) -> None:
         worker = alive.pop(rank, None)
         if worker is not None:
             failed[worker] = first_line(exc)
+
+    def failure() -> TransportError:
+        return TransportError("; ".join(f"worker {w}: {t}" for w, t in sorted(failed.items())))
 
     def post(index: int) -> list[tuple[int, Any]]:
         lo, hi = buckets.ranges[index]
@@ -65,16 +69,16 @@ def send_buckets(
 
     def wait(works: list[tuple[int, Any]]) -> None:
         for rank, work in works:
+            if rank not in alive:
+                continue  # failed on an earlier bucket: its sends go with the group
+            peer = f"worker {alive[rank]}"
             try:
-                if limits is None:
-                    finish(work, backend, seconds_left(deadline), device)
-                else:
-                    peer = f"worker {workers[rank - 1]}"
-                    wait_link(
-                        work, backend, device, allowed=limits.stall, deadline=deadline, peer=peer
-                    )
-            except (RuntimeError, TransportError) as exc:
+                wait_link(work, backend, device, allowed=stall, deadline=deadline, peer=peer)
+            except RuntimeError as exc:  # failed on its own (or at the deadline)
                 fail(rank, exc)
+            except TransportError as exc:  # stalled, or out of time: the group is gone
+                fail(rank, exc)
+                raise failure() from None
 
     in_flight: list[tuple[int, Any]] = []
     for number, index in enumerate(indices):
@@ -85,5 +89,4 @@ def send_buckets(
         in_flight = posted
     wait(in_flight)
     if failed:
-        detail = "; ".join(f"worker {w}: {text}" for w, text in sorted(failed.items()))
-        raise TransportError(detail)
+        raise failure()
