@@ -60,6 +60,12 @@ def _role(argv: list[str]) -> None:
 
     torch.set_num_threads(1)
     role, mib = argv[0], int(argv[1])
+
+    def _open_channels() -> aiowsync.ZmqChannelFactory:
+        # The namespaces are this benchmark's own, reachable by nothing else: no CURVE keys,
+        # on the sender's side and on its workers'.
+        return aiowsync.ZmqChannelFactory(allow_insecure_bind=True)
+
     timeouts = aiowsync.Timeouts(handshake=300, ack=300, transfer=300)
 
     async def sender(ip: str, n: int, topology: str) -> None:
@@ -70,8 +76,7 @@ def _role(argv: list[str]) -> None:
             integrity=False,
             bucket_bytes=4 << 20,
             timeouts=timeouts,
-            # The namespaces are this benchmark's own, reachable by nothing else.
-            channels=aiowsync.ZmqChannelFactory(allow_insecure_bind=True),
+            channels=_open_channels(),
         )
         scheme.init_on_sender(model=model, num_workers=n)
         async with scheme:
@@ -89,7 +94,9 @@ def _role(argv: list[str]) -> None:
                 _say(send=time.perf_counter() - started)
 
     async def receiver(address: str, idx: int) -> None:
-        scheme = aiowsync.DistributedWeightSyncScheme(address=address, timeouts=timeouts)
+        scheme = aiowsync.DistributedWeightSyncScheme(
+            address=address, timeouts=timeouts, channels=_open_channels()
+        )
         scheme.init_on_receiver(model=_model(mib), worker_idx=idx)
         async with scheme:
             await scheme.connect(timeout=300)
@@ -97,7 +104,9 @@ def _role(argv: list[str]) -> None:
 
     async def relay(address: str, idx: int, leaves: int) -> None:
         model = _model(mib)
-        upstream = aiowsync.DistributedWeightSyncScheme(address=address, timeouts=timeouts)
+        upstream = aiowsync.DistributedWeightSyncScheme(
+            address=address, timeouts=timeouts, channels=_open_channels()
+        )
         upstream.init_on_receiver(model=model, worker_idx=idx)
         local = aiowsync.SharedMemWeightSyncScheme(timeouts=timeouts)
         local.init_on_sender(model=model, num_workers=leaves)
