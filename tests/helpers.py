@@ -10,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -568,3 +569,27 @@ def buffer_of(tensor: torch.Tensor, buffers: list[torch.Tensor]) -> int | None:
         if lo <= start and end <= lo + buf.numel():
             return i
     return None
+
+
+@contextlib.contextmanager
+def gloo_group_in_threads(size: int) -> Iterator[list[Any]]:
+    """A gloo group of ``size`` ranks (rank 0 the sender), each formed in a thread of this
+    process: the groups, by rank. They go with the test, and with them any pending work
+    (sends or receives nobody answered), gloo's teardown cancelling it."""
+    from torch._C._distributed_c10d import HashStore
+
+    from aiowsync._planes.dist.collectives import new_group
+
+    store = HashStore()
+    groups: list[Any] = [None] * size
+
+    def member(rank: int) -> None:
+        groups[rank] = new_group("gloo", store, "0123456789abcdef", rank, size, "127.0.0.1", 20)
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert all(g is not None for g in groups), "the group did not form"
+    yield groups

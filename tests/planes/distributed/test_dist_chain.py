@@ -3,20 +3,18 @@ link's error names, on a real gloo group whose ranks are threads of this process
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch._C._distributed_c10d import HashStore
 
 from aiowsync._exceptions import TransportError
 from aiowsync._planes.dist.chain import ChainLimits, receive_and_forward
-from aiowsync._planes.dist.collectives import finish, new_group
+from aiowsync._planes.dist.collectives import finish
 from aiowsync._planes.dist.links import LINK_STALL
+from helpers import gloo_group_in_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,26 +72,6 @@ def test_an_update_without_sound_limits_gives_none(params: dict[str, Any]) -> No
 # -- a stalled link names its peer ----------------------------------------------------------
 
 
-@contextlib.contextmanager
-def chain_group() -> Iterator[list[Any]]:
-    """A gloo group of three ranks (the sender and :data:`MEMBERS`), formed in threads."""
-    store = HashStore()
-    groups: list[Any] = [None] * 3
-
-    def member(rank: int) -> None:
-        groups[rank] = new_group("gloo", store, "0123456789abcdef", rank, 3, "127.0.0.1", 20)
-
-    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert all(g is not None for g in groups), "the group did not form"
-    yield groups
-    # The groups go with the test; their pending work (receives nobody will ever answer)
-    # goes with them, gloo's teardown cancelling it.
-
-
 def run_members(groups: list[Any], ranks: list[int]) -> dict[int, tuple[Any, list[torch.Tensor]]]:
     """Run :func:`receive_and_forward` of two buckets on each rank of ``ranks``, in threads
     at once: each rank's outcome (what it returned, or what it raised) and its buckets."""
@@ -131,7 +109,7 @@ def run_members(groups: list[Any], ranks: list[int]) -> dict[int, tuple[Any, lis
 
 def test_a_stalled_receive_names_the_member_before() -> None:
     # The sender sends nothing: worker 5 waits on the sender, worker 6 on worker 5.
-    with chain_group() as groups:
+    with gloo_group_in_threads(3) as groups:
         started = time.monotonic()
         outcomes = run_members(groups, [1, 2])
         took = time.monotonic() - started
@@ -146,7 +124,7 @@ def test_a_stalled_receive_names_the_member_before() -> None:
 def test_a_stalled_forward_names_the_member_after_and_keeps_what_arrived() -> None:
     # The sender sends both buckets to worker 5, which forwards them to worker 6; worker 6
     # never posts a receive, so worker 5's sends never complete.
-    with chain_group() as groups:
+    with gloo_group_in_threads(3) as groups:
         sent = [torch.full((BUCKET,), 10 + i, dtype=torch.uint8) for i in range(2)]
         sends = [groups[0].send([t], 1, i) for i, t in enumerate(sent)]
         outcomes = run_members(groups, [1])

@@ -5,23 +5,20 @@ gloo group whose ranks are threads of this process."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
-from torch._C._distributed_c10d import HashStore
 
 from aiowsync._exceptions import TransportError
 from aiowsync._planes.dist.buckets import Buckets, Image
-from aiowsync._planes.dist.collectives import finish, new_group
+from aiowsync._planes.dist.collectives import finish
 from aiowsync._planes.dist.links import LINK_STALL, stall_limit
 from aiowsync._planes.dist.send import send_buckets
+from helpers import gloo_group_in_threads
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -36,25 +33,6 @@ DEADLINE = 40.0
 def test_the_stall_limit_grows_with_the_time_a_bucket_takes() -> None:
     assert stall_limit(0.0) == LINK_STALL
     assert stall_limit(0.5) == pytest.approx(LINK_STALL + 2.0)
-
-
-@contextlib.contextmanager
-def star_group(size: int) -> Iterator[list[Any]]:
-    """A gloo group of ``size`` ranks (the sender is rank 0), formed in threads."""
-    store = HashStore()
-    groups: list[Any] = [None] * size
-
-    def member(rank: int) -> None:
-        groups[rank] = new_group("gloo", store, "fedcba9876543210", rank, size, "127.0.0.1", 20)
-
-    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert all(g is not None for g in groups), "the group did not form"
-    yield groups
-    # The groups go with the test, and with them the sends that nobody received.
 
 
 @dataclass
@@ -80,7 +58,7 @@ def send_to_a_star(stalled: set[int], members: int, stall: float) -> Star:
     )
     got: dict[int, list[torch.Tensor]] = {}
     failed_after: dict[int, float] = {}
-    with star_group(members + 1) as groups:
+    with gloo_group_in_threads(members + 1) as groups:
         started = time.monotonic()
 
         def receive(rank: int) -> None:
