@@ -496,6 +496,29 @@ async def arrivals(
     return waited
 
 
+async def send_past_a_stopped_worker(
+    scheme: aiowsync.WeightSyncScheme,
+    w: Workers,
+    want: dict[int, tuple[int, str]],
+    deadline: float,
+) -> tuple[dict[int, float], aiowsync.LostDuringSendError, float]:
+    """Send the next version (within ``deadline`` s) while a worker is stopped: how long each
+    worker of ``want`` waited for it (see :func:`arrivals`), the ``LostDuringSendError`` that
+    names the stopped one, and the seconds the whole took. The send never outlives this."""
+    started = time.monotonic()
+    send = asyncio.create_task(scheme.send(timeout=deadline))
+    try:
+        waited = await arrivals(w, want, started, within=deadline)
+        try:
+            await send
+        except aiowsync.LostDuringSendError as exc:
+            return waited, exc, time.monotonic() - started
+        raise AssertionError("the send did not name the stopped worker lost")
+    finally:
+        send.cancel()  # a no-op once it ended
+        await asyncio.wait([send])
+
+
 def waits_text(waited: dict[int, float]) -> str:
     """What :func:`arrivals` gave, as a test prints it."""
     return ", ".join(f"worker {k} {v:.2f} s" for k, v in sorted(waited.items()))

@@ -16,7 +16,6 @@ import aiowsync
 from _workers import (
     SPAWN,
     a_killed_sender,
-    arrivals,
     connect_all,
     digest,
     exact_bytes_then_no_mixed_reads,
@@ -24,6 +23,7 @@ from _workers import (
     make_model,
     on_version_1,
     randomize,
+    send_past_a_stopped_worker,
     sender_main,
     waits_text,
     workers,
@@ -278,19 +278,10 @@ async def test_a_worker_stopped_before_a_send_holds_up_no_one() -> None:
         try:
             randomize(model, 2)
             deadline = 30.0
-            started = time.monotonic()
-            send = asyncio.create_task(scheme.send(timeout=deadline))
-            try:
-                want = dict.fromkeys((0, 1), (2, digest(model)))
-                waited = await arrivals(w, want, started, within=deadline)
-                with pytest.raises(aiowsync.LostDuringSendError) as info:
-                    await send
-            finally:
-                send.cancel()  # a no-op once it ended
-                await asyncio.wait([send])
-            took = time.monotonic() - started
+            want = dict.fromkeys((0, 1), (2, digest(model)))
+            waited, error, took = await send_past_a_stopped_worker(scheme, w, want, deadline)
             print(f"stopped worker: the others waited {waits_text(waited)}; {took:.2f} s in all")
-            assert info.value.worker_ids == (2,) and info.value.acked == (0, 1)
+            assert error.worker_ids == (2,) and error.acked == (0, 1)
             # Neither waited for the stopped worker to be found lost (that ended the send).
             assert max(waited.values()) < LOADED.timeout / 2, (waited, took)
         finally:
