@@ -80,8 +80,8 @@ MUTANTS = [
         "one-bucket",
         "a distributed receiver in a star switches once its first bucket arrived, not all",
         "src/aiowsync/_planes/dist/receiver.py",
-        "            for work in works:\n",
-        "            for work in works[:1]:\n",
+        "            for (index, _), work in zip(targets, works, strict=True):\n",
+        "            for (index, _), work in zip(targets[:1], works[:1], strict=True):\n",
     ),
     Mutant(
         "layout-check",
@@ -145,8 +145,8 @@ MUTANTS = [
         "digest-skips-last",
         "a receiver's digest check skips the last bucket",
         "src/aiowsync/_planes/digest.py",
-        "enumerate(zip(_hashes(buffers, ranges), ranges, strict=True))",
-        "enumerate(zip(_hashes(buffers, ranges[:-1]), ranges[:-1], strict=True))",
+        "enumerate(zip(got, ranges, strict=True))",
+        "enumerate(zip(got[:-1], ranges[:-1], strict=True))",
     ),
     Mutant(
         "digest-half-buckets",
@@ -154,6 +154,13 @@ MUTANTS = [
         "src/aiowsync/_planes/digest.py",
         "arrays[b][lo:hi].data",
         "arrays[b][lo : (lo + hi) // 2].data",
+    ),
+    Mutant(
+        "digest-in-transfer-half-buckets",
+        "a digest made while the bytes move covers the first half of each bucket only",
+        "src/aiowsync/_planes/digest.py",
+        "piece = flat[lo - base : hi - base].detach()",
+        "piece = flat[lo - base : (lo + hi) // 2 - base].detach()",
     ),
     Mutant(
         "chain-receive-peer",

@@ -13,9 +13,7 @@ from torch import nn
 
 import aiowsync
 import helpers
-from aiowsync._planes.base import Staged
 from aiowsync._planes.digest import DigestMismatch, bucket_bytes, check_digest, digest
-from aiowsync._planes.dist.receiver import DistReceiverPlane
 from aiowsync._planes.shm.sender import SharedMemSenderPlane
 from aiowsync._weights.layout import Layout
 from helpers import bump, same
@@ -55,6 +53,41 @@ def test_the_digest_does_not_depend_on_where_the_buffers_live() -> None:
     layout.pack({f"k{i}": torch.full((i + 1,), float(i)) for i in range(1000)}, layout.views(a))
     b = [buf.clone() for buf in a]
     assert digest(layout, a) == digest(layout, b)
+
+
+@pytest.mark.parametrize("bucket_mib", [1, 3, 32])
+def test_a_digest_made_bucket_by_bucket_is_the_staged_one(bucket_mib: int) -> None:
+    # A plane that hashes each transfer bucket as it is packed or arrives (whatever its size,
+    # and across the models of a layout of several) makes the digest of the whole version.
+    from aiowsync._planes.digest import Chunks, seal, unseal
+    from aiowsync._planes.dist.buckets import Buckets, section_spans
+
+    weights = {"pi.a": torch.zeros(3 << 20), "pi.b": torch.zeros(1000), "v.c": torch.zeros(5 << 20)}
+    layout = Layout.from_weights(weights, sectioned=True)  # two models: pi and v
+    assert list(layout.sections) == ["pi", "v"]
+    buffers = layout.allocate()
+    for buf in buffers:
+        buf.random_(0, 255)
+    image = torch.cat(buffers)
+    buckets = Buckets(layout.total_bytes, bucket_mib << 20, section_spans(layout))
+    chunks = Chunks(layout, buckets.ranges)
+    hashes: dict[int, int] = {}
+    for index in range(len(buckets.ranges)):
+        for chunk in chunks.completed_by[index]:
+            assert chunk not in hashes  # each digest bucket is completed by one bucket alone
+            hashes[chunk] = chunks.hash(image, chunk)
+    expected = digest(layout, buffers)
+    assert chunks.text([hashes[c] for c in range(len(hashes))]) == expected
+    chunks.check(list(hashes.values()), expected)
+    image[-1] ^= 1  # the last byte: the last digest bucket
+    last = len(chunks.spans) - 1
+    hashes[last] = chunks.hash(image, last)
+    with pytest.raises(DigestMismatch, match=f"^bucket {last} of {last + 1} "):
+        chunks.check([hashes[c] for c in range(len(hashes))], expected)
+    key = bytes(range(16))
+    assert unseal(seal(expected, key), key) == expected
+    with pytest.raises(DigestMismatch, match="is not the sender's"):
+        unseal(seal(expected, key), bytes(16))
 
 
 def _flip(buffers: list[torch.Tensor], where: int = 1000) -> None:
@@ -143,9 +176,45 @@ def _wide(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(512, 2048), nn.Linear(2048, 1024))  # 12 MiB: 2 buckets
 
 
-async def test_a_bucket_flipped_in_transit_over_gloo_is_refused_by_that_worker_alone(
-    monkeypatch: pytest.MonkeyPatch,
+class _DamagesOnTheWay:
+    """The sender's process group, whose send of bucket ``tag`` to rank ``rank`` carries a
+    flipped byte (a link that damages what it carries)."""
+
+    def __init__(self, pg: Any, rank: int, tag: int) -> None:
+        self._pg, self._rank, self._tag = pg, rank, tag
+        self._kept: list[torch.Tensor] = []  # alive until the group goes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        if dst != self._rank or tag != self._tag:
+            return self._pg.send(tensors, dst, tag)
+        bad = [t.clone() for t in tensors]
+        _flip(bad, where=5)
+        self._kept += bad
+        return self._pg.send(bad, dst, tag)
+
+
+def _damage_on_the_way(monkeypatch: pytest.MonkeyPatch, rank: int, tag: int) -> None:
+    """The sender's sends of bucket ``tag`` (the bucket count: the digest that follows the
+    bytes) to rank ``rank`` are damaged from now on."""
+    from aiowsync._planes.dist import plane as dist_plane
+
+    real = dist_plane.send_buckets
+
+    def damaging(pg: Any, *args: Any, **kwargs: Any) -> None:
+        real(_DamagesOnTheWay(pg, rank, tag), *args, **kwargs)
+
+    monkeypatch.setattr(dist_plane, "send_buckets", damaging)
+
+
+@pytest.mark.parametrize("what", ["bucket", "digest"])
+async def test_bytes_damaged_on_their_way_over_gloo_are_refused_by_that_worker_alone(
+    monkeypatch: pytest.MonkeyPatch, what: str
 ) -> None:
+    # The digest follows the bytes on the data plane, sealed with a key that only the update
+    # carries: damage to a bucket fails the bucket's hash, damage to the digest its seal.
     async with helpers.system(
         aiowsync.DistributedWeightSyncScheme,
         2,
@@ -160,20 +229,19 @@ async def test_a_bucket_flipped_in_transit_over_gloo_is_refused_by_that_worker_a
         # show, not pass unseen on a retry.
         assert (await sender.send(timeout=30)).retries == 0
         kept = copy.deepcopy(receivers[1][1].state_dict())
-        fetch = DistReceiverPlane.fetch
-
-        async def in_transit(self: DistReceiverPlane, params: Any) -> Staged:
-            staged = await fetch(self, params)
-            if self._worker_idx == 1:
-                _flip(staged.buffers, where=(9 << 20) + 5)  # in the second 8 MiB bucket
-            return staged
-
-        monkeypatch.setattr(DistReceiverPlane, "fetch", in_transit)
+        buckets = sender._sender.plane.buckets.ranges  # type: ignore[union-attr]
+        # Worker 1 is rank 2; 1 MiB buckets: bucket 9 lies in the second 8 MiB digest bucket.
+        _damage_on_the_way(monkeypatch, rank=2, tag=9 if what == "bucket" else len(buckets))
         bump(src)
         with pytest.raises(aiowsync.RemoteApplyError) as info:
             await sender.send(timeout=30)
         assert info.value.acked == (0,) and list(info.value.errors) == [1]
-        assert info.value.errors[1].startswith("DigestMismatch: bucket 1 of 2 (bytes 8388608-")
+        if what == "bucket":
+            assert info.value.errors[1].startswith("DigestMismatch: bucket 1 of 2 (bytes 8388608-")
+        else:
+            assert info.value.errors[1].startswith(
+                "DigestMismatch: the digest that came with the bytes is not the sender's"
+            )
         assert receivers[0][0].version == 2 and same(receivers[0][1], src)
         r1, m1 = receivers[1]
         assert r1.version == 1

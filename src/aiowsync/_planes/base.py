@@ -113,6 +113,9 @@ class Staged:
     shared: bool = False
     """It lives in memory the sender may reuse once this receiver has said goodbye, so a
     model bound to it needs a private copy before then."""
+    digest: str | None = None
+    """The sender's digest of these bytes, when it followed them and the plane checked the
+    bytes against it as they came (set by the fetch that returned this)."""
 
 
 class Retries(Protocol):
@@ -197,11 +200,23 @@ class SenderPlane(abc.ABC):
     def publish(self, slot: int, version: int) -> None:
         """``slot`` holds ``version`` from now on."""
 
+    digests_follow: bool = False
+    """The plane hashes a version while it moves it, and the digest follows the bytes (see
+    :meth:`digest_after`). Otherwise a version is hashed once it is staged
+    (:meth:`staged_buffers`), and the update carries its digest."""
+
     def staged_buffers(self, slot: int) -> list[torch.Tensor]:
         """The layout's flat buffers as the version staged in ``slot`` will hold them once
         published (models it carries taken from the latest version), for its digest.
-        Blocking: a plane that packs during the transfer packs it all now."""
+        Blocking."""
         raise NotImplementedError(f"{type(self).__name__} cannot digest its versions")
+
+    def digest_after(self, version: int, *, given: str | None, hashed: bool) -> str | None:
+        """On a plane whose digests follow the bytes: make every transfer of ``version``
+        (about to be published) end with its digest, ``given`` or else (with ``hashed``) one
+        of the plane's own hashes, or with none (neither). Returns the update's ``digest``
+        parameter that says so, or None."""
+        raise NotImplementedError(f"{type(self).__name__} sends no digest after the bytes")
 
     @abc.abstractmethod
     def release(self, slot: int) -> None:

@@ -3,13 +3,23 @@
 A version's bytes are the layout's flat buffers (alignment padding included, which every
 plane keeps zeroed). Each buffer is cut into buckets of :func:`bucket_bytes` and each bucket
 hashed with XXH3 (64 bits): about 20 GB/s on one core, so 256 MiB costs some 11 ms on each
-side. The update carries ``xxh3:<bucket bytes>:<16 hex digits per bucket>``; a receiver
-hashes what it fetched before it switches, and a bucket that differs fails the apply (a nack
-that names the worker and the bucket), so the model keeps its version.
+side. A digest reads ``xxh3:<bucket bytes>:<16 hex digits per bucket>``; a receiver hashes
+what it fetched before it switches, and a bucket that differs fails the apply (a nack that
+names the worker and the bucket), so the model keeps its version.
+
+Where it travels depends on the plane. On shared memory the sender hashes a version once it
+is staged, and the update carries the digest. A plane that packs a version while it sends it
+(torch.distributed) hashes each bucket once it is packed and sent, and its receivers hash
+each one as it arrives (see :class:`Chunks`): the digest follows the bytes on the data plane,
+sealed (:func:`seal`) with a key that only the update carries (``trailer:<key>``), so that
+it is still the sender's word and not the network's.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import hmac
 import math
 from collections.abc import Mapping, Sequence
 
@@ -24,6 +34,8 @@ from .._weights.layout import Layout
 from .base import Params, SenderPlane
 
 __all__ = [
+    "TRAILER",
+    "Chunks",
     "DigestMismatch",
     "Digests",
     "bucket_bytes",
@@ -31,6 +43,10 @@ __all__ = [
     "digest",
     "fits",
     "forwarded_by",
+    "seal",
+    "trailer_key",
+    "trailer_size",
+    "unseal",
 ]
 
 _BUCKET = 8 << 20
@@ -42,6 +58,10 @@ _INLINE_BYTES = 1 << 20
 """Models up to this size are digested on the event loop (some 50 us); larger ones in a
 thread."""
 _KEPT = 16
+TRAILER = "trailer:"
+"""How an update's ``digest`` begins when the digest follows the bytes on the data plane;
+the rest is the key of its seal, in hex."""
+_TAG_BYTES = 32
 
 
 class DigestMismatch(WeightSyncError):
@@ -78,8 +98,15 @@ def digest(layout: Layout, buffers: Sequence[torch.Tensor]) -> str:
 def check_digest(layout: Layout, buffers: Sequence[torch.Tensor], expected: str) -> None:
     """Raise :class:`DigestMismatch` naming the first bucket of ``buffers`` whose bytes are
     not those ``expected`` describes (or the digest itself, when malformed). Blocking."""
+    ranges = _ranges(layout, bucket_bytes(layout))
+    _fit_or_raise(layout, ranges, expected)
+    if len(buffers) != len(layout.buffer_sizes):
+        raise DigestMismatch(f"fetched {len(buffers)} buffers, not the layout's")
+    _compare(layout, ranges, _hashes(buffers, ranges), expected)
+
+
+def _fit_or_raise(layout: Layout, ranges: list[tuple[int, int, int]], expected: str) -> None:
     size = bucket_bytes(layout)
-    ranges = _ranges(layout, size)
     scheme, _, rest = expected.partition(":")
     given_size, _, hexes = rest.partition(":")
     if scheme != _SCHEME or given_size != str(size) or len(hexes) != 16 * len(ranges):
@@ -88,10 +115,16 @@ def check_digest(layout: Layout, buffers: Sequence[torch.Tensor], expected: str)
             f"({scheme or 'none'}, buckets of {given_size or '?'} bytes, {len(hexes) // 16} "
             f"buckets; expected {_SCHEME}, {size}, {len(ranges)})"
         )
-    if len(buffers) != len(layout.buffer_sizes):
-        raise DigestMismatch(f"fetched {len(buffers)} buffers, not the layout's")
-    for index, (got, (b, lo, hi)) in enumerate(zip(_hashes(buffers, ranges), ranges, strict=True)):
-        if f"{got:016x}" != hexes[16 * index : 16 * index + 16]:
+
+
+def _compare(
+    layout: Layout, ranges: list[tuple[int, int, int]], got: Sequence[int], expected: str
+) -> None:
+    """Raise :class:`DigestMismatch` at the first bucket whose hash in ``got`` is not the one
+    ``expected`` (a digest that fits) gives."""
+    hexes = expected.rsplit(":", 1)[1]
+    for index, (value, (b, lo, hi)) in enumerate(zip(got, ranges, strict=True)):
+        if f"{value:016x}" != hexes[16 * index : 16 * index + 16]:
             raise DigestMismatch(
                 f"bucket {index} of {len(ranges)} ({_where(layout, b, lo, hi)}) "
                 "does not hold the bytes the sender sent; the version was not applied"
@@ -119,6 +152,88 @@ def forwarded_by(params: Mapping[str, ParamValue], worker: int) -> int | None:
     order = members.split(",")
     at = order.index(str(worker)) if str(worker) in order else 0
     return int(order[at - 1]) if at > 0 else None
+
+
+def trailer_key(value: ParamValue | None) -> bytes | None:
+    """The key of the seal when an update's ``digest`` says the digest follows the bytes
+    (None when it says anything else)."""
+    if not isinstance(value, str) or not value.startswith(TRAILER):
+        return None
+    try:
+        key = bytes.fromhex(value[len(TRAILER) :])
+    except ValueError:
+        return None
+    return key if len(key) == 16 else None
+
+
+def trailer_size(layout: Layout) -> int:
+    """The bytes of a sealed digest of a version of ``layout`` (see :func:`seal`)."""
+    size = bucket_bytes(layout)
+    return len(f"{_SCHEME}:{size}:") + 16 * len(_ranges(layout, size)) + _TAG_BYTES
+
+
+def seal(text: str, key: bytes) -> bytes:
+    """``text`` (a digest) followed by its HMAC-SHA256 under ``key``: the bytes that follow a
+    version on the data plane."""
+    data = text.encode("ascii")
+    return data + hmac.new(key, data, hashlib.sha256).digest()
+
+
+def unseal(sealed: bytes, key: bytes) -> str:
+    """The digest :func:`seal` made, or :class:`DigestMismatch` when its seal is not
+    ``key``'s (the bytes that followed the version are not what the sender sent)."""
+    data, tag = sealed[:-_TAG_BYTES], sealed[-_TAG_BYTES:]
+    if not hmac.compare_digest(tag, hmac.new(key, data, hashlib.sha256).digest()):
+        raise DigestMismatch(
+            "the digest that came with the bytes is not the sender's (damaged on its way); "
+            "the version was not applied"
+        )
+    return data.decode("ascii")
+
+
+class Chunks:
+    """A layout's digest buckets in its flat image (the layout's buffers end to end), for a
+    plane that moves that image in transfer buckets of its own: which digest buckets each
+    transfer bucket completes, so that each is hashed as soon as its bytes are there."""
+
+    def __init__(self, layout: Layout, transfer: Sequence[tuple[int, int]]) -> None:
+        """``transfer``: each transfer bucket's byte range of the image, in the order they
+        are packed or arrive (each model's in order)."""
+        self.layout = layout
+        self._ranges = _ranges(layout, bucket_bytes(layout))
+        starts = [0]
+        for size in layout.buffer_sizes:
+            starts.append(starts[-1] + size)
+        self.spans = [(starts[b] + lo, starts[b] + hi) for b, lo, hi in self._ranges]
+        """Each digest bucket's byte range of the image."""
+        ends = [hi for _, hi in self.spans]
+        self.completed_by = [
+            list(range(bisect.bisect_right(ends, lo), bisect.bisect_right(ends, hi)))
+            for lo, hi in transfer
+        ]
+        """By transfer bucket, the digest buckets whose last byte it brings."""
+
+    def within(self, lo: int, hi: int) -> range:
+        """The digest buckets inside bytes ``lo:hi`` of the image (a model's)."""
+        starts = [a for a, _ in self.spans]
+        return range(bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi))
+
+    def hash(self, flat: torch.Tensor, chunk: int, base: int = 0) -> int:
+        """The hash of digest bucket ``chunk``, read from ``flat`` (bytes ``base:`` of the
+        image). Blocking."""
+        lo, hi = self.spans[chunk]
+        piece = flat[lo - base : hi - base].detach()
+        return xxhash.xxh3_64_intdigest(piece.cpu().numpy().data)
+
+    def text(self, hashes: Sequence[int]) -> str:
+        """The digest of a version whose digest buckets hash to ``hashes``."""
+        return f"{_SCHEME}:{bucket_bytes(self.layout)}:" + "".join(f"{h:016x}" for h in hashes)
+
+    def check(self, hashes: Sequence[int], expected: str) -> None:
+        """Raise :class:`DigestMismatch` as :func:`check_digest` does, for bytes whose digest
+        buckets hash to ``hashes``."""
+        _fit_or_raise(self.layout, self._ranges, expected)
+        _compare(self.layout, self._ranges, hashes, expected)
 
 
 def fits(layout: Layout, value: str) -> bool:
@@ -153,13 +268,23 @@ class Digests:
 
     async def take(self, slot: int, version: int) -> None:
         """Digest what ``slot`` holds, staged as ``version`` (or take the digest given for
-        it)."""
+        it). On a plane whose digests follow the bytes, only tell the plane which digest
+        follows."""
         given = self._given.pop(version, None)
+        if self.plane.digests_follow:
+            param = self.plane.digest_after(version, given=given, hashed=self.enabled)
+            if param is None:
+                self._by_version.pop(version, None)
+            else:
+                self._by_version[version] = param
+                self._forget_old()
+            return
         if given is not None:
             self._by_version[version] = given
             self._forget_old()
             return
         if not self.enabled:
+            self._by_version.pop(version, None)
             return
         layout, plane = self.layout, self.plane
 

@@ -15,7 +15,7 @@ from .._config import Timeouts
 from .._copy.engine import fused_copy
 from .._exceptions import NotConnectedError, WeightSyncTimeout
 from .._planes.base import ReceiverPlane, Staged
-from .._planes.digest import check_digest
+from .._planes.digest import DigestMismatch, check_digest, trailer_key
 from .._planes.double import DoubleBuffer
 from .._protocol import ParamValue
 from .._util.shield import to_the_end
@@ -146,7 +146,12 @@ class Applier:
         if staged is None:
             staged = await self.plane.fetch(params)
         expected = params.get("digest")
-        if expected is not None:
+        if trailer_key(expected) is not None:
+            # The digest followed the bytes, and the plane checked them as they came.
+            if staged.digest is None:
+                raise DigestMismatch("the version came without the digest its update promised")
+            expected = staged.digest
+        elif expected is not None:
             # Before anything switches or is copied: bytes that differ are never applied. (A
             # slot window's version has no buffers of its own: its slot file is read.)
             buffers = staged.buffers or self.plane.lease_buffers(staged) or []

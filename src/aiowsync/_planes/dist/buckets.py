@@ -18,6 +18,7 @@ from aiowsync._copy.engine import CopyPolicy, byte_view, copy_moves, fused_copy
 from aiowsync._weights.layout import Layout
 
 from ..base import Source
+from ..digest import Chunks
 
 __all__ = ["Buckets", "Image", "Packer", "as_bytes", "plain_pointers", "section_spans"]
 
@@ -106,6 +107,8 @@ class Image:
     source_refs: list[torch.Tensor] | None = None
     source_pointers: list[int] | None = None  # [] when not all plain CPU tensors
     packed: int = 0  # buckets packed so far
+    hashes: dict[int, int] = field(default_factory=dict)
+    """Digest buckets (see :class:`~aiowsync._planes.digest.Chunks`) hashed so far."""
     complete: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -120,6 +123,7 @@ class Packer:
         self.device = device
         self._policy = policy
         self.buckets = Buckets(layout.total_bytes, bucket_bytes, section_spans(layout))
+        self.chunks = Chunks(layout, self.buckets.ranges)
         starts = [0]
         for size in layout.buffer_sizes[:-1]:
             starts.append(starts[-1] + size)
@@ -140,6 +144,7 @@ class Packer:
         if source.buffers is None and source.tensors is None:
             raise ValueError("empty source")
         image.source, image.packed, image.source_pointers, image.source_refs = source, 0, None, None
+        image.hashes = {}
         image.complete.clear()
 
     def fill(self, image: Image, source: Source) -> None:
@@ -149,6 +154,7 @@ class Packer:
         assert source.tensors is not None
         views = self.layout.views(self.layout.split(image.flat))
         keys = [k for k in self.layout.keys if k in source.tensors]
+        image.hashes = {}
         fused_copy([views[k] for k in keys], [source.tensors[k] for k in keys], self._policy)
         with image.lock:
             image.source = image.source_refs = image.source_pointers = None
@@ -160,6 +166,21 @@ class Packer:
         with image.lock:
             while image.packed <= index and image.source is not None:
                 self._pack_one(image, image.packed, image.source)
+
+    def hash_bucket(self, image: Image, index: int) -> None:
+        """Hash the digest buckets that bucket ``index`` (packed) completes."""
+        for chunk in self.chunks.completed_by[index]:
+            image.hashes[chunk] = self.chunks.hash(image.flat, chunk)
+
+    def hashes(self, image: Image, chunks: range) -> list[int]:
+        """The hashes of digest buckets ``chunks`` of ``image``, those not hashed yet hashed
+        now (after packing what is left)."""
+        if any(c not in image.hashes for c in chunks):
+            self.seal(image)
+            for chunk in chunks:
+                if chunk not in image.hashes:
+                    image.hashes[chunk] = self.chunks.hash(image.flat, chunk)
+        return [image.hashes[c] for c in chunks]
 
     def seal(self, image: Image) -> None:
         """Pack whatever is not packed yet: after this the source is never read again."""

@@ -9,7 +9,7 @@ within the deadline.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,13 +67,15 @@ def receive_and_forward(
     backend: Backend,
     device: torch.device,
     held: list[Any],
+    arrived: Callable[[int], None] | None = None,
 ) -> str:
     """Receive each bucket of ``targets`` (index, destination) from rank ``rank - 1`` and send
     it on to rank ``rank + 1`` as soon as it is here, while the next one comes in.
 
     Raises :class:`TransportError` when a bucket does not arrive. Returns why forwarding
     failed, or ``""``: this member holds the whole version either way. ``held`` receives the
-    pending work, so that the caller can let it go with the group.
+    pending work, so that the caller can let it go with the group. ``arrived(index)`` is
+    called for each bucket once it is here and on its way to the next member.
     """
     before = "the sender" if rank == 1 else f"worker {workers[rank - 2]}"
     after = rank + 1 if rank < len(workers) else None
@@ -91,6 +93,8 @@ def receive_and_forward(
                 sends.append(pg.send([dst], after, index))
             except RuntimeError as exc:
                 broken = first_line(exc)
+        if arrived is not None:
+            arrived(index)
     for work in sends:
         if broken:
             break  # the rest go with the group

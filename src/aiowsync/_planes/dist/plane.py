@@ -13,6 +13,7 @@ Every blocking call here runs in a worker thread and has a deadline.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -29,8 +30,9 @@ from aiowsync._util.text import first_line
 from aiowsync._weights.layout import Layout
 
 from ..base import Delivery, Member, Params, SenderPlane, WeightSource
+from ..digest import TRAILER, seal
 from ..slot_table import Slot, SlotTable
-from .buckets import Image, Packer
+from .buckets import Image, Packer, section_spans
 from .chain import ChainLimits
 from .collectives import Backend
 from .delivery import DistDelivery, TransferChain
@@ -64,6 +66,16 @@ def sections_param(moved: Sequence[int]) -> str:
 
 
 @dataclass(slots=True)
+class _Trailer:
+    """The digest that follows a version's bytes: ``given``, or one of the sender's hashes
+    (``text`` once made), sealed with ``key``."""
+
+    key: bytes
+    given: str | None
+    text: str | None = None
+
+
+@dataclass(slots=True)
 class _Image:
     image: Image
     readers: int = 0
@@ -71,7 +83,14 @@ class _Image:
 
 
 class DistSenderPlane(SenderPlane):
-    """Private sender slots, packed on the way out, sent on a cache of process groups."""
+    """Private sender slots, packed on the way out, sent on a cache of process groups.
+
+    With digests, each bucket is hashed once it is packed and sent, while it is on the wire;
+    the digest follows the version's last bucket, sealed with a key that the update carries
+    (see :mod:`~aiowsync._planes.digest`).
+    """
+
+    digests_follow = True
 
     def __init__(
         self,
@@ -114,6 +133,8 @@ class DistSenderPlane(SenderPlane):
         self._latest: int | None = None
         self._writes: dict[int, frozenset[str]] = {}
         """By slot being staged, the models it writes."""
+        self._trailers: dict[int, _Trailer] = {}
+        """By version, the digest its transfers end with (none for a version not here)."""
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -121,6 +142,7 @@ class DistSenderPlane(SenderPlane):
         self.layout = layout
         self._packer = Packer(layout, self.bucket_bytes, self.device, self._policy)
         self.buckets = self._packer.buckets
+        self._spans = section_spans(layout)
         for _ in range(2):
             self._slots.add()
         self._groups.open()
@@ -202,19 +224,30 @@ class DistSenderPlane(SenderPlane):
             for old in sorted(self._held)[:-HELD_VERSIONS]:
                 del self._held[old]
 
-    def staged_buffers(self, slot: int) -> list[torch.Tensor]:
-        written = self._writes.get(slot, frozenset(self.layout.sections))
-        before = self._held.get(self._latest) if self._latest is not None else None
-        out: list[torch.Tensor] = []
-        for name, (first, last) in self.layout.sections.items():
-            if name in written:
-                image = self._slots[slot].value.image
-            else:
-                assert before is not None, "a version of some models needs one before it"
-                image = self._slot_of(before[name]).value.image
-            self._packer.seal(image)  # the digest needs the bytes now, not during the transfer
-            out.extend(self.layout.split(image.flat)[first:last])
-        return out
+    def digest_after(self, version: int, *, given: str | None, hashed: bool) -> str | None:
+        if given is None and not hashed:
+            self._trailers.pop(version, None)
+            return None
+        trailer = _Trailer(os.urandom(16), given)
+        self._trailers[version] = trailer
+        for old in sorted(self._trailers)[:-HELD_VERSIONS]:
+            del self._trailers[old]
+        return TRAILER + trailer.key.hex()
+
+    def _sealed_digest(self, trailer: _Trailer, images: Sequence[Image]) -> torch.Tensor:
+        """The digest that follows a version whose models' bytes are in ``images``, sealed,
+        as a tensor to send (blocking: what is not hashed yet is hashed now)."""
+        if trailer.text is None:
+            text = trailer.given
+            if text is None:
+                chunks = self._packer.chunks
+                hashes = []
+                for image, (lo, hi) in zip(images, self._spans, strict=True):
+                    hashes += self._packer.hashes(image, chunks.within(lo, hi))
+                text = chunks.text(hashes)
+            trailer.text = text
+        data = seal(trailer.text, trailer.key)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
 
     def release(self, slot: int) -> None:
         self._writes.pop(slot, None)
@@ -336,6 +369,12 @@ class DistSenderPlane(SenderPlane):
             wanted = set(numbers)
             indices = [i for i, span in enumerate(self.buckets.span_of) if span in wanted]
             peers = self._peers(route)
+            trailer = self._trailers.get(version)
+            hashing = trailer is not None and trailer.given is None and trailer.text is None
+
+            def follow() -> torch.Tensor | None:
+                return None if trailer is None else self._sealed_digest(trailer, images)
+
             # The sender's links share its bandwidth: a bucket to each peer takes that many
             # bucket times.
             stall = stall_limit(self._bucket_seconds * len(peers))
@@ -352,6 +391,8 @@ class DistSenderPlane(SenderPlane):
                     stall=stall,
                     backend=self.backend,
                     device=self.device,
+                    hashing=hashing,
+                    follow=follow,
                 )
                 if len(indices) > 1 and peers:
                     # The links' pace, for the limits of the next transfers.

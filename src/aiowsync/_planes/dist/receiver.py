@@ -9,9 +9,10 @@ of the version arrived.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -23,6 +24,7 @@ from aiowsync._util.text import first_line
 from aiowsync._weights.layout import Layout
 
 from ..base import ReceiverPlane, Staged
+from ..digest import Chunks, DigestMismatch, trailer_key, trailer_size, unseal
 from ..double import DoubleBuffer
 from .buckets import Buckets, section_spans
 from .chain import ChainLimits, receive_and_forward
@@ -71,6 +73,7 @@ class DistReceiverPlane(ReceiverPlane):
             )
         self._spans = section_spans(layout)
         self.buckets = Buckets(layout.total_bytes, bucket_bytes, self._spans)
+        self._chunks = Chunks(layout, self.buckets.ranges)
         # The store and the groups listen on the sender's data host, which need not be the
         # host of the control address (another interface, or a control socket on 0.0.0.0).
         store_host = welcome.get("store_host")
@@ -86,6 +89,8 @@ class DistReceiverPlane(ReceiverPlane):
         self._newest = [-1] * len(names)
         """Per model, the half holding the newest bytes received (the model may run the
         other one still, or, in copy mode, none)."""
+        self._hashes: list[list[dict[int, int]]] = [[{}, {}] for _ in names]
+        """Per model and half, the digest buckets hashed as they arrived."""
         self._combined: dict[tuple[int, ...], Staged] = {}
         """A version as the model runs it: one half of each model, by the halves' indices."""
         self._port = port
@@ -143,15 +148,33 @@ class DistReceiverPlane(ReceiverPlane):
             for index, span in enumerate(self.buckets.span_of)
             if span in moved
         ]
+        for number in moved:
+            self._hashes[number][choice[number]] = {}
+        key = trailer_key(params.get("digest"))
+        sealed = None
+        if key is not None:
+            # The sender's digest follows the last bucket; each bucket is hashed as it comes.
+            sealed = torch.zeros(trailer_size(self.layout), dtype=torch.uint8, device=self.device)
+            targets.append((len(self.buckets.ranges), sealed))
         cached = self._groups.cached(name)
         chain = params.get("topology") == "chain"
         limits = ChainLimits.from_params(params) if chain else None
         held: list[Any] = []
         """The transfer's references to its group and pending work, let go on failure."""
         failure = None
+        arrived = None if key is None else self._hasher(choice)
         try:
             self._receive(
-                name, cached, workers, targets, deadline, form_ms / 1000, chain, limits, held
+                name,
+                cached,
+                workers,
+                targets,
+                deadline,
+                form_ms / 1000,
+                chain,
+                limits,
+                held,
+                arrived,
             )
         except (RuntimeError, ValueError, TransportError) as exc:
             failure = first_line(exc)
@@ -166,9 +189,43 @@ class DistReceiverPlane(ReceiverPlane):
             else:
                 self._groups.discard(name)
             raise TransportError(f"receiving the version failed: {failure}")
+        text = None if key is None or sealed is None else self._check(sealed, key, choice)
         for number in moved:
             self._newest[number] = choice[number]
-        return self._staged(tuple(choice))
+        staged = self._staged(tuple(choice))
+        return staged if text is None else dataclasses.replace(staged, digest=text)
+
+    def _hasher(self, choice: list[int]) -> Callable[[int], None]:
+        """What hashes bucket ``index`` once it arrived into the halves of ``choice``."""
+        chunks, n = self._chunks, len(self.buckets.ranges)
+
+        def arrived(index: int) -> None:
+            if index >= n:
+                return  # the digest itself
+            span = self.buckets.span_of[index]
+            flat, base = self._halves[span].flats[choice[span]], self._spans[span][0]
+            hashes = self._hashes[span][choice[span]]
+            for chunk in chunks.completed_by[index]:
+                hashes[chunk] = chunks.hash(flat, chunk, base)
+
+        return arrived
+
+    def _check(self, sealed: torch.Tensor, key: bytes, choice: list[int]) -> str:
+        """The sender's digest, which followed the bytes, once the bytes of ``choice`` (the
+        models received now and those run on from before) are checked against it; raises
+        :class:`DigestMismatch` otherwise."""
+        text = unseal(sealed.cpu().numpy().tobytes(), key)
+        chunks = self._chunks
+        got: list[int] = []
+        for number, (lo, hi) in enumerate(self._spans):
+            half = choice[number]
+            hashes, flat = self._hashes[number][half], self._halves[number].flats[half]
+            for chunk in chunks.within(lo, hi):
+                if chunk not in hashes:  # a model run on, received without a digest
+                    hashes[chunk] = chunks.hash(flat, chunk, lo)
+                got.append(hashes[chunk])
+        chunks.check(got, text)
+        return text
 
     def _moved(self, value: ParamValue | None) -> set[int]:
         """The models an update moves (every one when it does not say)."""
@@ -212,6 +269,7 @@ class DistReceiverPlane(ReceiverPlane):
         chain: bool,
         limits: ChainLimits | None,
         held: list[Any],
+        arrived: Callable[[int], None] | None,
     ) -> None:
         rank = workers.index(self._worker_idx) + 1
         if cached is None:
@@ -226,8 +284,10 @@ class DistReceiverPlane(ReceiverPlane):
         if not chain:
             works = [pg.recv([dst], 0, index) for index, dst in targets]
             held.append(works)
-            for work in works:
+            for (index, _), work in zip(targets, works, strict=True):
                 finish(work, self.backend, seconds_left(deadline), self.device)
+                if arrived is not None:
+                    arrived(index)  # while the next buckets come in
             self._groups.keep(name, pg)
             return
         # A chain: every bucket comes from the member before, and goes on to the member after.
@@ -241,6 +301,7 @@ class DistReceiverPlane(ReceiverPlane):
             backend=self.backend,
             device=self.device,
             held=held,
+            arrived=arrived,
         )
         if broken:
             # This member has the whole version; the one after it fails and says so. The

@@ -3,7 +3,7 @@ point, in a star to every member, in a chain to the first one only."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,11 +29,15 @@ def send_buckets(
     stall: float,
     backend: Backend,
     device: torch.device,
+    hashing: bool = False,
+    follow: Callable[[], torch.Tensor | None] = lambda: None,
 ) -> None:
     """Send buckets ``indices`` (each from the image of its model in ``images``) from rank 0
     to the ranks of ``peers`` (rank -> worker index): every member in a star, the first one
     in a chain (which forwards them). Each bucket is packed just before it is sent, while the
-    one before it is still on the wire.
+    one before it is still on the wire; with ``hashing``, it is hashed for the digest once
+    sent, while it is on the wire. What ``follow()`` gives (the sealed digest, made once the
+    last bucket is out) is sent after the last bucket, tagged with the bucket count.
 
     Not a broadcast: gloo relays a broadcast through a tree of receivers, so one dead
     receiver would hold up the others behind it until the deadline. Here each member depends
@@ -56,13 +60,11 @@ def send_buckets(
     def failure() -> TransportError:
         return TransportError("; ".join(f"worker {w}: {t}" for w, t in sorted(failed.items())))
 
-    def post(index: int) -> list[tuple[int, Any]]:
-        lo, hi = buckets.ranges[index]
-        image = images[buckets.span_of[index]]
+    def post(tensor: torch.Tensor, tag: int) -> list[tuple[int, Any]]:
         works = []
         for rank in list(alive):
             try:
-                works.append((rank, pg.send([image.flat[lo:hi]], rank, index)))
+                works.append((rank, pg.send([tensor], rank, tag)))
             except RuntimeError as exc:
                 fail(rank, exc)
         return works
@@ -82,11 +84,18 @@ def send_buckets(
 
     in_flight: list[tuple[int, Any]] = []
     for number, index in enumerate(indices):
-        packer.pack(images[buckets.span_of[index]], index)
-        posted = post(index) if alive else []
+        image = images[buckets.span_of[index]]
+        packer.pack(image, index)
+        lo, hi = buckets.ranges[index]
+        posted = post(image.flat[lo:hi], index) if alive else []
+        if hashing:
+            packer.hash_bucket(image, index)
         if number:
             wait(in_flight)
         in_flight = posted
+    trailer = follow() if alive else None
+    if trailer is not None:
+        in_flight += post(trailer, len(buckets.ranges))
     wait(in_flight)
     if failed:
         raise failure()
