@@ -306,6 +306,8 @@ class SenderContext:
     tensors: Mapping[str, torch.Tensor]
     """The weights at init (their device is where a plane keeps its slots)."""
     timeouts: Timeouts
+    num_workers: int = 1
+    """The workers the sender expects."""
 
 
 @dataclass(frozen=True, slots=True)

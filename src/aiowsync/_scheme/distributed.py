@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 from .._planes.base import DataPlane
-from .._planes.dist.config import DEFAULT_BUCKET_BYTES, DistributedPlane
+from .._planes.dist.config import DistributedPlane
 from .._planes.dist.groups import Topology
 from .._planes.dist.plane import Backend
 from .config import refuse_both
@@ -32,7 +32,10 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
     Args:
         backend: ``"gloo"`` (CPU tensors, any host) or ``"nccl"`` (CUDA tensors, GPU hosts;
             experimental: it has not run on a GPU host yet).
-        bucket_bytes: size of one bucket; see the distributed page of the docs.
+        bucket_bytes: size of one bucket; by default chosen from the model's size, the
+            topology and ``num_workers`` when the sender starts (32 MiB for a star; for a
+            chain, about one sixth of the model per worker, so that it pipelines). See the
+            distributed page of the docs.
         data_host: the address the sender's store and process groups listen on; by default
             the host of ``bind``. Needed when ``bind`` is a wildcard such as ``0.0.0.0``.
         max_slots: the most version copies the sender keeps (two are made up front; more
@@ -75,7 +78,7 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
         if plane is None:
             plane = DistributedPlane(
                 backend="gloo" if backend is None else backend,
-                bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
+                bucket_bytes=bucket_bytes,
                 data_host=data_host,
                 max_slots=4 if max_slots is None else max_slots,
                 topology="star" if topology is None else topology,
@@ -95,7 +98,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
 
     @property
     def bucket_bytes(self) -> int | None:
-        """The plane's bucket size in bytes (None when given another plane)."""
+        """The plane's bucket size in bytes as configured (None when chosen by the sender
+        when it starts, or when the scheme was given another plane)."""
         return cast("int | None", self._option("bucket_bytes"))
 
     @property

@@ -180,7 +180,12 @@ class SenderSession:
             flat = flatten_weights(self.model if self.model is not None else self.weights)  # type: ignore[arg-type]
             core = SenderCore(
                 plane=options.plane.sender(
-                    SenderContext(bind=options.bind, tensors=flat, timeouts=options.timeouts)
+                    SenderContext(
+                        bind=options.bind,
+                        tensors=flat,
+                        timeouts=options.timeouts,
+                        num_workers=self.num_workers,
+                    )
                 ),
                 layout=self.layout,
                 num_workers=self.num_workers,

@@ -24,6 +24,7 @@ import aiowsync
 from aiowsync._planes.base import Source
 from aiowsync._planes.dist.buckets import Buckets
 from aiowsync._planes.dist.receiver import DistReceiverPlane
+import helpers
 from helpers import BEATS, bump, dist_model, dist_system, keys_of, same
 
 pytestmark = pytest.mark.timeout(90)
@@ -81,6 +82,48 @@ def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, pla
         assert all(torch.equal(views[k], weights[k]) for k in weights)
     finally:
         plane.close()
+
+
+MiB = 1 << 20
+
+
+def test_a_chain_gets_enough_buckets_to_fill_it_and_a_star_keeps_32_mib() -> None:
+    from aiowsync._planes.dist.buckets import choose_bucket_bytes
+
+    for total in (16, 64, 256, 1024, 8192):
+        assert choose_bucket_bytes(total * MiB, "star", 4) == 32 * MiB
+        for members in (2, 3, 4):
+            size = choose_bucket_bytes(total * MiB, "chain", members)
+            assert size % (MiB // 4) == 0 and MiB <= size <= 32 * MiB
+            count = -(-total * MiB // size)
+            # The last member gets the last bucket members - 1 bucket times after the first
+            # did: with enough buckets, that is a small part of the whole send.
+            assert (count + members - 1) / count <= 1.2, (total, members, size)
+    assert choose_bucket_bytes(64 * MiB, "chain", 4) == 2.75 * MiB  # 24 buckets
+    assert choose_bucket_bytes(256 * MiB, "chain", 4) == 10.75 * MiB
+    assert choose_bucket_bytes(100, "chain", 4) == MiB
+
+
+async def test_a_chain_with_its_defaults_sends_in_the_buckets_chosen_for_its_model() -> None:
+    def model(seed: int) -> nn.Module:  # 12 MiB
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(1024, 2048, bias=False), nn.Linear(2048, 512, bias=False))
+
+    async with helpers.system(
+        aiowsync.DistributedWeightSyncScheme,
+        2,
+        make_model=model,
+        connect_timeout=30,
+        heartbeats=BEATS,
+        topology="chain",
+    ) as (sender, src, receivers):
+        assert sender.bucket_bytes is None  # chosen when the sender started
+        plane = sender._sender.plane  # type: ignore[union-attr]
+        assert plane.bucket_bytes == MiB and len(plane.buckets.ranges) == 12
+        bump(src)
+        result = await sender.send(timeout=30)
+        assert result.retries == 0
+        assert all(r.version == 1 and same(m, src) for r, m in receivers)
 
 
 # -- the scheme -------------------------------------------------------------------------------

@@ -20,7 +20,42 @@ from aiowsync._weights.layout import Layout
 from ..base import Source
 from ..digest import Chunks
 
-__all__ = ["Buckets", "Image", "Packer", "as_bytes", "plain_pointers", "section_spans"]
+__all__ = [
+    "Buckets",
+    "Image",
+    "Packer",
+    "as_bytes",
+    "choose_bucket_bytes",
+    "plain_pointers",
+    "section_spans",
+]
+
+_MiB = 1 << 20
+STAR_BUCKET_BYTES = 32 * _MiB
+"""A star's buckets: on loopback, 16 to 64 MiB performed alike, and smaller ones paid for
+their many rounds of sends."""
+CHAIN_BUCKETS_PER_MEMBER = 6
+"""A chain's buckets per member: a send takes about (buckets + members - 1) bucket times,
+so six per member keep it within about 1.17x one link's transfer."""
+MIN_BUCKET_BYTES = 1 * _MiB
+
+
+def choose_bucket_bytes(total: int, topology: str, members: int) -> int:
+    """The bucket size for a model of ``total`` bytes sent to ``members`` workers.
+
+    A star sends each bucket to every member itself: 32 MiB buckets (only the first one's
+    packing is not overlapped). A chain pipelines only with enough buckets to fill it: each
+    bucket must pass every member, so the last member gets the last bucket ``members - 1``
+    bucket times after the first one did. Its buckets are ``total / (6 * members)``, rounded
+    up to 256 KiB, between 1 and 32 MiB.
+    """
+    if topology != "chain":
+        return STAR_BUCKET_BYTES
+    count = CHAIN_BUCKETS_PER_MEMBER * max(1, members)
+    step = _MiB // 4
+    size = -(-total // count)
+    size = -(-size // step) * step
+    return max(MIN_BUCKET_BYTES, min(STAR_BUCKET_BYTES, size))
 
 
 class Buckets:

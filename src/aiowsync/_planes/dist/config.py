@@ -18,9 +18,7 @@ from .groups import Topology
 from .plane import Backend, DistSenderPlane, host_of
 from .receiver import DistReceiverPlane
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DistributedPlane"]
-
-DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+__all__ = ["DistributedPlane"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +28,10 @@ class DistributedPlane(DataPlane):
     Args:
         backend: ``"gloo"`` (CPU tensors, any host) or ``"nccl"`` (CUDA tensors, GPU hosts;
             experimental: written for GPU hosts, not yet proven on one).
-        bucket_bytes: size of one bucket; see the distributed page of the docs.
+        bucket_bytes: size of one bucket; None (the default) chooses it from the model's
+            size, the topology and the number of workers when the sender starts (see
+            :func:`~aiowsync._planes.dist.buckets.choose_bucket_bytes` and the distributed
+            page of the docs).
         data_host: the address the sender's store and process groups listen on; by default
             the host of the scheme's ``bind``. Needed when ``bind`` is a wildcard.
         max_slots: the most version copies the sender keeps (two are made up front; more
@@ -41,7 +42,7 @@ class DistributedPlane(DataPlane):
     """
 
     backend: Backend = "gloo"
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    bucket_bytes: int | None = None
     data_host: str | None = None
     max_slots: int = 4
     topology: Topology = "star"
@@ -52,7 +53,7 @@ class DistributedPlane(DataPlane):
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
         size = self.bucket_bytes
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"bucket_bytes must be a positive integer, got {size!r}")
         if self.max_slots < 2:
             raise ValueError(f"max_slots must be at least 2, got {self.max_slots}")
@@ -106,6 +107,7 @@ class DistributedPlane(DataPlane):
         return DistSenderPlane(
             backend=self.backend,
             bucket_bytes=self.bucket_bytes,
+            members=context.num_workers,
             host=self._host(context.bind),
             device=self._device(context.tensors.values()),
             max_slots=self.max_slots,

@@ -32,7 +32,7 @@ from aiowsync._weights.layout import Layout
 from ..base import Delivery, Member, Params, SenderPlane, WeightSource
 from ..digest import TRAILER, seal
 from ..slot_table import Slot, SlotTable
-from .buckets import Image, Packer, section_spans
+from .buckets import Image, Packer, choose_bucket_bytes, section_spans
 from .chain import ChainLimits
 from .collectives import Backend
 from .delivery import DistDelivery, TransferChain
@@ -96,7 +96,8 @@ class DistSenderPlane(SenderPlane):
         self,
         *,
         backend: Backend,
-        bucket_bytes: int,
+        bucket_bytes: int | None,
+        members: int = 1,
         host: str,
         device: torch.device,
         max_slots: int = 4,
@@ -107,11 +108,9 @@ class DistSenderPlane(SenderPlane):
     ) -> None:
         self.backend: Backend = backend
         self.topology: Topology = topology
-        self._bucket_seconds = bucket_bytes / SLOW_LINK
-        """How long the latest transfer took per bucket and link the sender sent it on (at
-        first, as if on a slow link): the stall limits on the links scale with it."""
         self.form_timeout = form_timeout
-        self.bucket_bytes = bucket_bytes
+        self._bucket_choice = bucket_bytes
+        self._members = members
         self.host = host
         self.announce_host = announce_host
         """Tell receivers ``host`` (a ``data_host`` given): otherwise they reach the store on
@@ -140,6 +139,12 @@ class DistSenderPlane(SenderPlane):
 
     def setup(self, layout: Layout) -> None:
         self.layout = layout
+        self.bucket_bytes = self._bucket_choice or choose_bucket_bytes(
+            layout.total_bytes, self.topology, self._members
+        )
+        self._bucket_seconds = self.bucket_bytes / SLOW_LINK
+        """How long the latest transfer took per bucket and link the sender sent it on (at
+        first, as if on a slow link): the stall limits on the links scale with it."""
         self._packer = Packer(layout, self.bucket_bytes, self.device, self._policy)
         self.buckets = self._packer.buckets
         self._spans = section_spans(layout)
