@@ -11,8 +11,10 @@ one run measures:
 - ``relay``: the chain to one relay per host, each relaying over shared memory to two local
   workers (``upstream.relay_to(local)``): the time until every worker of every host runs it.
 
-Each ``send()`` is timed from the trainer; ratios are against the same run's ``raw``. Needs
-root, iproute2 and tc. Everything it creates is removed at the end, also on error.
+Each ``send()`` is timed from the trainer; ratios are against the same run's ``raw``. The
+scheme runs with its defaults (digests on, CURVE keys on the control channel, the bucket size
+it chooses) unless ``--integrity``, ``--control-auth`` or ``--bucket-mib`` say otherwise.
+Needs root, iproute2 and tc. Everything it creates is removed at the end, also on error.
 
     sudo .venv/bin/python benchmarks/bench_network.py --hosts 1,2,4 --mib 64,256
 """
@@ -60,27 +62,46 @@ def _role(argv: list[str]) -> None:
 
     torch.set_num_threads(1)
     role, mib = argv[0], int(argv[1])
+    settings = json.loads(os.environ.get("BENCH_NETWORK", "{}"))
 
-    def _open_channels() -> aiowsync.ZmqChannelFactory:
-        # The namespaces are this benchmark's own, reachable by nothing else: no CURVE keys,
-        # on the sender's side and on its workers'.
-        return aiowsync.ZmqChannelFactory(allow_insecure_bind=True)
+    def _channels() -> aiowsync.ZmqChannelFactory:
+        """The control channel's factory: the sender's own keys (a worker is handed what it
+        needs of them), or none with ``--control-auth off``."""
+        if settings.get("control_auth") == "off":
+            return aiowsync.ZmqChannelFactory(allow_insecure_bind=True)
+        keys = settings.get("keys")
+        if keys is None:
+            return aiowsync.ZmqChannelFactory()  # the sender: keys of its own at its bind
+        return aiowsync.ZmqChannelFactory(curve=aiowsync.CurveKeys(**keys))
 
     timeouts = aiowsync.Timeouts(handshake=300, ack=300, transfer=300)
 
     async def sender(ip: str, n: int, topology: str) -> None:
         model = _model(mib)
+        options: dict[str, Any] = {}
+        if settings.get("bucket_bytes"):
+            options["bucket_bytes"] = settings["bucket_bytes"]
+        if settings.get("integrity") is not None:
+            options["integrity"] = settings["integrity"]
         scheme = aiowsync.DistributedWeightSyncScheme(
             bind=f"tcp://{ip}:0",
             topology=topology,  # type: ignore[arg-type]
-            integrity=False,
-            bucket_bytes=4 << 20,
             timeouts=timeouts,
-            channels=_open_channels(),
+            channels=_channels(),
+            **options,
         )
         scheme.init_on_sender(model=model, num_workers=n)
         async with scheme:
-            _say(address=scheme.address)
+            given = scheme.channels.receiver_keys(scheme.address)
+            keys = None
+            if given is not None:
+                keys = {
+                    "server_public": given.server_public,
+                    "client_public": given.client_public,
+                    "client_secret": given.client_secret,
+                }
+            plane = scheme._sender.plane  # type: ignore[union-attr]
+            _say(address=scheme.address, keys=keys, bucket_bytes=plane.bucket_bytes)
             await scheme.connect(timeout=300)
             _say(ready=True)
             for line in sys.stdin:
@@ -95,7 +116,7 @@ def _role(argv: list[str]) -> None:
 
     async def receiver(address: str, idx: int) -> None:
         scheme = aiowsync.DistributedWeightSyncScheme(
-            address=address, timeouts=timeouts, channels=_open_channels()
+            address=address, timeouts=timeouts, channels=_channels()
         )
         scheme.init_on_receiver(model=_model(mib), worker_idx=idx)
         async with scheme:
@@ -105,7 +126,7 @@ def _role(argv: list[str]) -> None:
     async def relay(address: str, idx: int, leaves: int) -> None:
         model = _model(mib)
         upstream = aiowsync.DistributedWeightSyncScheme(
-            address=address, timeouts=timeouts, channels=_open_channels()
+            address=address, timeouts=timeouts, channels=_channels()
         )
         upstream.init_on_receiver(model=model, worker_idx=idx)
         local = aiowsync.SharedMemWeightSyncScheme(timeouts=timeouts)
@@ -211,12 +232,16 @@ class Network:
             _run("ip", "netns", "del", ns, check=False)
         _run("ip", "link", "del", self.bridge, check=False)
 
-    def spawn(self, host: int, *args: str) -> subprocess.Popen[str]:
+    def spawn(
+        self, host: int, *args: str, settings: dict[str, Any] | None = None
+    ) -> subprocess.Popen[str]:
+        env = {**os.environ, "BENCH_NETWORK": json.dumps(settings or {})}
         return subprocess.Popen(
             ["ip", "netns", "exec", self.names[host], sys.executable, HERE, "--role", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
 
 
@@ -241,17 +266,23 @@ def _end(procs: list[subprocess.Popen[str]]) -> None:
             proc.wait()
 
 
-def _sends(net: Network, mib: int, hosts: int, mode: str, samples: int) -> list[float]:
+def _sends(
+    net: Network, mib: int, hosts: int, mode: str, samples: int, settings: dict[str, Any]
+) -> tuple[list[float], int]:
+    """The send times of ``samples`` sends, and the bucket size the sender used."""
     topology = "star" if mode == "star" else "chain"
-    sender = net.spawn(0, "sender", str(mib), net.ip_of(0), str(hosts), topology)
+    sender = net.spawn(0, "sender", str(mib), net.ip_of(0), str(hosts), topology, settings=settings)
     procs = [sender]
     try:
-        address = _read(sender)["address"]
+        said = _read(sender)
+        address, workers = said["address"], {**settings, "keys": said["keys"]}
         for host in range(1, hosts + 1):
-            if mode == "relay":
-                procs.append(net.spawn(host, "relay", str(mib), address, str(host - 1), "2"))
-            else:
-                procs.append(net.spawn(host, "receiver", str(mib), address, str(host - 1)))
+            role = (
+                ["relay", str(mib), address, str(host - 1), "2"]
+                if mode == "relay"
+                else ["receiver", str(mib), address, str(host - 1)]
+            )
+            procs.append(net.spawn(host, *role, settings=workers))
         _read(sender)  # every receiver (or relay, with its workers) holds version 0
         times = []
         assert sender.stdin is not None
@@ -259,7 +290,7 @@ def _sends(net: Network, mib: int, hosts: int, mode: str, samples: int) -> list[
             sender.stdin.write("send\n")
             sender.stdin.flush()
             times.append(_read(sender)["send"])
-        return times
+        return times, int(said["bucket_bytes"])
     finally:
         _end(procs)
 
@@ -284,8 +315,23 @@ def main() -> int:
     p.add_argument("--rate", default="1gbit", help="every link's rate, as tc reads it")
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--modes", default="star,chain,relay")
+    p.add_argument(
+        "--bucket-mib", type=float, help="the scheme's bucket size (default: the scheme's choice)"
+    )
+    p.add_argument("--integrity", choices=["on", "off"], help="digests (default: the scheme's, on)")
+    p.add_argument(
+        "--control-auth",
+        choices=["curve", "off"],
+        default="curve",
+        help="the control channel: CURVE keys of the scheme's own (default), or none",
+    )
     p.add_argument("--out", default="bench-network.json")
     args = p.parse_args()
+    settings: dict[str, Any] = {"control_auth": args.control_auth}
+    if args.bucket_mib is not None:
+        settings["bucket_bytes"] = int(args.bucket_mib * 2**20)
+    if args.integrity is not None:
+        settings["integrity"] = args.integrity == "on"
     hosts = [int(h) for h in args.hosts.split(",")]
     modes = args.modes.split(",")
     net = Network(max(hosts), args.rate)
@@ -298,17 +344,21 @@ def main() -> int:
                 row: dict[str, Any] = {"mib": mib, "hosts": n, "raw_s": raw}
                 line = f"{mib:>4} MiB x{n} hosts: raw {raw:.2f} s"
                 for mode in modes:
-                    times = _sends(net, mib, n, mode, args.samples)
+                    times, bucket = _sends(net, mib, n, mode, args.samples, settings)
                     median = statistics.median(times)
                     row[f"{mode}_s"] = times
-                    line += f" | {mode} {median:.2f} s ({median / raw:.2f}x)"
+                    row[f"{mode}_bucket_bytes"] = bucket
+                    line += (
+                        f" | {mode} {median:.2f} s ({median / raw:.2f}x, "
+                        f"{bucket / 2**20:g} MiB buckets)"
+                    )
                 rows.append(row)
                 print(line, flush=True)
     finally:
         net.remove()
         atexit.unregister(net.remove)
     with open(args.out, "w") as f:
-        json.dump({"rate": args.rate, "rows": rows}, f, indent=1)
+        json.dump({"rate": args.rate, "settings": settings, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

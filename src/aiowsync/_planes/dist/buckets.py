@@ -34,9 +34,9 @@ _MiB = 1 << 20
 STAR_BUCKET_BYTES = 32 * _MiB
 """A star's buckets: on loopback, 16 to 64 MiB performed alike, and smaller ones paid for
 their many rounds of sends."""
-CHAIN_BUCKETS_PER_MEMBER = 6
+CHAIN_BUCKETS_PER_MEMBER = 8
 """A chain's buckets per member: a send takes about (buckets + members - 1) bucket times,
-so six per member keep it within about 1.17x one link's transfer."""
+so eight per member keep it within about 1.12x one link's transfer."""
 MIN_BUCKET_BYTES = 1 * _MiB
 
 
@@ -46,7 +46,7 @@ def choose_bucket_bytes(total: int, topology: str, members: int) -> int:
     A star sends each bucket to every member itself: 32 MiB buckets (only the first one's
     packing is not overlapped). A chain pipelines only with enough buckets to fill it: each
     bucket must pass every member, so the last member gets the last bucket ``members - 1``
-    bucket times after the first one did. Its buckets are ``total / (6 * members)``, rounded
+    bucket times after the first one did. Its buckets are ``total / (8 * members)``, rounded
     up to 256 KiB, between 1 and 32 MiB.
     """
     if topology != "chain":
