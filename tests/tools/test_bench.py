@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from aiowsync._tools.bench import _parse, main
-from aiowsync._tools.bench._checks import checks
+from aiowsync._tools.bench._checks import LIMIT, checks
 from aiowsync._tools.bench._models import MIB, Reader, fill, model_spec, spec_bytes
 from aiowsync._tools.bench._plan import QUICK_CELLS, footprint, matrix, plan_batches
 from aiowsync._tools.bench._report import markdown, plot
@@ -55,7 +55,7 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
         [
             "aiowsync dist send()",
             "aiowsync dist publish()",
-            "aiowsync dist send() +digest",
+            "aiowsync dist send() -digest",
             "raw gloo broadcast",
         ],
     ]
@@ -67,7 +67,7 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
             assert len(row["lead_samples_s"]) == 3 and all(
                 0 < s < 60 for s in row["lead_samples_s"]
             )
-            if row["kind"] == "floor" or row["name"].endswith("+digest"):  # timed only
+            if row["kind"] == "floor" or row["name"].endswith("digest"):  # timed only
                 assert row["gap"] is None and row["tear"] is None
                 continue
             gap = row["gap"]
@@ -79,6 +79,15 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
             for reads, mixed in zip(row["tear"]["reads"], row["tear"]["mixed"], strict=True):
                 assert reads["loop"] > 0 and reads["guarded thread"] > 0
                 assert mixed == {"loop": 0, "guarded thread": 0}
+    # send() is the scheme's defaults: digests on over torch.distributed, off on one host.
+    integrity = {r["name"]: r["info"]["integrity"] for c in cells for r in c["contenders"]
+                 if r["kind"] == "aiowsync"}  # fmt: skip
+    assert integrity == {
+        "aiowsync shm send()": False, "aiowsync shm publish()": False,
+        "aiowsync shm send(weights)": False, "aiowsync shm send() +digest": True,
+        "aiowsync dist send()": True, "aiowsync dist publish()": True,
+        "aiowsync dist send() -digest": False,
+    }  # fmt: skip
     assert "left out: --no-torchrl" in report["env"]["torchrl_status"]
 
     text = (out / "bench.md").read_text()
@@ -167,6 +176,39 @@ def test_the_cost_of_curve_is_judged_on_the_pooled_samples_of_both() -> None:
     assert "| 64MiB | 4 | **aiowsync dist send()** | 41.0 |" in text
     assert "| 64MiB (control auth off) | 4 | **aiowsync dist send()** | 40.0 |" in text
     assert "| 64MiB (chain, control auth off) | 4 |" in text
+
+
+def test_send_is_the_default_integrity_and_the_other_setting_is_a_row_of_its_own() -> None:
+    """The ``send()`` row is the scheme as a user builds it: digests on over torch.distributed,
+    off on one host; the other setting is the row that names it, and the cost check divides
+    integrity on by integrity off on each transport (target 1.05x on dist only)."""
+    from aiowsync._tools.bench._checks import INTEGRITY_MODE, integrity_rows
+
+    assert INTEGRITY_MODE == {"shm": "send() +digest", "dist": "send() -digest"}
+    assert integrity_rows("dist") == ("aiowsync dist send()", "aiowsync dist send() -digest")
+    assert integrity_rows("shm") == ("aiowsync shm send() +digest", "aiowsync shm send()")
+
+    def cell(transport: str, on_ms: float, off_ms: float) -> dict[str, Any]:
+        on, off = integrity_rows(transport)
+        return {
+            "model": "64MiB", "model_bytes": 64 * MIB, "tensors": 4, "workers": 4,
+            "transport": transport, "skipped": [], "errors": [],
+            "contenders": [
+                _row(on, "aiowsync", [on_ms] * 3, mixed=0),
+                _row(off, "aiowsync", [off_ms] * 3, mixed=0),
+                _row(LIMIT[transport], "limit", [off_ms] * 3),
+            ],
+        }  # fmt: skip
+
+    report: dict[str, Any] = {"run": {"cells": [cell("dist", 84.0, 80.0), cell("shm", 30, 6)]}}
+    found = checks(report)
+    dist = _check({"checks": found}, "64MiB x4: aiowsync dist send(), integrity on / integrity off")
+    assert dist["value"] == "1.05x" and dist["target"] == "<= 1.05x" and dist["met"] is True
+    shm = _check({"checks": found}, "64MiB x4: aiowsync shm send(), integrity on / integrity off")
+    assert shm["value"] == "5.00x" and shm["target"] == "none" and shm["met"] is None
+    # The limit check divides the default send(), digests on, by the raw broadcast.
+    limit = _check({"checks": found}, "64MiB x4: aiowsync dist send() / raw gloo broadcast")
+    assert limit["value"] == "1.05x"
 
 
 def test_models_are_the_advertised_sizes() -> None:

@@ -13,7 +13,7 @@ import time
 import traceback
 from typing import Any
 
-from ._checks import variant_text
+from ._checks import INTEGRITY_MODE, variant_text
 from ._contenders import Contender, RawCopy, RawGloo, RawZmq, TorchRLContender
 from ._models import MIB, model_spec, spec_bytes
 from ._plan import (
@@ -27,7 +27,7 @@ from ._plan import (
 )
 from ._pool import WorkerPool
 from ._probe import QUIET_AGAIN_S, QUIET_MOST_S, host_steal_ms
-from ._session import DIGEST_MODE, AiowsyncSend, AiowsyncSession
+from ._session import AiowsyncSend, AiowsyncSession
 from ._torchrl import TorchRLError, TorchRLTree
 
 __all__ = [
@@ -139,7 +139,8 @@ async def _cell(
         variant=variant,
     )
     ours: list[Contender] = [AiowsyncSend(session, "send()"), AiowsyncSend(session, "publish()")]
-    digested = AiowsyncSend(session, DIGEST_MODE)  # timed only: its reads are send()'s
+    # Timed only: its gaps and reads are those of send().
+    other_integrity = AiowsyncSend(session, INTEGRITY_MODE[transport])
     limit: RawCopy | RawGloo
     floors: list[RawZmq] = []
     if transport == "shm":
@@ -171,7 +172,7 @@ async def _cell(
                 batch,
                 model,
                 n,
-                [*ours, digested, limit, *floors],
+                [*ours, other_integrity, limit, *floors],
                 samples,
                 settings,
                 out,
@@ -192,10 +193,12 @@ async def _cell(
                 limit.close()
         finally:
             await session.close()
-    for c in ours:
-        if isinstance(c, AiowsyncSend) and c.mode == "publish()":
-            c.info = {"whole_send_s": session.totals}  # acks included, every publish() sent
-    out["contenders"] = [_row(c) for c in (*ours, digested, limit, *floors, *theirs)]
+    for c in (*ours, other_integrity):
+        if isinstance(c, AiowsyncSend):
+            c.info = {"integrity": session.integrity(c.mode)}
+            if c.mode == "publish()":  # acks included, every publish() sent
+                c.info["whole_send_s"] = session.totals
+    out["contenders"] = [_row(c) for c in (*ours, other_integrity, limit, *floors, *theirs)]
     return out
 
 
