@@ -195,12 +195,12 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
             on, off = integrity_rows(transport)
             what = f"{model} x4: aiowsync {transport} send(), integrity on / integrity off"
             ratio = _ratio(_find_cell(report, model, 4, transport), on, off)
-            bound = INTEGRITY_COST[transport]
-            if bound is None:
+            most = INTEGRITY_COST[transport]
+            if most is None:
                 shown = "not measured" if ratio is None else f"{ratio:.2f}x"
                 out.append({"check": what, "value": shown, "target": "none", "met": None})
             else:
-                check(what, ratio, bound, "{:.2f}x", False)
+                check(what, ratio, most, "{:.2f}x", False)
     cell = _find_cell(report, "1MiB", 4, "shm")
     floor = rows_of(cell).get(FLOOR) if cell else None
     floor_p50 = median(floor) if floor else None
