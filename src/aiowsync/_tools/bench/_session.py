@@ -33,7 +33,9 @@ class AiowsyncSession:
     sender's model is re-homed (its tensors become views of one flat buffer);
     ``bucket_bytes``: the distributed scheme's bucket size (its default when None);
     ``variant``: the distributed scheme's topology and its control channel's authentication
-    (``"curve"``, the default, or ``"off"``); (star, curve) when None.
+    (``"curve"``, the default, or ``"off"``); (star, curve) when None. ``profile``: what the
+    workers do beside receiving (``"light"`` or ``"policy"``, see
+    :class:`~aiowsync._tools.bench._worker.PolicyReads`).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class AiowsyncSession:
         rehome: bool = False,
         bucket_bytes: int | None = None,
         variant: tuple[str, str] | None = None,
+        profile: str = "light",
     ):
         self.transport = transport
         self.wire = getattr(torch, wire_dtype) if wire_dtype else None
@@ -55,6 +58,7 @@ class AiowsyncSession:
         self.spec = spec
         self.ids = list(range(n))
         self.timeout = timeout
+        self.profile = profile
         torch.manual_seed(0)
         self.sources = SendSources(build_model(spec, random_init))
         self.k = 0
@@ -89,7 +93,7 @@ class AiowsyncSession:
         self._entered = True
         self._integrity = bool(self.scheme._sender.digests.enabled)
         for i in self.ids:  # after entering: the address the scheme carries is bound
-            self.pool.tell(i, ("join", self.scheme, self.spec))
+            self.pool.tell(i, ("join", self.scheme, self.spec, self.profile))
         self._joined = True
         await self.scheme.connect(timeout=self.timeout)
         for i in self.ids:
@@ -151,6 +155,12 @@ class AiowsyncSession:
         bad = [i for i, c in zip(self.ids, checks, strict=True) if c[2] != expected]
         if bad:
             raise AssertionError(f"aiowsync {self.transport}: workers {bad} do not hold v{version}")
+
+    async def policy_reads(self) -> list[dict[str, Any]] | None:
+        """Per worker, what the policy profile's reads did (None under the light profile)."""
+        if self.profile != "policy":
+            return None
+        return [m[1] for m in await self.pool.ask(self.ids, ("policy",), "policy", self.timeout)]
 
     async def memory(self) -> list[dict[str, Any]]:
         """Each worker's private memory beyond what it held before it built its model (KiB
