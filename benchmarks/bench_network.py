@@ -11,8 +11,9 @@ one run measures:
 - ``relay``: the chain to one relay per host, each relaying over shared memory to two local
   workers (``upstream.relay_to(local)``): the time until every worker of every host runs it.
 
-Each ``send()`` is timed from the trainer; ratios are against the same run's ``raw``. Needs
-root, iproute2 and tc. Everything it creates is removed at the end, also on error.
+Each ``send()`` is timed from the trainer, the scheme with its defaults (digests on;
+``--no-digest`` turns them off); ratios are against the same run's ``raw``. Needs root,
+iproute2 and tc. Everything it creates is removed at the end, also on error.
 
     sudo .venv/bin/python benchmarks/bench_network.py --hosts 1,2,4 --mib 64,256
 """
@@ -68,12 +69,12 @@ def _role(argv: list[str]) -> None:
 
     timeouts = aiowsync.Timeouts(handshake=300, ack=300, transfer=300)
 
-    async def sender(ip: str, n: int, topology: str) -> None:
+    async def sender(ip: str, n: int, topology: str, digests: str) -> None:
         model = _model(mib)
         scheme = aiowsync.DistributedWeightSyncScheme(
             bind=f"tcp://{ip}:0",
             topology=topology,  # type: ignore[arg-type]
-            integrity=False,
+            integrity=None if digests == "default" else False,
             bucket_bytes=4 << 20,
             timeouts=timeouts,
             channels=_open_channels(),
@@ -137,7 +138,7 @@ def _role(argv: list[str]) -> None:
             await asyncio.sleep(3600)
 
     if role == "sender":
-        asyncio.run(sender(argv[2], int(argv[3]), argv[4]))
+        asyncio.run(sender(argv[2], int(argv[3]), argv[4], argv[5]))
     elif role == "receiver":
         asyncio.run(receiver(argv[2], int(argv[3])))
     elif role == "relay":
@@ -241,9 +242,11 @@ def _end(procs: list[subprocess.Popen[str]]) -> None:
             proc.wait()
 
 
-def _sends(net: Network, mib: int, hosts: int, mode: str, samples: int) -> list[float]:
+def _sends(
+    net: Network, mib: int, hosts: int, mode: str, samples: int, digests: str
+) -> list[float]:
     topology = "star" if mode == "star" else "chain"
-    sender = net.spawn(0, "sender", str(mib), net.ip_of(0), str(hosts), topology)
+    sender = net.spawn(0, "sender", str(mib), net.ip_of(0), str(hosts), topology, digests)
     procs = [sender]
     try:
         address = _read(sender)["address"]
@@ -285,7 +288,13 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--modes", default="star,chain,relay")
     p.add_argument("--out", default="bench-network.json")
+    p.add_argument(
+        "--no-digest",
+        action="store_true",
+        help="senders without digests (integrity=False); default: the scheme's, on",
+    )
     args = p.parse_args()
+    digests = "off" if args.no_digest else "default"
     hosts = [int(h) for h in args.hosts.split(",")]
     modes = args.modes.split(",")
     net = Network(max(hosts), args.rate)
@@ -298,7 +307,7 @@ def main() -> int:
                 row: dict[str, Any] = {"mib": mib, "hosts": n, "raw_s": raw}
                 line = f"{mib:>4} MiB x{n} hosts: raw {raw:.2f} s"
                 for mode in modes:
-                    times = _sends(net, mib, n, mode, args.samples)
+                    times = _sends(net, mib, n, mode, args.samples, digests)
                     median = statistics.median(times)
                     row[f"{mode}_s"] = times
                     line += f" | {mode} {median:.2f} s ({median / raw:.2f}x)"
@@ -308,7 +317,7 @@ def main() -> int:
         net.remove()
         atexit.unregister(net.remove)
     with open(args.out, "w") as f:
-        json.dump({"rate": args.rate, "rows": rows}, f, indent=1)
+        json.dump({"rate": args.rate, "digests": digests, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 
