@@ -57,7 +57,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="64MiB and 1000t-64MiB to 4 workers on shm (TorchRL MultiProcess on 64MiB only), "
-        "64MiB on dist; few samples (< 3 min)",
+        "64MiB on dist; few samples (a few minutes with both profiles and gates)",
     )
     p.add_argument("--models", help=f"comma-separated, among {','.join(ALL_MODELS)} (default: all)")
     p.add_argument("--workers", help="comma-separated worker counts (default: 1,4,8)")
@@ -65,8 +65,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--samples",
         type=int,
-        help="samples per contender per round of a cell (default: by model, 4 to 30; "
-        "--quick: 2 to 10)",
+        help="rounds of a cell, each one sample per contender and gate (default: by model, "
+        "4 to 30; --quick: 2 to 10); quote medians of 20 or more",
     )
     p.add_argument("--no-torchrl", action="store_true", help="leave TorchRL out")
     p.add_argument(

@@ -73,7 +73,8 @@ def _quiet_text(report: dict[str, Any]) -> str:
         return ""
     waits.sort()
     return (
-        "Each sample's timed part began once no other task of the machine was running or "
+        "Under the quiet gate each sample's timed part began once no other task of the "
+        "machine was running or "
         "ready to run (three reads of `/proc/loadavg` in a row, 1 ms apart; at most 0.5 s of "
         "waiting, 0.05 s right after a wait that gave up), so that no contender pays for "
         "work a previous turn left running: waits "
