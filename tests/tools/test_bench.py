@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from aiowsync._tools.bench import _parse, main
-from aiowsync._tools.bench._checks import checks
+from aiowsync._tools.bench._checks import LIMIT, checks
 from aiowsync._tools.bench._models import MIB, Reader, fill, model_spec, spec_bytes
 from aiowsync._tools.bench._plan import QUICK_CELLS, footprint, matrix, plan_batches
 from aiowsync._tools.bench._report import markdown, plot
@@ -34,40 +34,44 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
     args = ("--models", "1MiB", "--workers", "2", "--samples", "3", "--no-torchrl")
     done = run_cli("bench", *args, "--out", str(out), timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "(1/2) 1MiB x2 shm" in done.stderr  # progress while it runs
+    assert "(1/4) 1MiB x2 shm [policy]" in done.stderr  # progress while it runs
 
     report = json.loads((out / "bench.json").read_text())
     cells = report["run"]["cells"]
-    assert [(c["model"], c["workers"], c["transport"]) for c in cells] == [
-        ("1MiB", 2, "shm"),
-        ("1MiB", 2, "dist"),
+    # By default each cell once per workers' profile, policy (the headline) first.
+    assert [(c["model"], c["workers"], c["transport"], c["profile"]) for c in cells] == [
+        ("1MiB", 2, "shm", "policy"),
+        ("1MiB", 2, "shm", "light"),
+        ("1MiB", 2, "dist", "policy"),
+        ("1MiB", 2, "dist", "light"),
     ]
-    names = [[r["name"] for r in c["contenders"]] for c in cells]
-    assert names == [
-        [
-            "aiowsync shm send()",
-            "aiowsync shm publish()",
-            "aiowsync shm send(weights)",
-            "aiowsync shm send() +digest",
-            "raw copy_",
-            "raw zmq round trip",
-        ],
-        [
-            "aiowsync dist send()",
-            "aiowsync dist publish()",
-            "aiowsync dist send() +digest",
-            "raw gloo broadcast",
-        ],
+    shm = [
+        "aiowsync shm send()",
+        "aiowsync shm publish()",
+        "aiowsync shm send(weights)",
+        "aiowsync shm send() +digest",
+        "raw copy_",
+        "raw zmq round trip",
     ]
+    dist = [
+        "aiowsync dist send()",
+        "aiowsync dist publish()",
+        "aiowsync dist send() -digest",
+        "raw gloo broadcast",
+    ]
+    assert [[r["name"] for r in c["contenders"]] for c in cells] == [shm, shm, dist, dist]
     for cell in cells:
         assert cell["model_bytes"] == MIB and not cell["errors"]
+        assert cell["gates"] == ["quiet", "busy"]
         for row in cell["contenders"]:
-            assert len(row["samples_s"]) == 3 and all(0 < s < 60 for s in row["samples_s"])
+            # Both gates, every round: 3 samples after the quiet wait, 3 without waiting.
+            for key in ("samples_s", "busy_samples_s"):
+                assert len(row[key]) == 3 and all(0 < s < 60 for s in row[key])
+            assert len(row["quiet_wait_s"]) == 3 and len(row["busy_after"]) == 3
             # 1 MiB: every sample is the second of two sends back to back; the first is kept.
-            assert len(row["lead_samples_s"]) == 3 and all(
-                0 < s < 60 for s in row["lead_samples_s"]
-            )
-            if row["kind"] == "floor" or row["name"].endswith("+digest"):  # timed only
+            for key in ("lead_samples_s", "busy_lead_samples_s"):
+                assert len(row[key]) == 3 and all(0 < s < 60 for s in row[key])
+            if row["kind"] == "floor" or row["name"].endswith("digest"):  # timed only
                 assert row["gap"] is None and row["tear"] is None
                 continue
             gap = row["gap"]
@@ -79,23 +83,44 @@ def test_small_run_writes_every_sample_a_table_and_a_plot(tmp_path: Path) -> Non
             for reads, mixed in zip(row["tear"]["reads"], row["tear"]["mixed"], strict=True):
                 assert reads["loop"] > 0 and reads["guarded thread"] > 0
                 assert mixed == {"loop": 0, "guarded thread": 0}
+    # send() is the scheme's defaults: digests on over torch.distributed, off on one host.
+    integrity = {r["name"]: r["info"]["integrity"] for c in cells for r in c["contenders"]
+                 if r["kind"] == "aiowsync"}  # fmt: skip
+    assert integrity == {
+        "aiowsync shm send()": False, "aiowsync shm publish()": False,
+        "aiowsync shm send(weights)": False, "aiowsync shm send() +digest": True,
+        "aiowsync dist send()": True, "aiowsync dist publish()": True,
+        "aiowsync dist send() -digest": False,
+    }  # fmt: skip
     assert "left out: --no-torchrl" in report["env"]["torchrl_status"]
 
     text = (out / "bench.md").read_text()
-    assert "| 1MiB | 2 | **aiowsync shm send()** |" in text
-    assert "| 1MiB | 2 | **aiowsync dist publish()** |" in text
+    assert "| 1MiB | 2 | policy | **aiowsync shm send()** |" in text
+    assert "| 1MiB | 2 | light | **aiowsync shm send()** |" in text
+    assert "| 1MiB | 2 | policy | **aiowsync dist publish()** |" in text
     # Each publish() sample is the time the trainer was held; its whole sends are kept too.
     for cell in cells:
         row = next(r for r in cell["contenders"] if r["name"].endswith("publish()"))
         assert row["info"]["whole_send_s"] and all(0 < s < 60 for s in row["info"]["whole_send_s"])
-    assert "| 1MiB | 2 | raw gloo broadcast |" in text
-    assert "| 1MiB | 2 | raw copy_ |" in text
-    assert "| 1MiB | 2 | raw zmq round trip |" in text
+    assert "| 1MiB | 2 | light | raw gloo broadcast |" in text
+    assert "| 1MiB | 2 | policy | raw copy_ |" in text
+    assert "| 1MiB | 2 | policy | raw zmq round trip |" in text
+    # The policy workers read every tensor of every version they ran: all the model's bytes.
+    for cell in cells:
+        reads = cell["policy_reads"]
+        if cell["profile"] == "light":
+            assert reads is None
+            continue
+        assert len(reads) == 2
+        for r in reads:
+            assert r["tensors"] == 4 and r["bytes"] == MIB and r["reads"] >= 3
+    assert "### What the policy workers read" in text
+    assert "| 1MiB | 2 | shm |" in text
     assert "### First sends of each pair" in text
     assert "| aiowsync mixed reads, every cell | 0 | <= 0 | met |" in text
     # What a worker kept is measured in every one-host cell (judged from 64 MiB on).
     assert all(m["fraction_of_model"] > -1 for m in cells[0]["worker_memory"])
-    assert len(cells[0]["worker_memory"]) == 2 and "worker_memory" not in cells[1]
+    assert len(cells[0]["worker_memory"]) == 2 and "worker_memory" not in cells[2]
     if HAS_MATPLOTLIB:
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
@@ -164,9 +189,42 @@ def test_the_cost_of_curve_is_judged_on_the_pooled_samples_of_both() -> None:
     report = {"env": env, "run": {**report["run"], "seconds": 60, "load_end": [1.0] * 3}}
     report["checks"] = checks(report)
     text = markdown(report)
-    assert "| 64MiB | 4 | **aiowsync dist send()** | 41.0 |" in text
-    assert "| 64MiB (control auth off) | 4 | **aiowsync dist send()** | 40.0 |" in text
-    assert "| 64MiB (chain, control auth off) | 4 |" in text
+    assert "| 64MiB | 4 | light | **aiowsync dist send()** | 41.0 |" in text
+    assert "| 64MiB (control auth off) | 4 | light | **aiowsync dist send()** | 40.0 |" in text
+    assert "| 64MiB (chain, control auth off) | 4 | light |" in text
+
+
+def test_send_is_the_default_integrity_and_the_other_setting_is_a_row_of_its_own() -> None:
+    """The ``send()`` row is the scheme as a user builds it: digests on over torch.distributed,
+    off on one host; the other setting is the row that names it, and the cost check divides
+    integrity on by integrity off on each transport (target 1.05x on dist only)."""
+    from aiowsync._tools.bench._checks import INTEGRITY_MODE, integrity_rows
+
+    assert INTEGRITY_MODE == {"shm": "send() +digest", "dist": "send() -digest"}
+    assert integrity_rows("dist") == ("aiowsync dist send()", "aiowsync dist send() -digest")
+    assert integrity_rows("shm") == ("aiowsync shm send() +digest", "aiowsync shm send()")
+
+    def cell(transport: str, on_ms: float, off_ms: float) -> dict[str, Any]:
+        on, off = integrity_rows(transport)
+        return {
+            "model": "64MiB", "model_bytes": 64 * MIB, "tensors": 4, "workers": 4,
+            "transport": transport, "skipped": [], "errors": [],
+            "contenders": [
+                _row(on, "aiowsync", [on_ms] * 3, mixed=0),
+                _row(off, "aiowsync", [off_ms] * 3, mixed=0),
+                _row(LIMIT[transport], "limit", [off_ms] * 3),
+            ],
+        }  # fmt: skip
+
+    report: dict[str, Any] = {"run": {"cells": [cell("dist", 84.0, 80.0), cell("shm", 30, 6)]}}
+    found = checks(report)
+    dist = _check({"checks": found}, "64MiB x4: aiowsync dist send(), integrity on / integrity off")
+    assert dist["value"] == "1.05x" and dist["target"] == "<= 1.05x" and dist["met"] is True
+    shm = _check({"checks": found}, "64MiB x4: aiowsync shm send(), integrity on / integrity off")
+    assert shm["value"] == "5.00x" and shm["target"] == "none" and shm["met"] is None
+    # The limit check divides the default send(), digests on, by the raw broadcast.
+    limit = _check({"checks": found}, "64MiB x4: aiowsync dist send() / raw gloo broadcast")
+    assert limit["value"] == "1.05x"
 
 
 def test_models_are_the_advertised_sizes() -> None:
@@ -287,11 +345,11 @@ def test_checks_judge_this_runs_ratios(tmp_path: Path) -> None:
     assert _check(bad, "256MiB x4: aiowsync shm send(weights) / raw copy_")["met"] is False
 
     text = markdown(good)
-    assert "| 256MiB | 4 | **aiowsync shm send(weights)** | 36.0 |" in text
+    assert "| 256MiB | 4 | light | **aiowsync shm send(weights)** | 36.0 |" in text
     assert "| 1.20x |" in text  # 36 / 30 against the raw copy
     assert "| 3.3x |" in text  # TorchRL's row: how much faster aiowsync was
     # the floor is not a limit: no ratio to the raw copy on its row
-    assert "| 1MiB | 4 | raw zmq round trip | 1.000 | 1.080 | 3 |  |  |" in text
+    assert "| 1MiB | 4 | light | raw zmq round trip | 1.000 | 1.080 | 3 |  | - |  |  |" in text
     assert "| 7 / 100 (send 7, fill 0) |" in text  # its mixed reads, by the sender's phase
     assert "every dist contender: skipped, needs ~27 GiB" in text
     assert "shm: FAILED (Boom: x)" in text
@@ -397,6 +455,7 @@ async def test_rounds_shuffle_who_goes_after_whom() -> None:
     of a cell."""
     from aiowsync._tools.bench import _run
     from aiowsync._tools.bench._contenders import Contender
+    from aiowsync._tools.bench._rounds import ROUND_START, rounds
 
     def contenders() -> list[Contender]:
         out = []
@@ -413,22 +472,159 @@ async def test_rounds_shuffle_who_goes_after_whom() -> None:
 
     first, second = contenders(), contenders()
     for everyone in (first, second):
-        await _run._rounds(everyone, 12, _run.Progress(1), "64MiB x4 shm", paired=False)
+        await rounds(everyone, 12, _run.Progress(1), "64MiB x4 shm", paired=False)
     for c in first:
         assert c.samples == [float(k) for k in range(12)]
         assert len(c.after) == 12 and c.name not in c.after
         assert len(set(c.after)) >= 4  # a rotation would give one name and the round start
     assert [c.after for c in first] == [c.after for c in second]
-    rounds = [[c.name for c in first if c.after[r] == _run.ROUND_START] for r in range(12)]
-    assert all(len(starters) == 1 for starters in rounds)
-    assert len({s[0] for s in rounds}) >= 3
+    starts = [[c.name for c in first if c.after[r] == ROUND_START] for r in range(12)]
+    assert all(len(starters) == 1 for starters in starts)
+    assert len({s[0] for s in starts}) >= 3
 
     # Every sample waited for a quiet machine first (a pair: before its first send only).
     assert all(len(c.quiet) == 12 for c in first)
     paired = contenders()
-    await _run._rounds(paired, 3, _run.Progress(1), "1MiB x4 shm", paired=True)
+    await rounds(paired, 3, _run.Progress(1), "1MiB x4 shm", paired=True)
     assert all(c.samples_lead == [0.0, 2.0, 4.0] and c.samples == [1.0, 3.0, 5.0] for c in paired)
     assert all(len(c.quiet) == 3 for c in paired)
+
+
+async def test_each_round_takes_a_quiet_then_a_busy_sample_of_every_contender() -> None:
+    """Under both gates a round is two turns of every contender, each in a shuffled order:
+    the quiet one waits for a quiet machine, the busy one starts at once; the busy turn's
+    predecessors carry on from the quiet turn's last contender."""
+    from aiowsync._tools.bench import _run
+    from aiowsync._tools.bench._contenders import Contender
+    from aiowsync._tools.bench._rounds import ROUND_START, rounds
+
+    calls: list[str] = []
+    everyone = []
+    for name in "abc":
+        c = Contender(name, "shm")
+
+        async def timed(name: str = name) -> float:
+            calls.append(name)
+            return float(len(calls))
+
+        c.timed = timed  # type: ignore[method-assign]
+        everyone.append(c)
+    await rounds(everyone, 4, _run.Progress(1), "64MiB x4 dist", False, ("quiet", "busy"))
+    assert len(calls) == 4 * 2 * 3
+    for r in range(4):
+        turn = calls[r * 6 : (r + 1) * 6]
+        assert sorted(turn[:3]) == sorted(turn[3:]) == ["a", "b", "c"]  # every one per gate
+    for c in everyone:
+        assert len(c.samples) == len(c.busy) == len(c.quiet) == 4  # only quiet ones wait
+        assert all(q < b for q, b in zip(c.samples, c.busy, strict=True))  # quiet turn first
+        assert ROUND_START not in c.busy_after  # a busy turn follows the quiet one's last
+    busy_only = Contender("d", "shm")
+    busy_only.timed = everyone[0].timed  # type: ignore[method-assign]
+    await rounds([busy_only], 2, _run.Progress(1), "x", True, ("busy",))
+    assert len(busy_only.busy) == len(busy_only.busy_lead) == 2
+    assert busy_only.samples == [] and busy_only.quiet == []
+
+
+async def test_a_policy_worker_reads_every_tensor_of_each_new_version_under_the_guard() -> None:
+    from aiowsync._tools.bench._models import build_model, poison_init
+    from aiowsync._tools.bench._worker import POLICY_PERIOD_S, PolicyReads
+
+    class Guard:
+        held = 0
+
+        async def __aenter__(self) -> None:
+            Guard.held += 1
+
+        async def __aexit__(self, *exc: object) -> None:
+            pass
+
+    class Scheme:
+        version = 0
+
+        def read_guard(self) -> Guard:
+            return Guard()
+
+    spec = model_spec("1000t-64MiB")
+    model = build_model(spec, poison_init)
+    scheme = Scheme()
+    policy = PolicyReads(model, scheme)
+    task = asyncio.create_task(policy.run())
+    try:
+        await asyncio.sleep(10 * POLICY_PERIOD_S)
+        assert policy.reads == 0  # nothing new since it started
+        for version in (1, 2):
+            scheme.version = version
+            for _ in range(2000):
+                await asyncio.sleep(POLICY_PERIOD_S)
+                if policy.reads == version:
+                    break
+            await asyncio.sleep(10 * POLICY_PERIOD_S)
+            assert policy.reads == version  # once per new version, not per wake-up
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    stats = policy.stats()
+    assert stats["tensors"] == len(spec) == len(model.state_dict()) == 1000
+    assert stats["bytes"] == spec_bytes(spec) and stats["read_s"] > 0
+    assert Guard.held == 2
+
+
+def test_profiles_and_gates_are_chosen_on_the_command_line() -> None:
+    from aiowsync._tools.bench._plan import GATES, PROFILES, Settings
+
+    assert PROFILES == ("policy", "light") and GATES == ("quiet", "busy")
+    assert Settings(cells=()).profiles == PROFILES and Settings(cells=()).gates == GATES
+    default = _parse([])
+    assert default.profiles == ("policy", "light") and default.gates == ("quiet", "busy")
+    chosen = _parse(["--profiles", "light", "--gates", "busy,quiet"])
+    assert chosen.profiles == ("light",) and chosen.gates == ("busy", "quiet")
+    for bad in (["--profiles", "heavy"], ["--gates", "quiet,quiet"], ["--gates", "idle"]):
+        with pytest.raises(SystemExit):
+            _parse(bad)
+
+
+def test_checks_judge_policy_cells_and_every_figure_names_its_profile() -> None:
+    """Where a run has both profiles, aiowsync's ratios are judged on the policy cells, the
+    comparisons with TorchRL on the light ones (TorchRL runs there only); the table says the
+    profile of every row and the busy gate's medians beside the quiet ones."""
+
+    def cell(profile: str, send_ms: float, busy_ms: float) -> dict[str, Any]:
+        send = _row("aiowsync dist send()", "aiowsync", [send_ms] * 3, mixed=0)
+        send["busy_samples_s"] = [busy_ms / 1e3] * 3
+        limit = _row("raw gloo broadcast", "limit", [80.0] * 3)
+        limit["busy_samples_s"] = [100 / 1e3] * 3
+        return {
+            "model": "64MiB", "model_bytes": 64 * MIB, "tensors": 4, "workers": 4,
+            "transport": "dist", "profile": profile, "skipped": [], "errors": [],
+            "contenders": [send, limit],
+        }  # fmt: skip
+
+    report: dict[str, Any] = {
+        "env": {"command": "aiowsync bench", "date": "2026-12-07", "cpus": 2, "mem_gib": 24,
+                "python": "3.11", "torch": "2.13.0", "tensordict": "0.14.3",
+                "aiowsync": "0.1.0", "torchrl_status": "torchrl 0.14.1",
+                "load_start": [0.5] * 3},
+        "run": {"cells": [cell("policy", 96.0, 130.0), cell("light", 80.0, 100.0)],
+                "seconds": 60, "load_end": [1.0] * 3},
+    }  # fmt: skip
+    report["checks"] = checks(report)
+    limit = _check(report, "64MiB x4: aiowsync dist send() / raw gloo broadcast")
+    assert limit["check"].endswith("[policy]")
+    assert limit["value"] == "1.20x (busy: 1.30x)" and limit["met"] is False
+    torchrl = _check(report, "256MiB x4: TorchRL SharedMem send(weights)")
+    assert torchrl["check"].endswith("[light]")
+    text = markdown(report)
+    policy = "| 64MiB | 4 | policy | **aiowsync dist send()** | 96.0 | 96.0 | 3 | 1.20x "
+    light = "| 64MiB | 4 | light | **aiowsync dist send()** | 80.0 | 80.0 | 3 | 1.00x "
+    assert policy + "| 130.0 | 1.30x |" in text and light + "| 100.0 | 1.00x |" in text
+    assert "*policy*: a task on each worker's event loop wakes every 2 ms" in text
+    assert "*busy*: in the same rounds" in text
+    # An older run (no profiles): light workers, judged as such, no busy column filled.
+    old = _report(ours_ms=36.0, theirs_ms=120.0, their_mixed=0)
+    assert _check(old, "256MiB x4: aiowsync shm send(weights) / raw copy_")["check"].endswith(
+        "[light]"
+    )
+    assert "*busy*" not in markdown(old)
 
 
 @pytest.mark.parametrize("paired", [False, True])
@@ -440,6 +636,7 @@ async def test_the_raw_gloo_limit_has_rounds_for_every_retaken_gap_window(
     trees must not run out of them, as full run 12 did in its 64MiB x8 dist cell."""
     from aiowsync._tools.bench import _run
     from aiowsync._tools.bench._contenders import Contender
+    from aiowsync._tools.bench._rounds import rounds
 
     calls = 0
 
@@ -460,7 +657,7 @@ async def test_the_raw_gloo_limit_has_rounds_for_every_retaken_gap_window(
     assert limit.gap is not None and len(limit.gap["set_aside"]) == _run.GAP_RETAKES
     for _ in range(batches):
         await limit.sample()  # each batch's warm-up
-        await _run._rounds([limit], samples, progress, "cell", paired)
+        await rounds([limit], samples, progress, "cell", paired, settings.gates)
     assert calls == _run.raw_gloo_rounds(samples, paired, batches, settings)
 
 

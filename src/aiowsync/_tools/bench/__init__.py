@@ -13,12 +13,15 @@ torch.distributed, gloo), one *cell* measures in the same run:
   and MultiProcessWeightSyncScheme (``shm`` cells), DistributedWeightSyncScheme (``dist``
   cells), each in a process tree of its own, driven through TorchRL's public API.
 
-Contenders take their samples in turn, one each per round, in an order shuffled every round, so
-drift of the machine, and whatever a contender leaves behind for the next, hits all of them
-alike. Afterwards each contender with workers measures
-its event-loop gaps (idle, then during a few sends) and its mixed reads (readers on every
-worker check each read during a few sends). Contenders that would not fit in memory beside the
-others are skipped and the report says so.
+Each cell is measured once per worker *profile*: ``policy`` (a task on each worker's event
+loop wakes every 2 ms and reads every tensor of the model once after each new version) and
+``light`` (the workers do nothing else). Contenders take their samples in turn, one each per
+round and gate, in an order shuffled every time, so drift of the machine, and whatever a
+contender leaves behind for the next, hits all of them alike; under the ``quiet`` gate a sample
+starts once the machine is quiet, under ``busy`` at once. Afterwards each contender with
+workers measures its event-loop gaps (idle, then during a few sends) and its mixed reads
+(readers on every worker check each read during a few sends). Contenders that would not fit
+in memory beside the others are skipped and the report says so.
 
 Outputs, in ``--out`` (default ``./aiowsync-bench``): ``bench.json`` (every sample),
 ``bench.md`` (medians, ratios, checks against the project's targets) and ``bench.png``.
@@ -54,7 +57,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="64MiB and 1000t-64MiB to 4 workers on shm (TorchRL MultiProcess on 64MiB only), "
-        "64MiB on dist; few samples (< 3 min)",
+        "64MiB on dist; few samples (a few minutes with both profiles and gates)",
     )
     p.add_argument("--models", help=f"comma-separated, among {','.join(ALL_MODELS)} (default: all)")
     p.add_argument("--workers", help="comma-separated worker counts (default: 1,4,8)")
@@ -62,8 +65,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--samples",
         type=int,
-        help="samples per contender per round of a cell (default: by model, 4 to 30; "
-        "--quick: 2 to 10)",
+        help="rounds of a cell, each one sample per contender and gate (default: by model, "
+        "4 to 30; --quick: 2 to 10); quote medians of 20 or more",
     )
     p.add_argument("--no-torchrl", action="store_true", help="leave TorchRL out")
     p.add_argument(
@@ -94,6 +97,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "keys of the scheme's own), off (ZmqChannelFactory(allow_insecure_bind=True)); each "
         "dist cell is measured once per entry, in this order (repeats allowed, e.g. "
         "curve,off,off,curve), and the checks compare curve with off",
+    )
+    p.add_argument(
+        "--profiles",
+        help="comma-separated, what aiowsync's workers do beside receiving: policy (a task on "
+        "each worker's event loop wakes every 2 ms and reads every tensor once after each new "
+        "version), light (nothing else); each cell is measured once per profile, in this "
+        "order; TorchRL joins the light cells only (default: policy,light)",
+    )
+    p.add_argument(
+        "--gates",
+        help="comma-separated, when a sample starts: quiet (once no other task of the machine "
+        "runs), busy (at once, whatever still runs); each round samples every contender once "
+        "per gate, and the report shows each gate's medians (default: quiet,busy)",
     )
     p.add_argument(
         "--timeout", type=float, default=120.0, help="deadline of every wait, s (default: 120)"
@@ -130,11 +146,24 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     args.control_auth = tuple(args.control_auth.split(",")) if args.control_auth else ("curve",)
     if not set(args.control_auth) <= {"curve", "off"}:
         p.error("--control-auth takes curve and off")
+    args.profiles = _choice(p, "--profiles", args.profiles, ("policy", "light"))
+    args.gates = _choice(p, "--gates", args.gates, ("quiet", "busy"))
     from ._plan import QUICK_CELLS, matrix
 
     chosen = args.models or args.workers or args.transports
     args.cells = QUICK_CELLS if args.quick and not chosen else matrix(models, workers, transports)
     return args
+
+
+def _choice(
+    p: argparse.ArgumentParser, option: str, given: str | None, known: tuple[str, ...]
+) -> tuple[str, ...]:
+    """A comma-separated option's entries, each among ``known``, each once; all of ``known``
+    when not given."""
+    chosen = tuple(given.split(",")) if given else known
+    if not set(chosen) <= set(known) or len(set(chosen)) != len(chosen):
+        p.error(f"{option} takes {', '.join(known)}, each once")
+    return chosen
 
 
 def _version(pkg: str) -> str:
@@ -219,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         bucket_bytes=None if args.bucket_mib is None else int(args.bucket_mib * 2**20),
         topologies=args.topologies,
         control_auth=args.control_auth,
+        profiles=args.profiles,
+        gates=args.gates,
     )
     print(f"aiowsync bench: {torchrl_line}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {

@@ -9,14 +9,19 @@ from typing import Any
 
 __all__ = [
     "FLOOR",
+    "INTEGRITY_MODE",
     "LIMIT",
     "PAIRS",
+    "busy_median",
     "cells_of",
+    "headline_profile",
+    "integrity_rows",
     "checks",
     "lead_median",
     "median",
     "mixed_reads",
     "percentile",
+    "profile_of",
     "reads_of",
     "rows_of",
     "variant_text",
@@ -34,6 +39,20 @@ FLOOR = "raw zmq round trip"
 GAP_SLACK_S = 0.010
 MEMORY_FRACTION = 0.10
 MEMORY_JUDGED_FROM = 64 << 20
+INTEGRITY_MODE = {"shm": "send() +digest", "dist": "send() -digest"}
+"""Per transport, the ``send()`` whose integrity is not the scheme's default: digests carried
+and checked on shared memory (off by default there), left out on torch.distributed (on by
+default there). The row named ``send()`` is always the scheme with its defaults."""
+INTEGRITY_COST = {"shm": None, "dist": 1.05}
+"""The most a send with digests may take, as a multiple of the same send without (None: no
+target; on one host hashing is most of a send, which is why digests are off there)."""
+
+
+def integrity_rows(transport: str) -> tuple[str, str]:
+    """The names of a cell's rows with integrity on and off, in that order."""
+    plain = f"aiowsync {transport} send()"
+    other = f"aiowsync {transport} {INTEGRITY_MODE[transport]}"
+    return (other, plain) if transport == "shm" else (plain, other)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -72,24 +91,55 @@ def variant_text(cell: dict[str, Any]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _find_cell(report: dict[str, Any], model: str, n: int, transport: str) -> dict[str, Any] | None:
-    """The first cell of (model, n, transport) on the defaults (star, CURVE)."""
+def profile_of(cell: dict[str, Any]) -> str:
+    """What the cell's workers did beside receiving (runs made before profiles existed had
+    light workers)."""
+    return str(cell.get("profile", "light"))
+
+
+def headline_profile(report: dict[str, Any]) -> str:
+    """The profile the checks judge aiowsync's sends on: ``policy`` where the run has it."""
+    return "policy" if any(profile_of(c) == "policy" for c in cells_of(report)) else "light"
+
+
+def _find_cell(
+    report: dict[str, Any], model: str, n: int, transport: str, profile: str
+) -> dict[str, Any] | None:
+    """The first cell of (model, n, transport, profile) on the defaults (star, CURVE)."""
     for cell in cells_of(report):
-        if (cell["model"], cell["workers"], cell["transport"]) == (model, n, transport) and (
-            not variant_text(cell)
-        ):
+        if (cell["model"], cell["workers"], cell["transport"], profile_of(cell)) == (
+            model,
+            n,
+            transport,
+            profile,
+        ) and not variant_text(cell):
             return cell
     return None
 
 
-def _ratio(cell: dict[str, Any] | None, top: str, bottom: str) -> float | None:
+def busy_median(row: dict[str, Any]) -> float | None:
+    """The median of the samples taken without waiting for a quiet machine."""
+    busy = row.get("busy_samples_s") or []
+    return statistics.median(busy) if busy else None
+
+
+def _ratio(
+    cell: dict[str, Any] | None, top: str, bottom: str, *, busy: bool = False
+) -> float | None:
     if cell is None:
         return None
     rows = rows_of(cell)
     if top not in rows or bottom not in rows:
         return None
-    a, b = median(rows[top]), median(rows[bottom])
+    of = busy_median if busy else median
+    a, b = of(rows[top]), of(rows[bottom])
     return a / b if a and b else None
+
+
+def _busy_text(cell: dict[str, Any] | None, top: str, bottom: str) -> str:
+    """`` (busy: 1.23x)``, the same ratio of the busy gate's medians, where there are any."""
+    ratio = _ratio(cell, top, bottom, busy=True)
+    return "" if ratio is None else f" (busy: {ratio:.2f}x)"
 
 
 def mixed_reads(row: dict[str, Any]) -> int | None:
@@ -118,11 +168,12 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
             {"check": what, "value": shown, "target": f"{sign} {fmt.format(bound)}", "met": met}
         )
 
+    head = headline_profile(report)
     for model, bound in (("256MiB", 3.0), ("1000t-64MiB", 10.0)):
         check(
-            f"{model} x4: TorchRL SharedMem send(weights) / aiowsync shm send(weights)",
+            f"{model} x4: TorchRL SharedMem send(weights) / aiowsync shm send(weights) [light]",
             _ratio(
-                _find_cell(report, model, 4, "shm"),
+                _find_cell(report, model, 4, "shm", "light"),
                 "TorchRL SharedMem send(weights)",
                 "aiowsync shm send(weights)",
             ),
@@ -137,20 +188,21 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
         ("256MiB", "dist", 1.1),
         ("1000t-64MiB", "dist", 1.2),
     ):
-        cell = _find_cell(report, model, 4, transport)
+        cell = _find_cell(report, model, 4, transport, head)
         modes = ("send()", "send(weights)") if transport == "shm" else ("send()",)
         for mode in modes:
             name = f"aiowsync {transport} {mode}"
             check(
-                f"{model} x4: {name} / {LIMIT[transport]}",
+                f"{model} x4: {name} / {LIMIT[transport]} [{head}]",
                 _ratio(cell, name, LIMIT[transport]),
                 bound,
                 "{:.2f}x",
                 False,
             )
+            out[-1]["value"] += _busy_text(cell, name, LIMIT[transport])
     for transport in ("shm", "dist"):
         # Two-phase sends: how long the trainer is held before it may touch its weights.
-        cell = _find_cell(report, "256MiB", 4, transport)
+        cell = _find_cell(report, "256MiB", 4, transport, head)
         rows = rows_of(cell) if cell else {}
         held, whole = (
             rows.get(f"aiowsync {transport} publish()"),
@@ -167,29 +219,27 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(
             {
                 "check": f"256MiB x4: aiowsync {transport} publish(): trainer held, "
-                "against the whole send()",
+                f"against the whole send() [{head}]",
                 "value": shown,
                 "target": "none",
                 "met": None,
             }
         )
-    for model in ("256MiB", "1000t-64MiB"):
+    for model in ("64MiB", "256MiB", "1000t-64MiB"):
         for transport in ("shm", "dist"):
             # What integrity costs: the same session's sends with and without digests.
-            digested = _ratio(
-                _find_cell(report, model, 4, transport),
-                f"aiowsync {transport} send() +digest",
-                f"aiowsync {transport} send()",
-            )
-            out.append(
-                {
-                    "check": f"{model} x4: aiowsync {transport} send() +digest / send()",
-                    "value": "not measured" if digested is None else f"{digested:.2f}x",
-                    "target": "none",
-                    "met": None,
-                }
-            )
-    cell = _find_cell(report, "1MiB", 4, "shm")
+            on, off = integrity_rows(transport)
+            what = f"{model} x4: aiowsync {transport} send(), integrity on / integrity off [{head}]"
+            cell = _find_cell(report, model, 4, transport, head)
+            ratio = _ratio(cell, on, off)
+            most = INTEGRITY_COST[transport]
+            if most is None:
+                shown = "not measured" if ratio is None else f"{ratio:.2f}x"
+                out.append({"check": what, "value": shown, "target": "none", "met": None})
+            else:
+                check(what, ratio, most, "{:.2f}x", False)
+            out[-1]["value"] += _busy_text(cell, on, off)
+    cell = _find_cell(report, "1MiB", 4, "shm", head)
     floor = rows_of(cell).get(FLOOR) if cell else None
     floor_p50 = median(floor) if floor else None
     for mode in ("send()", "send(weights)"):
@@ -197,7 +247,7 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
         row = rows_of(cell).get(name) if cell else None
         value = median(row) if row else None
         check(
-            f"1MiB x4: {name} p50 (ms), second of two sends back to back",
+            f"1MiB x4: {name} p50 (ms), second of two sends back to back [{head}]",
             None if value is None else value * 1e3,
             1.0,
             "{:.2f}",
@@ -213,7 +263,8 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     for transport, slack in slacks:
         worst = _worst_gap(report, "1GiB", transport)
         what = (
-            f"1GiB {transport}: aiowsync loop max gap during sends above idle (ms), worst process"
+            f"1GiB {transport}: aiowsync loop max gap during sends above idle (ms), worst "
+            "process [light]"
         )
         if slack is None:  # no target: shown so that it is not hidden
             shown = "not measured" if worst is None else f"{worst * 1e3:.1f}"
@@ -260,13 +311,13 @@ def _auth_costs(report: dict[str, Any]) -> list[dict[str, Any]]:
     """For each dist (model, workers, topology) measured both with CURVE and without
     (``--control-auth``): the median of ``send()`` with it / without it, every sample of
     each pooled; and the same of the medians taken as multiples of each cell's raw gloo."""
-    groups: dict[tuple[str, int, str], dict[str, list[dict[str, Any]]]] = {}
+    groups: dict[tuple[str, int, str, str], dict[str, list[dict[str, Any]]]] = {}
     for cell in cells_of(report):
         if cell["transport"] == "dist" and "control_auth" in cell:
-            key = (cell["model"], cell["workers"], cell["topology"])
+            key = (cell["model"], cell["workers"], cell["topology"], profile_of(cell))
             groups.setdefault(key, {}).setdefault(cell["control_auth"], []).append(cell)
     out = []
-    for (model, n, topology), by_auth in groups.items():
+    for (model, n, topology, profile), by_auth in groups.items():
         if set(by_auth) != {"curve", "off"}:
             continue
         pooled, relative = {}, {}
@@ -281,7 +332,7 @@ def _auth_costs(report: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(
             {
                 "check": f"{model} x{n} dist {topology}: send() with CURVE (default) / "
-                "without (allow_insecure_bind=True)",
+                f"without (allow_insecure_bind=True) [{profile}]",
                 "value": f"{ratio:.3f}x ({pooled['curve'] * 1e3:.2f} / "
                 f"{pooled['off'] * 1e3:.2f} ms; as multiples of the cells' raw gloo: "
                 f"{relative['curve']:.3f} / {relative['off']:.3f} = "
@@ -296,10 +347,11 @@ def _auth_costs(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _worst_gap(report: dict[str, Any], model: str, transport: str) -> float | None:
     """The largest excess of a busy max gap over the idle one, over the aiowsync contenders'
-    sender and workers in the cells of ``model`` on ``transport``."""
+    sender and workers in the light cells of ``model`` on ``transport`` (a policy worker's own
+    reads on its loop are gaps of its own)."""
     worst: float | None = None
     for cell in cells_of(report):
-        if (cell["model"], cell["transport"]) != (model, transport):
+        if (cell["model"], cell["transport"], profile_of(cell)) != (model, transport, "light"):
             continue
         for row in cell["contenders"]:
             gap = row.get("gap")
@@ -315,11 +367,11 @@ def _worst_gap(report: dict[str, Any], model: str, transport: str) -> float | No
 
 def _set_aside(report: dict[str, Any], model: str, transport: str) -> list[float]:
     """The host steal (ms) of every gap measurement of the aiowsync contenders that was set
-    aside and taken again in the cells of ``model`` on ``transport``."""
+    aside and taken again in the light cells of ``model`` on ``transport``."""
     return [
         a.get("host_steal_ms", 0.0)
         for cell in cells_of(report)
-        if (cell["model"], cell["transport"]) == (model, transport)
+        if (cell["model"], cell["transport"], profile_of(cell)) == (model, transport, "light")
         for row in cell["contenders"]
         if row["kind"] == "aiowsync" and row.get("gap")
         for a in row["gap"].get("set_aside", [])

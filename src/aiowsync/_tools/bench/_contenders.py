@@ -52,6 +52,9 @@ class Contender:
         self.samples_lead: list[float] = []  # the first of each back-to-back pair (small models)
         self.after: list[str] = []  # per sample, the contender whose turn came just before
         self.quiet: list[tuple[float, bool]] = []  # per sample: waited (s), machine found quiet
+        self.busy: list[float] = []  # samples of the busy gate: started without waiting
+        self.busy_lead: list[float] = []  # ... the first of each pair
+        self.busy_after: list[str] = []
         self.pool: WorkerPool | None = None  # the processes whose event loops receive, if any
         self.ids: list[int] = []
         self.timeout = 120.0

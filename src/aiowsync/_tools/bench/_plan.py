@@ -13,7 +13,9 @@ from ._models import MIB
 
 __all__ = [
     "FULL_SAMPLES",
+    "GATES",
     "PAIR_UP_TO",
+    "PROFILES",
     "QUICK_CELLS",
     "QUICK_LEAVE_OUT",
     "QUICK_SAMPLES",
@@ -42,6 +44,16 @@ row and the second send is the sample. Such a send takes about a millisecond, an
 mostly measures how fast the workers wake after the other contenders' turns (twice as long
 here as back to back); the first of each pair is kept too, as ``lead_samples_s``."""
 PROCESS_BYTES = 400 * MIB  # what a process that imported torch (and torchrl) holds
+
+
+PROFILES = ("policy", "light")
+"""What aiowsync's workers do beside receiving. ``policy``: a task on each worker's event loop
+wakes every 2 ms and reads every tensor of the model once after each new version
+(:class:`~aiowsync._tools.bench._worker.PolicyReads`). ``light``: nothing but the
+benchmark's own commands (probes and readers, during their phases only)."""
+GATES = ("quiet", "busy")
+"""When a sample's timed part starts. ``quiet``: once the machine is quiet
+(:func:`~aiowsync._tools.bench._probe.wait_quiet`); ``busy``: at once, whatever still runs."""
 
 
 Cell = tuple[str, int, str]  # (model, workers, transport)
@@ -85,6 +97,10 @@ class Settings:
     control_auth: tuple[str, ...] = ("curve",)
     """The dist cells' control channel: ``"curve"`` (the default, keys of the scheme's own)
     or ``"off"`` (``allow_insecure_bind=True``); each dist cell is measured once per entry."""
+    profiles: tuple[str, ...] = PROFILES
+    """What aiowsync's workers do beside receiving: each cell is measured once per profile."""
+    gates: tuple[str, ...] = GATES
+    """When a sample starts: each round takes one sample of every contender per gate."""
 
 
 QUICK_LEAVE_OUT: tuple[tuple[str, str], ...] = (("1000t-64MiB", "mp"),)

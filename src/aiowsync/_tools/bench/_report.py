@@ -10,11 +10,14 @@ from ._checks import (
     FLOOR,
     LIMIT,
     PAIRS,
+    busy_median,
     cells_of,
+    headline_profile,
     lead_median,
     median,
     mixed_reads,
     percentile,
+    profile_of,
     reads_of,
     rows_of,
     variant_text,
@@ -70,13 +73,86 @@ def _quiet_text(report: dict[str, Any]) -> str:
         return ""
     waits.sort()
     return (
-        "Each sample's timed part began once no other task of the machine was running or "
+        "Under the quiet gate each sample's timed part began once no other task of the "
+        "machine was running or "
         "ready to run (three reads of `/proc/loadavg` in a row, 1 ms apart; at most 0.5 s of "
         "waiting, 0.05 s right after a wait that gave up), so that no contender pays for "
         "work a previous turn left running: waits "
         f"{waits[len(waits) // 2] * 1e3:.0f} ms median, {waits[-1] * 1e3:.0f} ms at most; "
         f"{gave_up} of {len(waits)} samples began without finding the machine quiet. "
     )
+
+
+PROFILE_TEXT = (
+    "*Profile*: what aiowsync's workers do beside receiving. *policy*: a task on each "
+    "worker's event loop wakes every 2 ms and, once the model runs a version it has not read, "
+    "reads every tensor of it once (a sum of all its bytes, on the loop, under the read "
+    "guard), as an actor running its policy on its loop would; *light*: nothing else (runs "
+    "made before profiles existed are light). TorchRL's workers, processes of its own, are "
+    "measured in the light cells only. Both profiles run the probes and readers of the gap "
+    "and mixed-read phases during those phases only; a policy worker's loop gaps include its "
+    "own reads. "
+)
+
+
+def _gate_text(report: dict[str, Any]) -> str:
+    """What the report says of the busy gate, where the run has one."""
+    if not any(busy_median(r) for c in cells_of(report) for r in c["contenders"]):
+        return ""
+    return (
+        "*busy*: in the same rounds, every contender's turn once more, its sample started at "
+        "once, on the machine as the turn before left it (the policy workers may still be "
+        "reading the previous version, a TorchRL tree still busy): the median of those and "
+        "its ratio to the limit's. "
+    )
+
+
+def _policy_lines(report: dict[str, Any]) -> list[str]:
+    """What the policy workers read, per cell: evidence that they read every tensor."""
+    rows = []
+    for cell in cells_of(report):
+        reads = cell.get("policy_reads")
+        if not reads:
+            continue
+        counts = [r["reads"] for r in reads]
+        per_read = sum(r["read_s"] for r in reads) / max(1, sum(counts))
+        rows.append(
+            f"| {cell['model']}{variant_text(cell)} | {cell['workers']} | {cell['transport']} "
+            f"| {min(counts)}-{max(counts)} | {reads[0]['tensors']} "
+            f"| {reads[0]['bytes'] / 2**20:.1f} | {per_read * 1e3:.2f} |"
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        "### What the policy workers read",
+        "",
+        "Reads of every tensor after a new version, per worker over the whole cell (the "
+        "phases of the gaps and mixed reads included), and the size of the latest.",
+        "",
+        "| model | workers | transport | reads per worker | tensors per read | MiB per read "
+        "| ms per read, mean |",
+        "|---|--:|---|--:|--:|--:|--:|",
+        *rows,
+    ]
+
+
+COLUMNS = (
+    "model",
+    "workers",
+    "profile",
+    "contender",
+    "median ms",
+    "p90 ms",
+    "n",
+    "vs limit",
+    "busy median ms",
+    "busy vs limit",
+    "aiowsync speed-up",
+    "sender loop gap",
+    "worst worker gap",
+    "mixed reads",
+)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -103,8 +179,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "## Send latency",
         "",
-        "Median of the samples (contenders alternated sample by sample within a cell). "
-        f"{_quiet_text(report)}"
+        "Median of the samples (contenders alternated sample by sample within a cell; *n* "
+        "samples each, per gate). "
+        f"{_quiet_text(report)}{_gate_text(report)}{PROFILE_TEXT}"
         "*vs limit*: median / the limit's median in the same cell (raw `copy_` of the model's "
         "bytes rounded up to a whole page for one host, "
         "raw gloo broadcast for torch.distributed). *aiowsync speed-up*: the TorchRL "
@@ -123,15 +200,15 @@ def markdown(report: dict[str, Any]) -> str:
         "A dist cell names its topology and control-channel authentication where they are "
         "not the defaults (star, CURVE keys).",
         "",
-        "| model | workers | contender | median ms | p90 ms | n | vs limit | aiowsync speed-up "
-        "| sender loop gap | worst worker gap | mixed reads |",
-        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|---|--:|---|---|" + "--:|" * (len(COLUMNS) - 4),
     ]
+    rest = " |" * (len(COLUMNS) - 4)
     for cell in report["run"]["cells"]:
-        head = f"| {cell['model']}{variant_text(cell)} | {cell['workers']} |"
+        head = f"| {cell['model']}{variant_text(cell)} | {cell['workers']} | {profile_of(cell)} |"
         if "failed" in cell:
             last = cell["failed"].strip().splitlines()[-1]
-            lines.append(f"{head} {cell['transport']}: FAILED ({last}) | | | | | | | | |")
+            lines.append(f"{head} {cell['transport']}: FAILED ({last}){rest}")
             continue
         rows = rows_of(cell)
         limit = rows.get(LIMIT[cell["transport"]])
@@ -141,6 +218,10 @@ def markdown(report: dict[str, Any]) -> str:
             base = median(limit) if limit else None
             compared = row is not limit and row["kind"] != "floor"
             vs_limit = f"{med / base:.2f}x" if med and base and compared else ""
+            busy = busy_median(row)
+            busy_base = busy_median(limit) if limit else None
+            busy_vs = f"{busy / busy_base:.2f}x" if busy and busy_base and compared else ""
+            n = len(row["samples_s"]) or len(row.get("busy_samples_s") or [])
             speedup = ""
             ours = rows.get(PAIRS.get(row["name"], ""))
             if ours and med and median(ours):
@@ -149,19 +230,18 @@ def markdown(report: dict[str, Any]) -> str:
             tear = _tear_text(row)
             name = f"**{row['name']}**" if row["kind"] == "aiowsync" else row["name"]
             lines.append(
-                f"{head} {name} | {_ms(med)} | {_ms(p90)} | {len(row['samples_s'])} "
-                f"| {vs_limit} | {speedup} | {sender} | {workers} | {tear} |"
+                f"{head} {name} | {_ms(med)} | {_ms(p90)} | {n} | {vs_limit} | {_ms(busy)} "
+                f"| {busy_vs} | {speedup} | {sender} | {workers} | {tear} |"
             )
         for s in cell["skipped"]:
-            lines.append(f"{head} {s['contender']}: skipped, {s['reason']} | | | | | | | | |")
+            lines.append(f"{head} {s['contender']}: skipped, {s['reason']}{rest}")
         for e in cell["errors"]:
             last = e["error"].strip().splitlines()[-1] if e["error"].strip() else "?"
-            lines.append(
-                f"{head} TorchRL {'+'.join(e['batch'])}: failed ({last}) | | | | | | | | |"
-            )
+            lines.append(f"{head} TorchRL {'+'.join(e['batch'])}: failed ({last}){rest}")
+    lines += _policy_lines(report)
     lead_lines = [
-        f"| {cell['model']}{variant_text(cell)} | {cell['workers']} | {row['name']} | {_ms(lead)} "
-        f"| {_ms(median(row))} |"
+        f"| {cell['model']}{variant_text(cell)} | {cell['workers']} | {profile_of(cell)} "
+        f"| {row['name']} | {_ms(lead)} | {_ms(median(row))} |"
         for cell in cells_of(report)
         for row in cell["contenders"]
         if (lead := lead_median(row)) is not None
@@ -175,8 +255,9 @@ def markdown(report: dict[str, Any]) -> str:
             "above), after the other contenders' turns (their workers idle meanwhile), beside "
             "the second (the sample).",
             "",
-            "| model | workers | contender | first of pair, median ms | second, median ms |",
-            "|---|--:|---|--:|--:|",
+            "| model | workers | profile | contender | first of pair, median ms "
+            "| second, median ms |",
+            "|---|--:|---|---|--:|--:|",
             *lead_lines,
         ]
     lines.append("")
@@ -184,8 +265,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: str) -> str | None:
-    """Send latency against model size, one line per contender, one panel per worker count.
-    Returns why no plot was drawn (matplotlib missing, nothing measured), or None."""
+    """Send latency against model size, one line per contender, one panel per worker count,
+    of the cells of the headline profile (see :func:`headline_profile`), quiet gate where
+    measured. Returns why no plot was drawn (matplotlib missing, nothing measured), or None."""
     try:
         import matplotlib
 
@@ -193,7 +275,8 @@ def plot(report: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'aiowsync[bench]'): no plot"
-    cells = [c for c in cells_of(report) if c["contenders"]]
+    profile = headline_profile(report)
+    cells = [c for c in cells_of(report) if c["contenders"] and profile_of(c) == profile]
     workers = sorted({c["workers"] for c in cells})
     if not workers:
         return "no cell measured anything: no plot"
@@ -212,8 +295,9 @@ def plot(report: dict[str, Any], path: str) -> str | None:
             points = []
             for c in cells:
                 row = rows_of(c).get(name)
-                if c["workers"] == n and row is not None and row["samples_s"]:
-                    ms = statistics.median(row["samples_s"]) * 1e3
+                samples = row and (row["samples_s"] or row.get("busy_samples_s"))
+                if c["workers"] == n and samples:
+                    ms = statistics.median(samples) * 1e3
                     points.append((position[c["model"]], ms, c["tensors"] > 10))
             style = "-" if name.startswith("aiowsync") else ("--" if "raw" in name else ":")
             line = sorted((x, y) for x, y, is_many in points if not is_many)
@@ -228,7 +312,7 @@ def plot(report: dict[str, Any], path: str) -> str | None:
         ax.set_xticks(range(len(position)), [*(m for _, m in few), *many])
         ax.set_xlim(-0.4, len(position) - 0.6)
         ax.set_yscale("log")
-        ax.set_title(f"{n} worker{'s' if n > 1 else ''}")
+        ax.set_title(f"{n} {profile} worker{'s' if n > 1 else ''}")
         ax.set_xlabel("model (star: 1000 tensors)")
         ax.set_ylabel("send latency, median ms (log)")
         ax.grid(True, which="both", alpha=0.3)

@@ -5,15 +5,13 @@ again."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
-import random
 import sys
 import time
 import traceback
 from typing import Any
 
-from ._checks import variant_text
+from ._checks import INTEGRITY_MODE, variant_text
 from ._contenders import Contender, RawCopy, RawGloo, RawZmq, TorchRLContender
 from ._models import MIB, model_spec, spec_bytes
 from ._plan import (
@@ -26,13 +24,13 @@ from ._plan import (
     settle_memory,
 )
 from ._pool import WorkerPool
-from ._probe import QUIET_AGAIN_S, QUIET_MOST_S, host_steal_ms
-from ._session import DIGEST_MODE, AiowsyncSend, AiowsyncSession
+from ._probe import host_steal_ms
+from ._rounds import rounds
+from ._session import AiowsyncSend, AiowsyncSession
 from ._torchrl import TorchRLError, TorchRLTree
 
 __all__ = [
     "GAP_RETAKES",
-    "ROUND_START",
     "Progress",
     "Variant",
     "raw_gloo_rounds",
@@ -83,6 +81,7 @@ async def _cell(
     budget: int,
     progress: Progress,
     variant: Variant | None = None,
+    profile: str = "light",
 ) -> dict[str, Any]:
     spec = model_spec(model)
     nbytes = spec_bytes(spec)
@@ -95,7 +94,9 @@ async def _cell(
         "tensors": len(spec),
         "workers": n,
         "transport": transport,
+        "profile": profile,
         "samples_per_round": samples,
+        "gates": list(settings.gates),
         "contenders": [],
         "skipped": [],
         "errors": [],
@@ -103,7 +104,7 @@ async def _cell(
     }
     if variant is not None:
         out["topology"], out["control_auth"] = variant
-    label = f"{model} x{n} {transport}{variant_text(out)}"
+    label = f"{model} x{n} {transport}{variant_text(out)} [{profile}]"
     if base > budget:
         out["skipped"].append(
             {
@@ -114,6 +115,12 @@ async def _cell(
         progress.say(f"{label}: skipped ({out['skipped'][0]['reason']})")
         return out
     trees = TORCHRL_TREES[transport] if settings.torchrl else ()
+    if trees and profile != "light":
+        # TorchRL's workers are processes of its own, which run no policy of ours.
+        out["skipped"].append(
+            {"contender": "TorchRL", "reason": "measured in the cells of the light profile only"}
+        )
+        trees = ()
     left_out = [t for t in trees if (model, t) in settings.leave_out]
     trees = tuple(t for t in trees if t not in left_out)
     out["skipped"] += [
@@ -137,9 +144,11 @@ async def _cell(
         rehome=settings.rehome,
         bucket_bytes=settings.bucket_bytes,
         variant=variant,
+        profile=profile,
     )
     ours: list[Contender] = [AiowsyncSend(session, "send()"), AiowsyncSend(session, "publish()")]
-    digested = AiowsyncSend(session, DIGEST_MODE)  # timed only: its reads are send()'s
+    # Timed only: its gaps and reads are those of send().
+    other_integrity = AiowsyncSend(session, INTEGRITY_MODE[transport])
     limit: RawCopy | RawGloo
     floors: list[RawZmq] = []
     if transport == "shm":
@@ -171,7 +180,7 @@ async def _cell(
                 batch,
                 model,
                 n,
-                [*ours, digested, limit, *floors],
+                [*ours, other_integrity, limit, *floors],
                 samples,
                 settings,
                 out,
@@ -180,6 +189,7 @@ async def _cell(
                 paired=paired,
             )
         await session.verify()
+        out["policy_reads"] = await session.policy_reads()
         if transport == "shm":  # after many versions were applied: what a worker kept
             out["worker_memory"] = await session.memory()
     finally:
@@ -192,10 +202,12 @@ async def _cell(
                 limit.close()
         finally:
             await session.close()
-    for c in ours:
-        if isinstance(c, AiowsyncSend) and c.mode == "publish()":
-            c.info = {"whole_send_s": session.totals}  # acks included, every publish() sent
-    out["contenders"] = [_row(c) for c in (*ours, digested, limit, *floors, *theirs)]
+    for c in (*ours, other_integrity):
+        if isinstance(c, AiowsyncSend):
+            c.info = {"integrity": session.integrity(c.mode)}
+            if c.mode == "publish()":  # acks included, every publish() sent
+                c.info["whole_send_s"] = session.totals
+    out["contenders"] = [_row(c) for c in (*ours, other_integrity, limit, *floors, *theirs)]
     return out
 
 
@@ -203,8 +215,8 @@ def raw_gloo_rounds(samples: int, paired: bool, batches: int, settings: Settings
     """How many rounds the raw gloo limit of a cell may take, at most (its receivers are told
     the number up front; the rounds left over run untimed at the end): the warm-up and the gap
     windows, each measured again up to :data:`GAP_RETAKES` times, then per batch of TorchRL
-    trees a warm-up and every sample."""
-    per_batch = 1 + samples * (2 if paired else 1)
+    trees a warm-up and every sample of every gate."""
+    per_batch = 1 + samples * len(settings.gates) * (2 if paired else 1)
     return 1 + settings.gap_sends * (1 + GAP_RETAKES) + per_batch * max(1, batches)
 
 
@@ -241,7 +253,7 @@ async def _batch(
         everyone = [*standing, *theirs]
         for c in everyone:  # warm-up: first-send costs (pages, connections) are not samples
             await c.sample()
-        await _rounds(everyone, samples, progress, label, paired)
+        await rounds(everyone, samples, progress, label, paired, settings.gates)
         for contender in theirs:
             await contender.verify()
             progress.say(f"{label}: {contender.name}: loop gaps, then readers during sends")
@@ -255,61 +267,6 @@ async def _batch(
         for tree in trees:
             await tree.close()
     return theirs
-
-
-async def _rounds(
-    everyone: list[Contender], samples: int, progress: Progress, label: str, paired: bool
-) -> None:
-    """``samples`` rounds, each contender's turn once per round, in an order shuffled anew
-    every round (seeded by ``label``, so a cell's orders are the same in every run).
-
-    A rotating order changed only who went first: every contender followed the same one in
-    every round, so whatever one turn left behind (TorchRL's MultiProcess ``send()`` of the
-    1000-tensor model is seconds of many busy processes) fell on the same next contender
-    (docs/adr/0018). Shuffled, each contender follows each other one about equally often;
-    ``Contender.after`` records, sample by sample, whose turn came just before.
-
-    Each sample's timed part starts once no other task of the machine is running or ready to
-    run (:func:`~aiowsync._tools.bench._probe.wait_quiet`). TorchRL's trees of the 1000-tensor
-    model keep their processes busy for a while after their ``send()`` returns, and
-    whichever contender came next paid for it (docs/adr/0050). The wait takes away what other
-    processes leave running, not whatever else slows a copy. Waits are usually a few
-    milliseconds; after one that gave up, the next waits at most
-    :data:`~aiowsync._tools.bench._probe.QUIET_AGAIN_S`.
-
-    Before each round the garbage is collected (untimed), so that a collection never lands
-    inside a sample; what exists before the first round (torch, the sessions, the trees) is
-    frozen out of those collections: a full collection walks every object of the heap and
-    slows the small sends right after it.
-    """
-    rng = random.Random(label)
-    most = QUIET_MOST_S
-    gc.collect()
-    gc.freeze()
-    try:
-        for r in range(samples):
-            gc.collect()  # only what the rounds made since
-            order = list(everyone)
-            rng.shuffle(order)
-            before = ROUND_START
-            for c in order:
-                c.after.append(before)
-                if paired:  # two sends back to back; the quiet wait comes before the first
-                    c.samples_lead.append(await c.sample_when_quiet(most))
-                    c.samples.append(await c.sample())
-                else:
-                    c.samples.append(await c.sample_when_quiet(most))
-                most = QUIET_MOST_S if c.quiet[-1][1] else QUIET_AGAIN_S
-                before = c.name
-            last = " | ".join(f"{c.name} {c.samples[-1] * 1e3:.1f}" for c in everyone)
-            progress.say(f"{label}: round {r + 1}/{samples} ms: {last}", force=False)
-    finally:
-        gc.unfreeze()
-
-
-ROUND_START = "(round start)"
-"""What :attr:`Contender.after` records for the first turn of a round (after the untimed
-garbage collection)."""
 
 
 GAP_STEAL_MS = 20.0
@@ -349,6 +306,9 @@ def _row(c: Contender) -> dict[str, Any]:
         "gap_samples_s": c.samples_outside,
         "lead_samples_s": c.samples_lead,
         "after": c.after,
+        "busy_samples_s": c.busy,
+        "busy_lead_samples_s": c.busy_lead,
+        "busy_after": c.busy_after,
         "quiet_wait_s": [w for w, _ in c.quiet],
         "quiet_found": [q for _, q in c.quiet],
         "gap": c.gap,
@@ -362,7 +322,12 @@ async def run(settings: Settings) -> dict[str, Any]:
     """Every cell of the matrix; a JSON-able dict of every sample."""
     cells = settings.cells
     most = max(n for _, n, _ in cells)
-    plan = [(m, n, t, v) for m, n, t in cells for v in variants(t, settings)]
+    plan = [
+        (m, n, t, v, p)
+        for m, n, t in cells
+        for v in variants(t, settings)
+        for p in settings.profiles
+    ]
     progress = Progress(len(plan))
     progress.say(f"starting {most} worker processes")
     pool = WorkerPool(most, name="aiowsync-bench-worker")
@@ -372,16 +337,26 @@ async def run(settings: Settings) -> dict[str, Any]:
     try:
         await pool.start()
         budget = int(available_bytes() * settings.memory_fraction)
-        for model, n, transport, variant in plan:
+        for model, n, transport, variant, profile in plan:
             progress.cell += 1
             try:
                 results.append(
-                    await _cell(transport, model, n, pool, settings, budget, progress, variant)
+                    await _cell(
+                        transport, model, n, pool, settings, budget, progress, variant, profile
+                    )
                 )
             except Exception:
                 text = traceback.format_exc()
-                progress.say(f"{model} x{n} {transport} {variant or ''} FAILED:\n{text}")
-                failed = {"model": model, "workers": n, "transport": transport, "failed": text}
+                progress.say(
+                    f"{model} x{n} {transport} {variant or ''} [{profile}] FAILED:\n{text}"
+                )
+                failed = {
+                    "model": model,
+                    "workers": n,
+                    "transport": transport,
+                    "profile": profile,
+                    "failed": text,
+                }
                 if variant is not None:
                     failed["topology"], failed["control_auth"] = variant
                 results.append(failed)

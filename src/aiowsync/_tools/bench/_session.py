@@ -17,15 +17,12 @@ from aiowsync import (
     ZmqChannelFactory,
 )
 
+from ._checks import INTEGRITY_MODE
 from ._contenders import Contender
 from ._models import SendSources, Spec, build_model, fill, fingerprint, random_init, spec_bytes
 from ._pool import WorkerPool
 
-__all__ = ["DIGEST_MODE", "AiowsyncSend", "AiowsyncSession"]
-
-
-DIGEST_MODE = "send() +digest"
-"""``send()`` with each version's digest carried and checked (``integrity=True``)."""
+__all__ = ["AiowsyncSend", "AiowsyncSession"]
 
 
 class AiowsyncSession:
@@ -36,7 +33,9 @@ class AiowsyncSession:
     sender's model is re-homed (its tensors become views of one flat buffer);
     ``bucket_bytes``: the distributed scheme's bucket size (its default when None);
     ``variant``: the distributed scheme's topology and its control channel's authentication
-    (``"curve"``, the default, or ``"off"``); (star, curve) when None.
+    (``"curve"``, the default, or ``"off"``); (star, curve) when None. ``profile``: what the
+    workers do beside receiving (``"light"`` or ``"policy"``, see
+    :class:`~aiowsync._tools.bench._worker.PolicyReads`).
     """
 
     def __init__(
@@ -51,6 +50,7 @@ class AiowsyncSession:
         rehome: bool = False,
         bucket_bytes: int | None = None,
         variant: tuple[str, str] | None = None,
+        profile: str = "light",
     ):
         self.transport = transport
         self.wire = getattr(torch, wire_dtype) if wire_dtype else None
@@ -58,6 +58,7 @@ class AiowsyncSession:
         self.spec = spec
         self.ids = list(range(n))
         self.timeout = timeout
+        self.profile = profile
         torch.manual_seed(0)
         self.sources = SendSources(build_model(spec, random_init))
         self.k = 0
@@ -65,12 +66,10 @@ class AiowsyncSession:
         """Whole ``publish()`` sends, acks included (seconds)."""
         beats = Heartbeats(interval=0.5, missed=10)  # busy 2-core machine: slow beats are normal
         self.scheme: SharedMemWeightSyncScheme | DistributedWeightSyncScheme
-        # Digests off, whatever the transport's default: ``send() +digest`` turns them on for
-        # its own sends, so that both are measured on the same session, turn about.
+        # Integrity as the transport's default: the other setting is a mode of its own
+        # (:data:`INTEGRITY_MODE`), measured on the same session, turn about.
         if transport == "shm":
-            self.scheme = SharedMemWeightSyncScheme(
-                heartbeats=beats, wire_dtype=self.wire, integrity=False
-            )
+            self.scheme = SharedMemWeightSyncScheme(heartbeats=beats, wire_dtype=self.wire)
         else:
             # The scheme's own defaults unless others were asked for.
             extra: dict[str, Any] = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
@@ -81,23 +80,30 @@ class AiowsyncSession:
                 backend="gloo",
                 heartbeats=beats,
                 wire_dtype=self.wire,
-                integrity=False,
                 topology=topology,  # type: ignore[arg-type]
                 **extra,
             )
         self.scheme.init_on_sender(model=self.sources.module, num_workers=n, rehome=rehome)
         self._joined = False
         self._entered = False
+        self._integrity: bool | None = None
 
     async def open(self) -> None:
         await self.scheme.__aenter__()
         self._entered = True
+        self._integrity = bool(self.scheme._sender.digests.enabled)
         for i in self.ids:  # after entering: the address the scheme carries is bound
-            self.pool.tell(i, ("join", self.scheme, self.spec))
+            self.pool.tell(i, ("join", self.scheme, self.spec, self.profile))
         self._joined = True
         await self.scheme.connect(timeout=self.timeout)
         for i in self.ids:
             await self.pool.expect(i, "ready", timeout=self.timeout)
+
+    def integrity(self, mode: str) -> bool:
+        """Whether the sends of ``mode`` carry digests (known once the session is open)."""
+        if self._integrity is None:
+            raise RuntimeError("the session is not open")
+        return self._integrity != (mode == INTEGRITY_MODE[self.transport])
 
     def fill_next(self, mode: str) -> None:
         self.k += 1
@@ -110,13 +116,13 @@ class AiowsyncSession:
         t0 = time.perf_counter()
         if mode == "send()":
             await self.scheme.send(timeout=self.timeout)
-        elif mode == DIGEST_MODE:
+        elif mode == INTEGRITY_MODE[self.transport]:
             digests = self.scheme._sender.digests
-            digests.enabled = True
+            digests.enabled = self.integrity(mode)
             try:
                 await self.scheme.send(timeout=self.timeout)
             finally:
-                digests.enabled = False
+                digests.enabled = self._integrity
         elif mode == "publish()":
             pending = await self.scheme.publish(timeout=self.timeout)
             held = time.perf_counter() - t0
@@ -149,6 +155,12 @@ class AiowsyncSession:
         bad = [i for i, c in zip(self.ids, checks, strict=True) if c[2] != expected]
         if bad:
             raise AssertionError(f"aiowsync {self.transport}: workers {bad} do not hold v{version}")
+
+    async def policy_reads(self) -> list[dict[str, Any]] | None:
+        """Per worker, what the policy profile's reads did (None under the light profile)."""
+        if self.profile != "policy":
+            return None
+        return [m[1] for m in await self.pool.ask(self.ids, ("policy",), "policy", self.timeout)]
 
     async def memory(self) -> list[dict[str, Any]]:
         """Each worker's private memory beyond what it held before it built its model (KiB

@@ -4,11 +4,13 @@ A worker lives for the whole benchmark and serves one scheme session after anoth
 torch is imported once per process, not once per case. It is driven by tuples over a
 ``multiprocessing`` pipe (see :class:`~aiowsync._tools.bench._pool.WorkerPool` for the other end):
 
-``("join", scheme, spec)``
+``("join", scheme, spec, profile)``
     build a fresh model from ``spec`` (every page written), take the scheme (it crosses the
     pipe as its configuration and address, like any scheme handed to a spawned process),
     ``init_on_receiver``, ``async with``, ``connect``, ``gc.collect()``; answer ``("ready", ...)``
-    and serve the session's commands until ``("leave",)``, then answer ``("left",)``.
+    and serve the session's commands until ``("leave",)``, then answer ``("left",)``. With
+    ``profile`` ``"policy"``, a :class:`PolicyReads` task runs on the loop for the whole
+    session; with ``"light"``, nothing but the session's commands.
 
 In a session:
 
@@ -17,6 +19,8 @@ In a session:
   on the event loop and one in a thread holding the read guard; ``read_stop`` answers
   ``("reads", reads, mixed)``;
 * ``("mem",)``: private memory; ``("check", version)``: the fingerprint at that version;
+* ``("policy",)``: what the policy profile's reads did (``("policy", stats)``, stats None
+  under the light profile);
 * ``("raw_start", host, port, prefix, rank, size, nbytes, rounds, timeout)`` (answer
   ``("ok",)``) starts :func:`~aiowsync._tools.bench._rawgloo.raw_receive` in a thread beside the
   scheme's receiver; ``("raw_wait", timeout)`` answers ``("raw_done", stats)`` once it ended.
@@ -49,7 +53,7 @@ from ._models import Reader, Spec, build_model, fingerprint, poison_init
 from ._probe import Ticker, malloc_trim, private_memory
 from ._rawgloo import raw_receive
 
-__all__ = ["worker_main"]
+__all__ = ["POLICY_PERIOD_S", "PolicyReads", "worker_main"]
 
 
 def worker_main(conn: Connection, worker_idx: int) -> None:
@@ -69,7 +73,7 @@ def worker_main(conn: Connection, worker_idx: int) -> None:
                 conn.send(("error", f"worker {worker_idx}: unexpected {msg[0]!r} between sessions"))
                 continue
             try:
-                asyncio.run(_session(conn, worker_idx, msg[1], msg[2]))
+                asyncio.run(_session(conn, worker_idx, *msg[1:4]))
             except Exception:
                 conn.send(("error", f"worker {worker_idx}:\n{traceback.format_exc()}"))
             gc.collect()
@@ -149,7 +153,57 @@ class _Readers:
             await asyncio.to_thread(self._thread.join, 10.0)
 
 
-async def _session(conn: Connection, worker_idx: int, scheme: Any, spec: Spec) -> None:
+POLICY_PERIOD_S = 0.002
+"""How often the policy profile's task wakes on a worker's event loop."""
+
+
+class PolicyReads:
+    """The policy profile: a task on the worker's event loop that wakes every
+    :data:`POLICY_PERIOD_S` and, once the model runs a version it has not read, reads every
+    tensor of it once (a sum of all its bytes, as a forward pass touches every weight), on
+    the loop under the read guard, as an actor that runs its policy on its loop would."""
+
+    def __init__(self, model: nn.Module, scheme: Any) -> None:
+        self._model = model
+        self._scheme = scheme
+        self.reads = 0
+        self.read_s = 0.0
+        self.tensors = 0
+        """Tensors of the latest read."""
+        self.bytes = 0
+        """Bytes of the latest read."""
+
+    async def run(self) -> None:
+        guard = self._scheme.read_guard()
+        seen = self._scheme.version
+        while True:
+            await asyncio.sleep(POLICY_PERIOD_S)
+            if self._scheme.version == seen:
+                continue
+            t0 = time.perf_counter()
+            async with guard:
+                seen = self._scheme.version
+                tensors = list(self._model.state_dict().values())  # re-pointed by a switch
+                with torch.no_grad():
+                    for t in tensors:
+                        t.sum()
+            self.read_s += time.perf_counter() - t0
+            self.reads += 1
+            self.tensors = len(tensors)
+            self.bytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "reads": self.reads,
+            "read_s": self.read_s,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+        }
+
+
+async def _session(
+    conn: Connection, worker_idx: int, scheme: Any, spec: Spec, profile: str
+) -> None:
     # Start from a trimmed heap, so that memory freed by earlier sessions neither counts nor
     # gets silently reused by this session's model.
     gc.collect()
@@ -173,11 +227,15 @@ async def _session(conn: Connection, worker_idx: int, scheme: Any, spec: Spec) -
     raw_task: asyncio.Future[dict[str, Any]] | None = None
     readers: _Readers | None = None
     echo: _Echo | None = None
+    policy = PolicyReads(model, scheme) if profile == "policy" else None
+    policy_task: asyncio.Task[None] | None = None
     async with scheme:
         t0 = time.perf_counter()
         await scheme.connect(timeout=180)
         connect_s = time.perf_counter() - t0
         gc.collect()
+        if policy is not None:
+            policy_task = asyncio.create_task(policy.run())
         conn.send(("ready", scheme.version, connect_s, baseline))
         loop.add_reader(fd, readable)
         try:
@@ -231,6 +289,12 @@ async def _session(conn: Connection, worker_idx: int, scheme: Any, spec: Spec) -
                     gc.collect()
                     meta_kb = with_twin["own_kb"] - after["own_kb"]
                     conn.send(("mem", baseline, before, after, trimmed, scheme.version, meta_kb))
+                elif kind == "policy":
+                    if policy_task is not None and policy_task.done():
+                        error = "".join(traceback.format_exception(policy_task.exception()))
+                        conn.send(("error", f"worker {worker_idx}: the policy ended:\n{error}"))
+                        continue
+                    conn.send(("policy", None if policy is None else policy.stats()))
                 elif kind == "check":
                     version = await scheme.wait_for_version(msg[1], timeout=60)
                     conn.send(("check", version, fingerprint(model)))
@@ -255,6 +319,9 @@ async def _session(conn: Connection, worker_idx: int, scheme: Any, spec: Spec) -
                     conn.send(("error", f"worker {worker_idx}: unknown command {kind!r}"))
         finally:
             loop.remove_reader(fd)
+            if policy_task is not None:
+                policy_task.cancel()
+                await asyncio.gather(policy_task, return_exceptions=True)
             if echo is not None:
                 echo.close()
             if readers is not None:
