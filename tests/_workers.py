@@ -108,6 +108,44 @@ def _check_uniform(model: nn.Module) -> float | None:
     return seen
 
 
+class ForwardsDamage:
+    """A chain member's process group whose sends carry a flipped byte: the member holds the
+    right bytes (they passed its check) and forwards wrong ones."""
+
+    def __init__(self, pg: Any) -> None:
+        self._pg = pg
+        self._kept: list[torch.Tensor] = []  # alive until the group goes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        bad = [t.clone() for t in tensors]
+        bad[0][5] ^= 0x5A
+        self._kept += bad
+        return self._pg.send(bad, dst, tag)
+
+
+def damage_forwards(only: Callable[[int], bool] = lambda worker: True) -> Callable[[], None]:
+    """From now on, the chain members of this process for which ``only(worker)`` holds forward
+    damaged bytes (a faulty member); returns what undoes it."""
+    from aiowsync._planes.dist import receiver
+
+    real = receiver.receive_and_forward
+
+    def damaging(pg: Any, rank: int, workers: list[int], *args: Any, **kw: Any) -> str:
+        if only(workers[rank - 1]):
+            pg = ForwardsDamage(pg)
+        return real(pg, rank, workers, *args, **kw)
+
+    receiver.receive_and_forward = damaging  # type: ignore[assignment]
+
+    def undo() -> None:
+        receiver.receive_and_forward = real
+
+    return undo
+
+
 def worker_main(
     scheme: aiowsync.WeightSyncScheme | None,
     address: str | None,
@@ -150,6 +188,8 @@ async def _worker(
             background=options.get("background", True),
             channels=None if keys is None else aiowsync.ZmqChannelFactory(curve=keys),
         )
+    if options.get("damages_forwards"):
+        damage_forwards()
     model = make_model(kind)
     if isinstance(model, nn.ModuleDict):  # several models, one scheme
         scheme.init_on_receiver(models=dict(model.items()), worker_idx=worker_idx)

@@ -13,6 +13,7 @@ from torch import nn
 
 import aiowsync
 import helpers
+from _workers import damage_forwards
 from aiowsync._planes.digest import DigestMismatch, bucket_bytes, check_digest, digest
 from aiowsync._planes.shm.sender import SharedMemSenderPlane
 from aiowsync._weights.layout import Layout
@@ -252,41 +253,14 @@ async def test_bytes_damaged_on_their_way_over_gloo_are_refused_by_that_worker_a
         assert all(r.version == 3 and same(m, src) for r, m in receivers)
 
 
-class _ForwardsDamage:
-    """A chain member's process group whose sends carry a flipped byte: the member holds the
-    right bytes (they passed its check) and forwards wrong ones."""
-
-    def __init__(self, pg: Any) -> None:
-        self._pg = pg
-        self._kept: list[torch.Tensor] = []  # alive until the group goes
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pg, name)
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        bad = [t.clone() for t in tensors]
-        _flip(bad, where=5)
-        self._kept += bad
-        return self._pg.send(bad, dst, tag)
-
-
 async def test_a_chain_member_that_damages_what_it_forwards_is_named_and_routed_around(
-    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     # N2. Before: worker 1 acked (its own bytes were right), workers 2 and 3 after it nacked
     # DigestMismatch and the send failed naming only them; the next send failed the same way,
     # since the chain was built in the same order. Now those after it are sent the version
     # again, within the same send, on a chain without it; it is named; and later chains put it
     # last, where it forwards to nobody.
-    from aiowsync._planes.dist import receiver as dist_receiver
-
-    real = dist_receiver.receive_and_forward
-
-    def damaging(pg: Any, rank: int, workers: list[int], *args: Any, **kw: Any) -> str:
-        if workers[rank - 1] == 1:
-            pg = _ForwardsDamage(pg)
-        return real(pg, rank, workers, *args, **kw)
-
     async with helpers.system(
         aiowsync.DistributedWeightSyncScheme,
         4,
@@ -299,7 +273,8 @@ async def test_a_chain_member_that_damages_what_it_forwards_is_named_and_routed_
         bump(src)
         first = await sender.send(timeout=60)
         assert first.retries == 0 and first.suspects == ()
-        monkeypatch.setattr(dist_receiver, "receive_and_forward", damaging)
+        undo = damage_forwards(only=lambda worker: worker == 1)
+        request.addfinalizer(undo)
         bump(src)
         result = await sender.send(timeout=60)
         assert result.worker_ids == (0, 1, 2, 3)

@@ -243,6 +243,35 @@ async def test_a_receiver_killed_mid_chain_leaves_no_survivor_on_a_mix() -> None
         await _latest(w, {k: (3, digest(model)) for k in (0, 2, 3)})
 
 
+async def test_a_chain_member_process_that_damages_what_it_forwards_is_routed_around() -> None:
+    # N2 across processes, with the scheme's defaults (digests on, the chain's own buckets):
+    # worker 1 holds the right bytes but forwards damaged ones. Workers 2 and 3 refuse them
+    # against the trainer's digest, which followed the bytes; they are sent the version again
+    # within the same send on a chain without worker 1, which is named; the next chain puts
+    # it last, where it forwards to nobody.
+    scheme = aiowsync.DistributedWeightSyncScheme(
+        topology="chain", heartbeats=aiowsync.Heartbeats(interval=0.2, missed=10)
+    )
+    model = make_model("big")
+    scheme.init_on_sender(model=model, num_workers=4)
+    with workers() as w:
+        async with scheme:
+            for i in range(4):
+                w.start(i, "big", scheme=scheme, damages_forwards=i == 1)
+            await connect_all(scheme, w, 4)
+            randomize(model, 1)
+            result = await scheme.send(timeout=60)
+            assert result.suspects == (1,) and result.retried == (2, 3), result
+            await _latest(w, dict.fromkeys(range(4), (1, digest(model))))  # exact bytes
+            randomize(model, 2)
+            later = await scheme.send(timeout=60)
+            assert later.retries == 0 and later.suspects == (), later
+            await _latest(w, dict.fromkeys(range(4), (2, digest(model))))
+            print(
+                f"damaging member process: {result.seconds:.2f} s, the next {later.seconds:.2f} s"
+            )
+
+
 async def test_a_chain_member_stopped_before_the_version_reached_it_is_named_the_rest_get_it(
     caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
 ) -> None:
