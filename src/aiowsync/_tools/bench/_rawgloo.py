@@ -69,10 +69,14 @@ def raw_receive(
     nbytes: int,
     rounds: int,
     timeout: float,
+    *,
+    reads: bool = False,
 ) -> dict[str, Any]:
     """Rank ``rank`` of the raw baseline: ``rounds`` times, receive the root's broadcast of one
     flat uint8 buffer of ``nbytes``, then confirm with a one-byte ``send`` to rank 0. Every wait
-    has a deadline of ``timeout`` seconds; a root that drops its group makes them fail fast."""
+    has a deadline of ``timeout`` seconds; a root that drops its group makes them fail fast.
+    With ``reads``, every byte received is read once after each confirmation, as a policy
+    worker reads each version of the scheme's (the same work beside the same rounds)."""
     from torch._C._distributed_c10d import TCPStore
 
     span = datetime.timedelta(seconds=timeout)
@@ -89,6 +93,9 @@ def raw_receive(
         pg.send([one], 0, RAW_CONFIRM_TAG).wait(span)
         if (int(buf[0]), int(buf[-1])) != raw_marks(r):  # after the confirm: not timed
             wrong += 1
+        if reads:
+            with torch.no_grad():
+                (buf.view(torch.float32) if nbytes % 4 == 0 else buf).sum()
     return {"rounds": rounds, "wrong": wrong}
 
 

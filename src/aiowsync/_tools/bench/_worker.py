@@ -36,6 +36,7 @@ round trip's ROUTER at ``address`` and echoes every message it gets, on the even
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import os
 import threading
@@ -302,7 +303,9 @@ async def _session(
                     if raw_task is not None and not raw_task.done():
                         conn.send(("error", f"worker {worker_idx}: a raw baseline is running"))
                         continue
-                    raw_task = asyncio.ensure_future(asyncio.to_thread(raw_receive, *msg[1:]))
+                    # Policy workers read what each raw round brought, as they read each version.
+                    receive = functools.partial(raw_receive, reads=policy is not None)
+                    raw_task = asyncio.ensure_future(asyncio.to_thread(receive, *msg[1:]))
                     conn.send(("ok",))
                 elif kind == "raw_wait":
                     if raw_task is None:
