@@ -30,10 +30,16 @@ def _memory(channels: aiowsync.MemoryChannelFactory, **kw: Any) -> aiowsync.Weig
 
 class Tree:
     """A root sender, one relay (an upstream receiver and a local sender on one model) and
-    its leaves, all in this process on the in-process plane."""
+    its leaves, all in this process on the in-process plane (the relay's local scheme on
+    torch.distributed with ``local="dist"``)."""
 
     def __init__(
-        self, leaves: int = 2, *, before_relay: Callable[[int], None] | None = None, **root: Any
+        self,
+        leaves: int = 2,
+        *,
+        before_relay: Callable[[int], None] | None = None,
+        local: str = "memory",
+        **root: Any,
     ) -> None:
         self.src = model(0)
         self.root = _memory(aiowsync.MemoryChannelFactory(), **root)
@@ -43,7 +49,10 @@ class Tree:
         self.upstream.init_on_receiver(model=self.relay_model, worker_idx=0)
         if before_relay is not None:  # a hook of the upstream's that runs before the relay's
             self.upstream.register_hook(before_relay)
-        self.local = _memory(aiowsync.MemoryChannelFactory())
+        if local == "dist":
+            self.local = aiowsync.DistributedWeightSyncScheme(heartbeats=BEATS, timeouts=TIMEOUTS)
+        else:
+            self.local = _memory(aiowsync.MemoryChannelFactory())
         self.local.init_on_sender(model=self.relay_model, num_workers=leaves)
         self.upstream.relay_to(self.local)
         self.leaf_models = [model(10 + i) for i in range(leaves)]
@@ -111,11 +120,15 @@ async def test_every_leaf_runs_each_root_version_when_the_roots_send_returns(
         assert t.local.version == t.root.version == 10
 
 
-async def test_leaves_check_the_roots_digest_so_a_relay_that_damages_its_copy_fails() -> None:
+@pytest.mark.parametrize("local", ["memory", "dist"])
+async def test_leaves_check_the_roots_digest_so_a_relay_that_damages_its_copy_fails(
+    local: str,
+) -> None:
     # N3. Before: the relay's sender digested its own copy, so bytes the relay damaged after
     # its upstream had checked them (a flipped bit, a bug; here a hook that runs before the
     # relay's) reached the leaves under a digest of the damage, passed their check, and the
-    # root's send() succeeded. Now the leaves check the root's digest.
+    # root's send() succeeded. Now the leaves check the root's digest: carried in the update
+    # (memory), or following the bytes under the relay's seal (dist).
     damage = {"on": False}
 
     def flip(version: int) -> None:
@@ -123,7 +136,7 @@ async def test_leaves_check_the_roots_digest_so_a_relay_that_damages_its_copy_fa
             with torch.no_grad():
                 next(t.relay_model.parameters()).view(-1)[3] += 1.0
 
-    async with tree(before_relay=flip, integrity=True, apply_mode="copy") as t:
+    async with tree(before_relay=flip, local=local, integrity=True, apply_mode="copy") as t:
         bump(t.src)
         assert (await t.root.send(timeout=20)).worker_ids == (0,) and t.leaves_hold(1)
         kept = [{k: v.clone() for k, v in m.state_dict().items()} for m in t.leaf_models]
