@@ -211,11 +211,15 @@ class SenderPlane(abc.ABC):
         Blocking."""
         raise NotImplementedError(f"{type(self).__name__} cannot digest its versions")
 
-    def digest_after(self, version: int, *, given: str | None, hashed: bool) -> str | None:
+    def digest_after(self, version: int, *, given: str | None, hashed: bool) -> None:
         """On a plane whose digests follow the bytes: make every transfer of ``version``
         (about to be published) end with its digest, ``given`` or else (with ``hashed``) one
-        of the plane's own hashes, or with none (neither). Returns the update's ``digest``
-        parameter that says so, or None."""
+        of the plane's own hashes, or with none (neither)."""
+        raise NotImplementedError(f"{type(self).__name__} sends no digest after the bytes")
+
+    def digest_param(self, version: int) -> str | None:
+        """On a plane whose digests follow the bytes: the ``digest`` parameter of an update
+        of ``version`` that says one follows them (None: none follows)."""
         raise NotImplementedError(f"{type(self).__name__} sends no digest after the bytes")
 
     @abc.abstractmethod

@@ -272,12 +272,7 @@ class Digests:
         follows."""
         given = self._given.pop(version, None)
         if self.plane.digests_follow:
-            param = self.plane.digest_after(version, given=given, hashed=self.enabled)
-            if param is None:
-                self._by_version.pop(version, None)
-            else:
-                self._by_version[version] = param
-                self._forget_old()
+            self.plane.digest_after(version, given=given, hashed=self.enabled)
             return
         if given is not None:
             self._by_version[version] = given
@@ -302,6 +297,10 @@ class Digests:
             del self._by_version[old]
 
     def add_to(self, version: int, params: Params) -> Params:
-        """``params`` of an update of ``version``, with its digest when there is one."""
-        value = self._by_version.get(version)
+        """``params`` of an update of ``version``, with its digest (or, where it follows the
+        bytes, what says so) when there is one."""
+        if self.plane.digests_follow:
+            value = self.plane.digest_param(version)
+        else:
+            value = self._by_version.get(version)
         return params if value is None else {**params, "digest": value}

@@ -229,15 +229,18 @@ class DistSenderPlane(SenderPlane):
             for old in sorted(self._held)[:-HELD_VERSIONS]:
                 del self._held[old]
 
-    def digest_after(self, version: int, *, given: str | None, hashed: bool) -> str | None:
+    def digest_after(self, version: int, *, given: str | None, hashed: bool) -> None:
         if given is None and not hashed:
             self._trailers.pop(version, None)
-            return None
-        trailer = _Trailer(os.urandom(16), given)
-        self._trailers[version] = trailer
+            return
+        self._trailers[version] = _Trailer(os.urandom(16), given)
         for old in sorted(self._trailers)[:-HELD_VERSIONS]:
             del self._trailers[old]
-        return TRAILER + trailer.key.hex()
+
+    def digest_param(self, version: int) -> str | None:
+        # The one record of whether a digest follows: transfers and updates agree on it.
+        trailer = self._trailers.get(version)
+        return None if trailer is None else TRAILER + trailer.key.hex()
 
     def _sealed_digest(self, trailer: _Trailer, images: Sequence[Image]) -> torch.Tensor:
         """The digest that follows a version whose models' bytes are in ``images``, sealed,
