@@ -143,7 +143,12 @@ class VLLMServers:
             raise RuntimeError("these servers are attached to a scheme already")
         description = describe(scheme)
         limit = self.timeout + scheme.timeouts.handshake
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=10.0))
+        # vLLM's uvicorn closes a connection idle for 5 s: a call sent on one as it closes
+        # fails, so idle connections are let go sooner (a call between sends finds a fresh one).
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.timeout, connect=10.0),
+            limits=httpx.Limits(keepalive_expiry=_KEEPALIVE_S),
+        )
         try:
             self._servers = await self._number(sending.num_workers)
             try:
@@ -368,6 +373,11 @@ class VLLMServers:
         except ValueError:
             return {}
         return answer if isinstance(answer, dict) else {}
+
+
+_KEEPALIVE_S = 2.0
+"""How long an idle connection to a server is kept: below uvicorn's 5 s (vLLM's
+``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` default)."""
 
 
 def _detail(reply: httpx.Response) -> str:

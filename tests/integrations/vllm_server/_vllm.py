@@ -196,6 +196,13 @@ def set_version(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
 
 
+def http_client() -> httpx.AsyncClient:
+    """A client for the test's vLLM servers. Their uvicorn closes a connection idle for 5 s
+    (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); a request sent on one just as it closes fails with
+    ``ReadError``. So the client lets its idle connections go sooner."""
+    return httpx.AsyncClient(limits=httpx.Limits(keepalive_expiry=2.0))
+
+
 async def generate(
     client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int = 8
 ) -> tuple[list[int], list[dict[str, Any]]]:

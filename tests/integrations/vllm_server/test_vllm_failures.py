@@ -16,7 +16,15 @@ from typing import Any
 
 import httpx
 import pytest
-from _vllm import PROMPTS, Server, answers_within, attached_trainer, checksums, set_version
+from _vllm import (
+    PROMPTS,
+    Server,
+    answers_within,
+    attached_trainer,
+    checksums,
+    http_client,
+    set_version,
+)
 
 import aiowsync
 from aiowsync._planes.shm.sender import SharedMemSenderPlane
@@ -49,7 +57,7 @@ async def test_a_reload_that_fails_half_way_is_undone_and_the_server_resumed(
 ) -> None:
     server = vllm_servers[1]
     async with (
-        httpx.AsyncClient() as client,
+        http_client() as client,
         attached_trainer([server.url]) as (scheme, model, servers),
     ):
         set_version(model, 1)
@@ -75,7 +83,7 @@ async def test_a_worker_that_cannot_take_a_version_fails_the_send_and_nothing_pa
 ) -> None:
     server = vllm_servers[1]
     async with (
-        httpx.AsyncClient() as client,
+        http_client() as client,
         attached_trainer([server.url]) as (scheme, model, servers),
     ):
         before, sums = await _served(client, server.url), await checksums(client, server.url)
@@ -94,7 +102,7 @@ async def test_a_digest_mismatch_leaves_the_server_on_its_version(
 ) -> None:
     server = vllm_servers[1]
     async with (
-        httpx.AsyncClient() as client,
+        http_client() as client,
         attached_trainer([server.url], integrity=True) as (scheme, model, servers),
     ):
         before, sums = await _served(client, server.url), await checksums(client, server.url)
@@ -125,7 +133,7 @@ async def test_a_worker_that_answers_too_late_times_the_send_out(
 ) -> None:
     server = vllm_servers[1]
     async with (
-        httpx.AsyncClient() as client,
+        http_client() as client,
         attached_trainer([server.url]) as (scheme, model, servers),
     ):
         before, sums = await _served(client, server.url), await checksums(client, server.url)
@@ -165,7 +173,7 @@ async def test_a_trainer_killed_mid_send_leaves_the_server_serving_and_a_new_one
             if line.startswith("sent 3"):
                 break
         # Kill it while the server is paused: a version on its way in.
-        async with httpx.AsyncClient() as client:
+        async with http_client() as client:
             deadline = time.monotonic() + 60
             while not (await client.get(f"{server.url}/is_paused")).json()["is_paused"]:
                 assert time.monotonic() < deadline, "the server never paused"
@@ -201,7 +209,7 @@ async def test_together_a_fleet_that_cannot_take_a_version_keeps_the_one_it_had(
 ) -> None:
     urls = [s.url for s in vllm_servers]
     async with (
-        httpx.AsyncClient() as client,
+        http_client() as client,
         attached_trainer(urls, together=True) as (scheme, model, servers),
     ):
         set_version(model, 1)
@@ -228,7 +236,7 @@ async def test_a_send_deadline_bounds_the_servers_step_too(vllm_servers: list[Se
     server, which then goes back to the version it served and resumes."""
     server = vllm_servers[1]
     async with (
-        httpx.AsyncClient() as client,
+        http_client() as client,
         attached_trainer([server.url]) as (scheme, model, servers),
     ):
         before, sums = await _served(client, server.url), await checksums(client, server.url)

@@ -18,6 +18,7 @@ from _vllm import (
     checksums,
     generate,
     generating,
+    http_client,
     set_version,
     trainer_model,
 )
@@ -79,7 +80,7 @@ async def test_twenty_sends_under_load_each_response_is_its_versions_greedy_toke
     seen: list[tuple[int, list[int], list[dict[str, object]]]] = []
     failures: list[BaseException] = []
     async with (
-        httpx.AsyncClient() as client,
+        http_client() as client,
         attached_trainer([server.url], pause="wait") as (scheme, model, servers),
     ):
         assert await servers.weight_versions() == {server.url: "0"}
@@ -136,7 +137,7 @@ async def test_keep_continues_requests_on_the_new_version_and_their_spans_say_wh
     failures: list[BaseException] = []
     long = 128
     async with (
-        httpx.AsyncClient() as client,
+        http_client() as client,
         attached_trainer([server.url], pause="keep") as (scheme, model, servers),
     ):
         stop = asyncio.Event()
@@ -213,7 +214,7 @@ async def test_over_torch_distributed_the_server_serves_the_same_tokens(
     expected = {}
     shm = aiowsync.SharedMemWeightSyncScheme(heartbeats=BEATS)
     shm.init_on_sender(model=model, num_workers=2)
-    async with httpx.AsyncClient() as client:
+    async with http_client() as client:
         async with shm, VLLMServers(urls).attach(shm):
             await shm.connect(timeout=120)
             for url in urls:
