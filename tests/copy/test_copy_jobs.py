@@ -79,6 +79,72 @@ def test_a_helper_kept_off_the_cpus_delays_nothing_it_had_not_begun() -> None:
     assert sorted(done) == [0, 1, 2, 10]  # the helper ran later and copied nothing
 
 
+def test_a_caller_waiting_for_its_helper_to_begin_copies_the_head_meanwhile() -> None:
+    """While the helper has not begun (its CPU busy with another process), the caller copies
+    pieces of the head instead of idling through the settle time; the helper's tail stays
+    the helper's until the caller finishes, and every piece is copied once."""
+    import threading
+    import time
+
+    done: list[int] = []
+    hold = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(hold.wait, 30)  # the helper cannot begin
+        job = CopyJob([0, 1, 2], [10], done.append)
+        t0 = time.monotonic()
+        job.start(pool, settle=0.05)
+        assert time.monotonic() - t0 >= 0.04  # no piece left: it waited the rest
+        assert done == [0, 1, 2]
+        job.finish()
+        assert done == [0, 1, 2, 10]
+        hold.set()
+    assert done == [0, 1, 2, 10]
+
+
+def test_a_caller_stops_copying_the_head_once_its_helper_begins() -> None:
+    """The helper begins while the caller copies its first piece: the caller copies no more
+    before its check, and the rest of the head is still there for both."""
+    import threading
+
+    done: list[int] = []
+    copying, gate = threading.Event(), threading.Event()
+
+    def run(piece: int) -> None:
+        if piece == 0:  # the caller's first piece lets the helper begin, and waits for it
+            copying.set()
+            assert job._begun.wait(5)
+        if piece == 10:  # the helper's tail waits for the caller's check
+            assert gate.wait(5)
+        done.append(piece)
+
+    job = CopyJob(list(range(6)), [10], run)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(copying.wait, 5)  # the helper begins once the caller copies
+        job.start(pool, settle=5.0)
+        assert done == [0]
+        gate.set()
+        job.finish()
+    assert sorted(done) == [0, 1, 2, 3, 4, 5, 10]
+
+
+def test_an_error_while_settling_stops_the_helpers_and_is_raised() -> None:
+    import threading
+
+    hold = threading.Event()
+
+    def run(piece: int) -> None:
+        if piece == 0:
+            raise OSError("no room")
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(hold.wait, 30)  # the helper cannot begin while the caller copies
+        job = CopyJob([0, 1], [10], run)
+        with pytest.raises(OSError, match="no room"):
+            job.start(pool, settle=1.0)
+        assert job._stopped
+        hold.set()
+
+
 @pytest.mark.parametrize("early", [0.0, 0.01, 0.5, 2.0])
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 @pytest.mark.parametrize("total", [4 << 20, (64 << 20) + 70, 1 << 30])
@@ -129,8 +195,10 @@ def test_a_copy_job_abandoned_stops_taking_pieces() -> None:
     with ThreadPoolExecutor(1) as pool:
         jobs.append(CopyJob(list(range(100)), [-1], run))
         jobs[0].start(pool, settle=1.0)
+        before = list(done)  # pieces the caller copied until its helper began
         jobs[0].abandon()
-        assert done == [-1]  # the tail ends; no piece of the head is begun
+        # The tail ends; no piece of the head is begun after it.
+        assert sorted(done) == [-1, *before]
         # finish() copies everything, the calling thread included.
         done.clear()
         job = CopyJob(list(range(100)), [-1], done.append)

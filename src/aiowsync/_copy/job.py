@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
@@ -117,11 +118,13 @@ class CopyJob(Generic[W]):
         settle: float = 0.0,
         steer: Callable[[], set[int] | None] | None = None,
     ) -> None:
-        """Set the helpers going (one per tail). ``settle``: wait up to that many seconds for
-        the first helper to begin its tail, since a caller about to run Python holds the
-        interpreter lock that a helper needs to begin at all. ``steer``: called just before the
-        helpers are woken; the CPU set it returns is restored in each helper as it runs (see
-        :class:`aiowsync._copy.steer.HelperSteering`)."""
+        """Set the helpers going (one per tail). ``settle``: give the first helper up to that
+        many seconds to begin its tail, since a caller about to run Python holds the
+        interpreter lock that a helper needs to begin at all; meanwhile the caller copies
+        pieces of the head, which frees that lock in each copy call, rather than leave its CPU
+        idle. ``steer``: called just before the helpers are woken; the CPU set it returns is
+        restored in each helper as it runs (see :class:`aiowsync._copy.steer.HelperSteering`).
+        """
         if self._tails and steer is not None:
             self._cpus = steer()
         for i in range(len(self._tails)):
@@ -132,7 +135,29 @@ class CopyJob(Generic[W]):
                 # (a plane closing mid-send): the caller copies the tails left itself.
                 break
         if settle > 0 and self._futures:
-            self._begun.wait(settle)
+            try:
+                self._settle(time.monotonic() + settle)
+            except BaseException:
+                self.abandon()
+                raise
+
+    def _settle(self, until: float) -> None:
+        """Copy pieces of the head here until a helper has begun or ``until`` (monotonic)
+        has come, then wait for the rest of that time if none has begun and no piece is left.
+
+        A helper woken on a CPU that another process keeps busy may take milliseconds to
+        begin; the caller's pieces are the ones it would copy after its check anyway.
+        """
+        while not self._begun.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            with self._lock:
+                i = next(self._taken) if not self._stopped else len(self._head)
+            if i >= len(self._head):
+                self._begun.wait(left)
+                return
+            self._run(self._head[i])
 
     def _claim(self, tail: int | None) -> W | None:
         """Tail ``tail`` (None: the head's next piece), if it is still to be copied; a helper
