@@ -34,8 +34,8 @@ class DistributedWeightSyncScheme(WeightSyncScheme):
             experimental: it has not run on a GPU host yet).
         bucket_bytes: size of one bucket; by default chosen from the model's size, the
             topology and ``num_workers`` when the sender starts (32 MiB for a star; for a
-            chain, about an eighth of the model per worker, so that it pipelines). See the
-            distributed page of the docs.
+            chain, the model's size / (8 x ``num_workers``) between 1 and 32 MiB, so that it
+            pipelines). See the distributed page of the docs.
         data_host: the address the sender's store and process groups listen on; by default
             the host of ``bind``. Needed when ``bind`` is a wildcard such as ``0.0.0.0``.
         max_slots: the most version copies the sender keeps (two are made up front; more

@@ -13,7 +13,6 @@ Every blocking call here runs in a worker thread and has a deadline.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -30,9 +29,8 @@ from aiowsync._util.text import first_line
 from aiowsync._weights.layout import Layout
 
 from ..base import Delivery, Member, Params, SenderPlane, WeightSource
-from ..digest import TRAILER, seal
 from ..slot_table import Slot, SlotTable
-from .buckets import Image, Packer, choose_bucket_bytes, section_spans
+from .buckets import Image, Packer, choose_bucket_bytes
 from .chain import ChainLimits
 from .collectives import Backend
 from .delivery import DistDelivery, TransferChain
@@ -46,6 +44,7 @@ from .groups import (
 )
 from .links import SLOW_LINK, stall_limit
 from .send import send_buckets
+from .trailers import Trailers
 
 __all__ = [
     "Backend",
@@ -63,16 +62,6 @@ lack); a member holding an older one gets every model."""
 def sections_param(moved: Sequence[int]) -> str:
     """The models a delivery moves, as its update says them: their numbers, comma-separated."""
     return ",".join(map(str, moved))
-
-
-@dataclass(slots=True)
-class _Trailer:
-    """The digest that follows a version's bytes: ``given``, or one of the sender's hashes
-    (``text`` once made), sealed with ``key``."""
-
-    key: bytes
-    given: str | None
-    text: str | None = None
 
 
 @dataclass(slots=True)
@@ -132,8 +121,6 @@ class DistSenderPlane(SenderPlane):
         self._latest: int | None = None
         self._writes: dict[int, frozenset[str]] = {}
         """By slot being staged, the models it writes."""
-        self._trailers: dict[int, _Trailer] = {}
-        """By version, the digest its transfers end with (none for a version not here)."""
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -147,7 +134,8 @@ class DistSenderPlane(SenderPlane):
         first, as if on a slow link): the stall limits on the links scale with it."""
         self._packer = Packer(layout, self.bucket_bytes, self.device, self._policy)
         self.buckets = self._packer.buckets
-        self._spans = section_spans(layout)
+        self._trailers = Trailers(self._packer, self.device, HELD_VERSIONS)
+        """By version, the digest its transfers end with."""
         for _ in range(2):
             self._slots.add()
         self._groups.open()
@@ -230,32 +218,10 @@ class DistSenderPlane(SenderPlane):
                 del self._held[old]
 
     def digest_after(self, version: int, *, given: str | None, hashed: bool) -> None:
-        if given is None and not hashed:
-            self._trailers.pop(version, None)
-            return
-        self._trailers[version] = _Trailer(os.urandom(16), given)
-        for old in sorted(self._trailers)[:-HELD_VERSIONS]:
-            del self._trailers[old]
+        self._trailers.set(version, given=given, hashed=hashed)
 
     def digest_param(self, version: int) -> str | None:
-        # The one record of whether a digest follows: transfers and updates agree on it.
-        trailer = self._trailers.get(version)
-        return None if trailer is None else TRAILER + trailer.key.hex()
-
-    def _sealed_digest(self, trailer: _Trailer, images: Sequence[Image]) -> torch.Tensor:
-        """The digest that follows a version whose models' bytes are in ``images``, sealed,
-        as a tensor to send (blocking: what is not hashed yet is hashed now)."""
-        if trailer.text is None:
-            text = trailer.given
-            if text is None:
-                chunks = self._packer.chunks
-                hashes = []
-                for image, (lo, hi) in zip(images, self._spans, strict=True):
-                    hashes += self._packer.hashes(image, chunks.within(lo, hi))
-                text = chunks.text(hashes)
-            trailer.text = text
-        data = seal(trailer.text, trailer.key)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        return self._trailers.param(version)
 
     def release(self, slot: int) -> None:
         self._writes.pop(slot, None)
@@ -378,10 +344,10 @@ class DistSenderPlane(SenderPlane):
             indices = [i for i, span in enumerate(self.buckets.span_of) if span in wanted]
             peers = self._peers(route)
             trailer = self._trailers.get(version)
-            hashing = trailer is not None and trailer.given is None and trailer.text is None
+            hashing = trailer is not None and trailer.hashing
 
             def follow() -> torch.Tensor | None:
-                return None if trailer is None else self._sealed_digest(trailer, images)
+                return None if trailer is None else self._trailers.sealed(trailer, images)
 
             # The sender's links share its bandwidth: a bucket to each peer takes that many
             # bucket times.
