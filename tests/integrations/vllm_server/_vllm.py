@@ -129,8 +129,9 @@ class Server:
             return ""
 
     def stop(self) -> None:
-        # vLLM's processes under libiomp register themselves in /dev/shm, and a process killed
-        # cannot remove its file: note them all now, remove what is left at the end.
+        # Intel OpenMP registers each of vLLM's processes in /dev/shm, and the engine core's
+        # message queues are /dev/shm segments too; a process killed cannot remove its own.
+        # Note them all now, and remove what is left once the server is gone.
         pids = [self.proc.pid]
         try:
             import psutil
@@ -138,20 +139,24 @@ class Server:
             pids += [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
         except Exception:  # psutil missing, or the server gone already
             pass
+        files = {path for pid in pids for path in _shm_mapped_by(pid)}
+        for pid in pids:
+            files |= set(glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_*"))
         try:
             self._stop()
         finally:
-            for pid in pids:
-                for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_*"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+            for path in files:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     def _stop(self) -> None:
+        # The API server alone first: it shuts its engine core down, which removes its queues.
+        # A signal to the whole group would end the engine core before it could.
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.terminate()
                 self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -162,6 +167,16 @@ class Server:
     def fail_next(self, fault: dict[str, Any]) -> None:
         assert self.fault_file is not None
         self.fault_file.write_text(json.dumps(fault))
+
+
+def _shm_mapped_by(pid: int) -> set[str]:
+    """The /dev/shm files that process ``pid`` maps."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return set()
+    return {line.split()[-1] for line in lines if line.rstrip().split()[-1].startswith("/dev/shm/")}
 
 
 def start_servers(tmp: Path, n: int) -> list[Server]:

@@ -10,6 +10,7 @@ import contextlib
 import glob
 import importlib.util
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,23 +34,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    before = set(os.listdir("/dev/shm"))
     servers = start_servers(tmp_path_factory.mktemp("vllm"), 2)
     try:
         yield servers
     finally:
         for server in servers:
             server.stop()
+    left = {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("psm_")}
+    assert not left, f"the vLLM servers left shared memory behind: {sorted(left)}"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def _no_openmp_files_left() -> Iterator[None]:
     """Remove the /dev/shm registration files that Intel OpenMP's processes (vLLM's, and the
-    example's own servers) left during the test and could not remove, being killed; those of
-    live processes (the shared servers) stay until those end."""
+    example's own servers) could not remove, being killed. This runs after the shared servers
+    stopped; a process still exiting gets until a deadline to go."""
     before = set(glob.glob("/dev/shm/__KMP_REGISTERED_LIB_*"))
     yield
-    for path in set(glob.glob("/dev/shm/__KMP_REGISTERED_LIB_*")) - before:
+    deadline = time.monotonic() + 30
+    for path in sorted(set(glob.glob("/dev/shm/__KMP_REGISTERED_LIB_*")) - before):
         pid = path.rsplit("_", 2)[-2]
-        if pid.isdigit() and not pid_alive(int(pid)):
+        if not pid.isdigit():
+            continue
+        while pid_alive(int(pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not pid_alive(int(pid)):
             with contextlib.suppress(OSError):
                 os.unlink(path)
