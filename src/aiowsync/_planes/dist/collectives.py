@@ -40,6 +40,11 @@ def seconds_left(deadline: float) -> float:
     return left
 
 
+_DEVICES = 2
+"""gloo devices of a group: on loopback with two cores, two made a star's 64 MiB sends to 4
+members about 12% faster than one (three were no faster than two)."""
+
+
 def new_group(
     backend: Backend,
     store: Store,
@@ -62,8 +67,12 @@ def new_group(
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = span
-        # Two devices, so two I/O threads: consecutive buckets (tags) alternate between them.
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)] * 2
+        # Two devices, so two I/O threads: consecutive buckets (tags) alternate between them,
+        # and the sends of one bucket are written while the other's are. (Two entries of one
+        # device would be two contexts on that device's single thread.)
+        options._devices = [
+            dist.ProcessGroupGloo.create_device(hostname=hostname) for _ in range(_DEVICES)
+        ]
         pg = dist.ProcessGroupGloo(prefixed, rank, size, options)
     elif backend == "nccl":  # pragma: no cover - needs GPUs
         nccl_options = dist.ProcessGroupNCCL.Options()

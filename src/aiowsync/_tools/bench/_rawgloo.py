@@ -70,13 +70,14 @@ def raw_receive(
     rounds: int,
     timeout: float,
     *,
-    reads: bool = False,
+    reads: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Rank ``rank`` of the raw baseline: ``rounds`` times, receive the root's broadcast of one
     flat uint8 buffer of ``nbytes``, then confirm with a one-byte ``send`` to rank 0. Every wait
     has a deadline of ``timeout`` seconds; a root that drops its group makes them fail fast.
-    With ``reads``, every byte received is read once after each confirmation, as a policy
-    worker reads each version of the scheme's (the same work beside the same rounds)."""
+    With ``reads`` (the byte sizes of the model's tensors, in order), every byte received is
+    read once after each confirmation, tensor by tensor, as a policy worker reads each version
+    of the scheme's: the same work, in as many pieces, beside the same rounds."""
     from torch._C._distributed_c10d import TCPStore
 
     span = datetime.timedelta(seconds=timeout)
@@ -84,6 +85,7 @@ def raw_receive(
     # round (or a send of the scheme racing it) must not pay for this process's page faults.
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     one = torch.ones(1, dtype=torch.uint8)
+    pieces = _pieces(buf, reads)
     store = TCPStore(host, port, is_master=False, timeout=span)
     pg = raw_group(store, prefix, rank, size, timeout)
     options = broadcast_options()
@@ -93,10 +95,21 @@ def raw_receive(
         pg.send([one], 0, RAW_CONFIRM_TAG).wait(span)
         if (int(buf[0]), int(buf[-1])) != raw_marks(r):  # after the confirm: not timed
             wrong += 1
-        if reads:
-            with torch.no_grad():
-                (buf.view(torch.float32) if nbytes % 4 == 0 else buf).sum()
+        with torch.no_grad():
+            for piece in pieces:
+                piece.sum()
     return {"rounds": rounds, "wrong": wrong}
+
+
+def _pieces(buf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Consecutive views of ``buf`` of ``sizes`` bytes (float32 where the size allows)."""
+    pieces, at = [], 0
+    for size in sizes:
+        piece = buf[at : at + size]
+        aligned = piece.numel() % 4 == 0 and at % 4 == 0
+        pieces.append(piece.view(torch.float32) if aligned else piece)
+        at += size
+    return pieces
 
 
 class RawRoot:

@@ -193,6 +193,10 @@ class PolicyReads:
             self.tensors = len(tensors)
             self.bytes = sum(t.numel() * t.element_size() for t in tensors)
 
+    def sizes(self) -> list[int]:
+        """The byte sizes of the tensors a read reads, in order."""
+        return [t.numel() * t.element_size() for t in self._model.state_dict().values()]
+
     def stats(self) -> dict[str, Any]:
         return {
             "reads": self.reads,
@@ -304,7 +308,8 @@ async def _session(
                         conn.send(("error", f"worker {worker_idx}: a raw baseline is running"))
                         continue
                     # Policy workers read what each raw round brought, as they read each version.
-                    receive = functools.partial(raw_receive, reads=policy is not None)
+                    sizes = policy.sizes() if policy is not None else ()
+                    receive = functools.partial(raw_receive, reads=sizes)
                     raw_task = asyncio.ensure_future(asyncio.to_thread(receive, *msg[1:]))
                     conn.send(("ok",))
                 elif kind == "raw_wait":
