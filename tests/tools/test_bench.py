@@ -254,6 +254,25 @@ async def test_the_raw_copy_moves_whole_pages_of_at_least_the_models_bytes() -> 
         raw.close()
 
 
+def test_the_raw_gloo_receivers_read_the_model_tensor_by_tensor() -> None:
+    """A policy worker's raw receiver reads what a round brought in the pieces the model's
+    tensors have, every byte once, as the worker reads each version of the scheme's."""
+    from aiowsync._tools.bench._rawgloo import _pieces
+
+    buf = torch.arange(64, dtype=torch.uint8)
+    pieces = _pieces(buf, [16, 6, 2, 40])
+    assert [(p.dtype, p.numel()) for p in pieces] == [
+        (torch.float32, 4),
+        (torch.uint8, 6),  # not a whole number of floats
+        (torch.uint8, 2),
+        (torch.float32, 10),
+    ]
+    together = torch.cat([p.view(torch.uint8) for p in pieces])
+    assert torch.equal(together, buf)  # each byte in one piece, in order
+    assert pieces[0].data_ptr() == buf.data_ptr()  # views, not copies
+    assert _pieces(buf, []) == []
+
+
 def test_reader_sees_a_mix_of_two_fills() -> None:
     tensors = [torch.zeros(4), torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.bool)]
     reader = Reader(lambda: tensors, refresh=False)
