@@ -130,7 +130,8 @@ class Server:
 
     def stop(self) -> None:
         # Intel OpenMP registers each of vLLM's processes in /dev/shm, and the engine core's
-        # message queues are /dev/shm segments too; a process killed cannot remove its own.
+        # message queues are /dev/shm segments too (psm_*); a process killed cannot remove
+        # its own.
         # Note them all now, and remove what is left once the server is gone.
         pids = [self.proc.pid]
         try:
@@ -170,13 +171,14 @@ class Server:
 
 
 def _shm_mapped_by(pid: int) -> set[str]:
-    """The /dev/shm files that process ``pid`` maps."""
+    """The message-queue segments (Python's ``/dev/shm/psm_*``) that process ``pid`` maps;
+    not aiowsync's slots, which the trainer that made them removes."""
     try:
         with open(f"/proc/{pid}/maps") as maps:
-            lines = maps.read().splitlines()
+            paths = {line.split()[-1] for line in maps.read().splitlines() if line.strip()}
     except OSError:
         return set()
-    return {line.split()[-1] for line in lines if line.rstrip().split()[-1].startswith("/dev/shm/")}
+    return {path for path in paths if path.startswith("/dev/shm/psm_")}
 
 
 def start_servers(tmp: Path, n: int) -> list[Server]:
