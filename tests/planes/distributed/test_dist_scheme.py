@@ -84,6 +84,41 @@ def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, pla
         plane.close()
 
 
+def test_packing_reads_the_memory_it_started_from_though_the_model_gets_other_tensors() -> None:
+    from aiowsync._planes.dist.plane import DistSenderPlane
+    from aiowsync._weights.layout import Layout
+
+    m = dist_model(3)
+    weights = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    expected = {k: v.clone() for k, v in weights.items()}
+    layout = Layout.from_weights(weights)
+    plane = DistSenderPlane(
+        backend="gloo",
+        bucket_bytes=64,
+        host="127.0.0.1",
+        device=torch.device("cpu"),
+        chain_wait=5.0,
+    )
+    plane.setup(layout)
+    try:
+        slot = plane.reserve(set())
+        image = plane._slots[slot].value.image
+        plane._packer.start(image, Source(tensors=weights))
+        plane._packer.pack(image, 0)
+        # The model's tensors are replaced mid-send and the old ones dropped: their memory
+        # must stay ours until the version is packed, not go to the new tensors.
+        for k in list(weights):
+            weights[k] = None  # type: ignore[assignment]
+        gc.collect()
+        for k, v in expected.items():
+            weights[k] = torch.full_like(v, 7.0)
+        plane._packer.seal(image)
+        views = layout.views(layout.split(image.flat))
+        assert all(torch.equal(views[k], expected[k]) for k in expected)
+    finally:
+        plane.close()
+
+
 MiB = 1 << 20
 
 

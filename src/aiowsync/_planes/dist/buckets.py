@@ -8,9 +8,11 @@ network instead of coming before it.
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +40,7 @@ CHAIN_BUCKETS_PER_MEMBER = 8
 """A chain's buckets per member: a send takes about (buckets + members - 1) bucket times,
 so eight per member keep it within about 1.12x one link's transfer."""
 MIN_BUCKET_BYTES = 1 * _MiB
+_is_cpu = operator.attrgetter("is_cpu")
 
 
 def choose_bucket_bytes(total: int, topology: str, members: int) -> int:
@@ -116,12 +119,24 @@ def plain_pointers(tensors: Sequence[torch.Tensor], device: torch.device) -> lis
     are on the CPU too), else ``[]``: then packing goes through tensor views."""
     if device.type != "cpu":
         return []
-    pointers = []
-    for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
-            return []
-        pointers.append(t.data_ptr())
-    return pointers
+    # map() over the C accessors: some 0.2 ms for a thousand tensors, a fifth of a loop that
+    # asks each one for its device.
+    plain = (
+        all(map(_is_cpu, tensors))
+        and all(map(torch.Tensor.is_contiguous, tensors))
+        and not any(map(torch.Tensor.is_conj, tensors))
+        and not any(map(torch.Tensor.is_neg, tensors))
+    )
+    return list(map(torch.Tensor.data_ptr, tensors)) if plain else []
+
+
+def _holds(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """What keeps the memory of ``tensors`` alive: their storages (a tenth of the cost of
+    detached views), or detached views of those that have none to give."""
+    try:
+        return list(map(torch.Tensor.untyped_storage, tensors))
+    except (RuntimeError, NotImplementedError):
+        return [t.detach() for t in tensors]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -138,8 +153,9 @@ class Image:
 
     flat: torch.Tensor
     source: Source | None = None
-    # The source's tensors (detached: they hold its storage while we read it) and addresses.
-    source_refs: list[torch.Tensor] | None = None
+    # The storages of the source's tensors (held while we read them, even if the model is
+    # given other tensors meanwhile) and the tensors' addresses.
+    source_refs: list[Any] | None = None
     source_pointers: list[int] | None = None  # [] when not all plain CPU tensors
     packed: int = 0  # buckets packed so far
     hashes: dict[int, int] = field(default_factory=dict)
@@ -228,8 +244,9 @@ class Packer:
         else:
             plan, starts = self._tensor_plan[index], self._tensor_starts
         if image.source_pointers is None:
-            image.source_refs = [t.detach() for t in self._segments(source)]
-            image.source_pointers = plain_pointers(image.source_refs, self.device)
+            segments = self._segments(source)
+            image.source_refs = _holds(segments)
+            image.source_pointers = plain_pointers(segments, self.device)
         pointers = image.source_pointers
         if pointers:
             # Plain memmoves between addresses: a tensor view per piece costs more than the
