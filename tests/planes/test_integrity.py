@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 from typing import Any
 
 import pytest
@@ -181,8 +182,8 @@ class _DamagesOnTheWay:
     """The sender's process group, whose send of bucket ``tag`` to rank ``rank`` carries a
     flipped byte (a link that damages what it carries)."""
 
-    def __init__(self, pg: Any, rank: int, tag: int) -> None:
-        self._pg, self._rank, self._tag = pg, rank, tag
+    def __init__(self, pg: Any, rank: int, tag: int, where: int) -> None:
+        self._pg, self._rank, self._tag, self._where = pg, rank, tag, where
         self._kept: list[torch.Tensor] = []  # alive until the group goes
 
     def __getattr__(self, name: str) -> Any:
@@ -192,20 +193,22 @@ class _DamagesOnTheWay:
         if dst != self._rank or tag != self._tag:
             return self._pg.send(tensors, dst, tag)
         bad = [t.clone() for t in tensors]
-        _flip(bad, where=5)
+        _flip(bad, where=self._where)
         self._kept += bad
         return self._pg.send(bad, dst, tag)
 
 
-def _damage_on_the_way(monkeypatch: pytest.MonkeyPatch, rank: int, tag: int) -> None:
+def _damage_on_the_way(
+    monkeypatch: pytest.MonkeyPatch, rank: int, tag: int, where: int = 5
+) -> None:
     """The sender's sends of bucket ``tag`` (the bucket count: the digest that follows the
-    bytes) to rank ``rank`` are damaged from now on."""
+    bytes) to rank ``rank`` are damaged from now on, at byte ``where`` of the bucket."""
     from aiowsync._planes.dist import plane as dist_plane
 
     real = dist_plane.send_buckets
 
     def damaging(pg: Any, *args: Any, **kwargs: Any) -> None:
-        real(_DamagesOnTheWay(pg, rank, tag), *args, **kwargs)
+        real(_DamagesOnTheWay(pg, rank, tag, where), *args, **kwargs)
 
     monkeypatch.setattr(dist_plane, "send_buckets", damaging)
 
@@ -247,6 +250,39 @@ async def test_bytes_damaged_on_their_way_over_gloo_are_refused_by_that_worker_a
         r1, m1 = receivers[1]
         assert r1.version == 1
         assert same(m1, kept)
+        monkeypatch.undo()
+        bump(src)
+        assert (await sender.send(timeout=30)).retries == 0
+        assert all(r.version == 3 and same(m, src) for r, m in receivers)
+
+
+@pytest.mark.parametrize("chunk", [0, 1])
+async def test_damage_in_a_last_bucket_hashed_on_two_threads_is_found_in_either_half(
+    monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    # One 32 MiB transfer bucket holds the model's two digest buckets: the receiver hashes
+    # them on two threads, the first on its helper thread, the second on its own.
+    async with helpers.system(
+        aiowsync.DistributedWeightSyncScheme,
+        2,
+        make_model=_wide,
+        connect_timeout=30,
+        heartbeats=BEATS,
+        bucket_bytes=32 << 20,
+    ) as (sender, src, receivers):
+        assert len(sender._sender.plane.buckets.ranges) == 1  # type: ignore[union-attr]
+        bump(src)
+        assert (await sender.send(timeout=30)).retries == 0
+        assert any(t.name.startswith("aiowsync-hash") for t in threading.enumerate())
+        kept = copy.deepcopy(receivers[0][1].state_dict())
+        _damage_on_the_way(monkeypatch, rank=1, tag=0, where=5 + chunk * (9 << 20))
+        bump(src)
+        with pytest.raises(aiowsync.RemoteApplyError) as info:
+            await sender.send(timeout=30)
+        assert list(info.value.errors) == [0]
+        assert info.value.errors[0].startswith(f"DigestMismatch: bucket {chunk} of 2 (bytes ")
+        assert receivers[0][0].version == 1 and same(receivers[0][1], kept)
+        assert receivers[1][0].version == 2 and same(receivers[1][1], src)
         monkeypatch.undo()
         bump(src)
         assert (await sender.send(timeout=30)).retries == 0
