@@ -177,6 +177,10 @@ class PolicyReads:
     async def run(self) -> None:
         guard = self._scheme.read_guard()
         seen = self._scheme.version
+        # The module's own tensors, as its forward pass reads them (a switch re-points these
+        # very objects): no walk of the module per read.
+        tensors = self._tensors()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         while True:
             await asyncio.sleep(POLICY_PERIOD_S)
             if self._scheme.version == seen:
@@ -184,18 +188,19 @@ class PolicyReads:
             t0 = time.perf_counter()
             async with guard:
                 seen = self._scheme.version
-                tensors = list(self._model.state_dict().values())  # re-pointed by a switch
                 with torch.no_grad():
                     for t in tensors:
                         t.sum()
             self.read_s += time.perf_counter() - t0
             self.reads += 1
-            self.tensors = len(tensors)
-            self.bytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.tensors, self.bytes = len(tensors), nbytes
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self._model.parameters(), *self._model.buffers()]
 
     def sizes(self) -> list[int]:
         """The byte sizes of the tensors a read reads, in order."""
-        return [t.numel() * t.element_size() for t in self._model.state_dict().values()]
+        return [t.numel() * t.element_size() for t in self._tensors()]
 
     def stats(self) -> dict[str, Any]:
         return {
