@@ -165,7 +165,7 @@ class DistReceiverPlane(ReceiverPlane):
         """The transfer's references to its group and pending work, let go on failure."""
         failure = None
         last = max((index for index, _ in targets if index < len(self.buckets.ranges)), default=-1)
-        arrived = None if key is None else self._hasher(choice, last)
+        arrived = None if key is None else self._hasher(choice, last, deadline)
         try:
             self._receive(
                 name,
@@ -198,7 +198,7 @@ class DistReceiverPlane(ReceiverPlane):
         staged = self._staged(tuple(choice))
         return staged if text is None else dataclasses.replace(staged, digest=text)
 
-    def _hasher(self, choice: list[int], last: int) -> Callable[[int], None]:
+    def _hasher(self, choice: list[int], last: int, deadline: float) -> Callable[[int], None]:
         """What hashes bucket ``index`` once it arrived into the halves of ``choice``.
 
         The digest buckets that bucket ``last`` (the version's last) completes are hashed on
@@ -223,7 +223,10 @@ class DistReceiverPlane(ReceiverPlane):
             half = len(todo) // 2
             helped = self._helper().submit(hash_all, todo[:half])
             hash_all(todo[half:])
-            helped.result()
+            try:
+                helped.result(timeout=seconds_left(deadline))
+            except TimeoutError:
+                raise TransportError("the transfer ran out of time") from None
 
         return arrived
 
