@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -49,7 +48,6 @@ class DistReceiverPlane(ReceiverPlane):
         self.backend: Backend = backend
         self.device = device
         self._groups = ReceiverGroups(backend)
-        self._hash_thread: ThreadPoolExecutor | None = None
 
     def setup(
         self, layout: Layout, welcome: Mapping[str, ParamValue], *, swap: bool = True
@@ -164,8 +162,7 @@ class DistReceiverPlane(ReceiverPlane):
         held: list[Any] = []
         """The transfer's references to its group and pending work, let go on failure."""
         failure = None
-        last = max((index for index, _ in targets if index < len(self.buckets.ranges)), default=-1)
-        arrived = None if key is None else self._hasher(choice, last, deadline)
+        arrived = None if key is None else self._hasher(choice)
         try:
             self._receive(
                 name,
@@ -198,11 +195,8 @@ class DistReceiverPlane(ReceiverPlane):
         staged = self._staged(tuple(choice))
         return staged if text is None else dataclasses.replace(staged, digest=text)
 
-    def _hasher(self, choice: list[int], last: int, deadline: float) -> Callable[[int], None]:
-        """What hashes bucket ``index`` once it arrived into the halves of ``choice``.
-
-        The digest buckets that bucket ``last`` (the version's last) completes are hashed on
-        two threads: nothing else arrives then, and the switch waits for them."""
+    def _hasher(self, choice: list[int]) -> Callable[[int], None]:
+        """What hashes bucket ``index`` once it arrived into the halves of ``choice``."""
         chunks, n = self._chunks, len(self.buckets.ranges)
 
         def arrived(index: int) -> None:
@@ -211,31 +205,10 @@ class DistReceiverPlane(ReceiverPlane):
             span = self.buckets.span_of[index]
             flat, base = self._halves[span].flats[choice[span]], self._spans[span][0]
             hashes = self._hashes[span][choice[span]]
-            todo = chunks.completed_by[index]
-
-            def hash_all(some: list[int]) -> None:
-                for chunk in some:
-                    hashes[chunk] = chunks.hash(flat, chunk, base)
-
-            if index != last or len(todo) < 2:
-                hash_all(todo)
-                return
-            half = len(todo) // 2
-            helped = self._helper().submit(hash_all, todo[:half])
-            hash_all(todo[half:])
-            try:
-                helped.result(timeout=seconds_left(deadline))
-            except TimeoutError:
-                raise TransportError("the transfer ran out of time") from None
+            for chunk in chunks.completed_by[index]:
+                hashes[chunk] = chunks.hash(flat, chunk, base)
 
         return arrived
-
-    def _helper(self) -> ThreadPoolExecutor:
-        """The thread that shares the hashing of a version's last bytes (started at first
-        use, ended by :meth:`close`)."""
-        if self._hash_thread is None:
-            self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="aiowsync-hash")
-        return self._hash_thread
 
     def _check(self, sealed: torch.Tensor, key: bytes, choice: list[int]) -> str:
         """The sender's digest, which followed the bytes, once the bytes of ``choice`` (the
@@ -350,6 +323,3 @@ class DistReceiverPlane(ReceiverPlane):
 
     def close(self) -> None:
         self._groups.close()
-        if self._hash_thread is not None:
-            self._hash_thread.shutdown(wait=False)
-            self._hash_thread = None
