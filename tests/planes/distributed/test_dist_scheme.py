@@ -51,17 +51,13 @@ def test_bucket_plans_cover_every_byte_once_and_split_straddling_tensors() -> No
     assert covered == [(0, 10), (16, 30), (30, 60), (60, 66), (70, 90), (90, 100)]
 
 
-@pytest.mark.parametrize("plain", [True, False])
-@pytest.mark.parametrize("bucket_bytes", [1, 64, 1000, 1 << 20])
-def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, plain: bool) -> None:
+@contextlib.contextmanager
+def _packing(weights: dict[str, torch.Tensor], bucket_bytes: int) -> Any:
+    """A sender plane set up for ``weights`` (a state_dict), its packer started on them in
+    a fresh slot: yields the plane, its image and the layout; the plane is closed after."""
     from aiowsync._planes.dist.plane import DistSenderPlane
     from aiowsync._weights.layout import Layout
 
-    m = dist_model(3)
-    weights = {k: v.detach() for k, v in m.state_dict().items()}
-    if not plain:  # a transposed view: packing goes through tensor views instead of addresses
-        weights["2.weight"] = torch.randn(weights["2.weight"].shape[::-1]).t()
-        assert not weights["2.weight"].is_contiguous()
     layout = Layout.from_weights(weights)
     plane = DistSenderPlane(
         backend="gloo",
@@ -72,38 +68,34 @@ def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, pla
     )
     plane.setup(layout)
     try:
-        slot = plane.reserve(set())
-        image = plane._slots[slot].value.image
+        image = plane._slots[plane.reserve(set())].value.image
         plane._packer.start(image, Source(tensors=weights))
+        yield plane, image, layout
+    finally:
+        plane.close()
+
+
+@pytest.mark.parametrize("plain", [True, False])
+@pytest.mark.parametrize("bucket_bytes", [1, 64, 1000, 1 << 20])
+def test_packing_bucket_by_bucket_gives_the_layouts_image(bucket_bytes: int, plain: bool) -> None:
+    m = dist_model(3)
+    weights = {k: v.detach() for k, v in m.state_dict().items()}
+    if not plain:  # a transposed view: packing goes through tensor views instead of addresses
+        weights["2.weight"] = torch.randn(weights["2.weight"].shape[::-1]).t()
+        assert not weights["2.weight"].is_contiguous()
+    with _packing(weights, bucket_bytes) as (plane, image, layout):
         for index in range(len(plane.buckets.ranges)):
             plane._packer.pack(image, index)
         assert image.complete.is_set()
         views = layout.views(layout.split(image.flat))
         assert all(torch.equal(views[k], weights[k]) for k in weights)
-    finally:
-        plane.close()
 
 
 def test_packing_reads_the_memory_it_started_from_though_the_model_gets_other_tensors() -> None:
-    from aiowsync._planes.dist.plane import DistSenderPlane
-    from aiowsync._weights.layout import Layout
-
     m = dist_model(3)
     weights = {k: v.detach().clone() for k, v in m.state_dict().items()}
     expected = {k: v.clone() for k, v in weights.items()}
-    layout = Layout.from_weights(weights)
-    plane = DistSenderPlane(
-        backend="gloo",
-        bucket_bytes=64,
-        host="127.0.0.1",
-        device=torch.device("cpu"),
-        chain_wait=5.0,
-    )
-    plane.setup(layout)
-    try:
-        slot = plane.reserve(set())
-        image = plane._slots[slot].value.image
-        plane._packer.start(image, Source(tensors=weights))
+    with _packing(weights, 64) as (plane, image, layout):
         plane._packer.pack(image, 0)
         # The model's tensors are replaced mid-send and the old ones dropped: their memory
         # must stay ours until the version is packed, not go to the new tensors.
@@ -115,8 +107,6 @@ def test_packing_reads_the_memory_it_started_from_though_the_model_gets_other_te
         plane._packer.seal(image)
         views = layout.views(layout.split(image.flat))
         assert all(torch.equal(views[k], expected[k]) for k in expected)
-    finally:
-        plane.close()
 
 
 MiB = 1 << 20

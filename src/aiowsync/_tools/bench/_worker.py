@@ -180,7 +180,7 @@ class PolicyReads:
         # The module's own tensors, as its forward pass reads them (a switch re-points these
         # very objects): no walk of the module per read.
         tensors = self._tensors()
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        nbytes = sum(self.sizes())
         while True:
             await asyncio.sleep(POLICY_PERIOD_S)
             if self._scheme.version == seen:
