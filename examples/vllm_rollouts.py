@@ -234,7 +234,10 @@ async def serve_and_run(opts: argparse.Namespace, model_dir: Path, log: Path) ->
     started = time.monotonic()
     proc = start_server(model_dir, port, log)
     try:
-        async with httpx.AsyncClient(timeout=120) as client:
+        # uvicorn closes a connection idle for 5 s; letting ours go after 2 s means a request
+        # never goes out on a connection the server is closing.
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             await wait_healthy(client, url, proc, log, opts.start_limit)
             print(f"vLLM server up at {url} in {time.monotonic() - started:.0f} s")
             try:
