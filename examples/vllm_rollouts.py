@@ -92,14 +92,39 @@ def start_server(model_dir: Path, port: int, log: Path) -> subprocess.Popen[byte
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the server: its main process first, which takes its engine down and removes its
-    shared memory; then whatever is left of its process group."""
-    proc.terminate()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(10)
+    """Stop the server: its main process first, which takes its engine down; then whatever is
+    left of its process group, and what those processes left in /dev/shm."""
+    leftovers = shm_files_of_group(proc.pid)  # noted while the processes still run
+    try:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+
+
+def shm_files_of_group(group: int) -> set[Path]:
+    """The /dev/shm files of the processes in ``group`` that a killed process cannot remove:
+    the engine's message queues (``psm_*``, 160-240 MiB each) that they map, and Intel
+    OpenMP's registration files (named by pid)."""
+    files: set[Path] = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != group:
+                continue
+            maps = (stat.parent / "maps").read_text().splitlines()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        for line in maps:
+            fields = line.split()
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/psm_"):
+                files.add(Path(fields[5]))
+        files.update(Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{stat.parent.name}_*"))
+    return files
 
 
 def tail(log: Path, lines: int = 30) -> str:

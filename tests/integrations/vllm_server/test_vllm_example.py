@@ -17,6 +17,7 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "vllm_rollouts.py"
 
 
 def test_the_example_checks_every_response_and_succeeds(tmp_path: Path) -> None:
+    before = _server_files()
     run = subprocess.run(
         [sys.executable, str(EXAMPLE), "--start-limit", str(START_LIMIT_S)],
         cwd=tmp_path,
@@ -33,3 +34,11 @@ def test_the_example_checks_every_response_and_succeeds(tmp_path: Path) -> None:
         )
     assert "mismatches=0" in run.stdout
     assert "OK: every response was generated on one whole version the trainer sent" in run.stdout
+    # The server's engine queues and OpenMP files go with it, also those of killed processes.
+    left = sorted(_server_files() - before)
+    assert not left, f"the example left these in /dev/shm: {left}"
+
+
+def _server_files() -> set[str]:
+    """vLLM's engine queues and Intel OpenMP's registration files in /dev/shm."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "__KMP_REGISTERED_LIB_"))}
