@@ -16,7 +16,7 @@ import torch
 from aiowsync._exceptions import TransportError
 from aiowsync._planes.dist.buckets import Buckets, Image
 from aiowsync._planes.dist.collectives import finish
-from aiowsync._planes.dist.links import LINK_STALL, stall_limit
+from aiowsync._planes.dist.links import LINK_STALL, SLOW_LINK, LinkPace, stall_limit
 from aiowsync._planes.dist.send import send_buckets
 from helpers import gloo_group_in_threads
 
@@ -33,6 +33,27 @@ DEADLINE = 40.0
 def test_the_stall_limit_grows_with_the_time_a_bucket_takes() -> None:
     assert stall_limit(0.0) == LINK_STALL
     assert stall_limit(0.5) == pytest.approx(LINK_STALL + 2.0)
+
+
+def test_the_pace_is_that_of_the_largest_bucket_the_model_has_not_of_the_bucket_size() -> None:
+    # A model of 8 MiB and 1 MiB in 32 MiB buckets: the limits before the first transfer
+    # assume 8 MiB on a slow link, not 32 MiB (a stopped chain member held up a send of an
+    # 8 MiB model for 27 s where the link moved it in 20 ms).
+    pace = LinkPace([(0, 8 << 20), (8 << 20, 9 << 20)])
+    assert pace.bucket_seconds == pytest.approx((8 << 20) / SLOW_LINK)
+
+
+def test_a_transfer_of_one_bucket_or_some_buckets_sets_the_pace_of_the_largest() -> None:
+    pace = LinkPace([(0, 8 << 20), (8 << 20, 9 << 20)])
+    pace.observe(0.02, [0], 1)  # the only bucket of a one-bucket version
+    assert pace.bucket_seconds == pytest.approx(0.02)
+    pace.observe(0.01, [1], 2)  # 1 MiB to each of two members: 8 MiB takes 8 times as long
+    assert pace.bucket_seconds == pytest.approx(0.01 / 2 * 8)
+    pace.observe(0.5, [0, 1], 1)
+    assert pace.bucket_seconds == pytest.approx(0.5 * 8 / 9)
+    pace.observe(0.5, [], 1)  # nothing sent: nothing learnt
+    pace.observe(0.5, [0], 0)
+    assert pace.bucket_seconds == pytest.approx(0.5 * 8 / 9)
 
 
 @dataclass

@@ -109,6 +109,33 @@ def test_packing_reads_the_memory_it_started_from_though_the_model_gets_other_te
         assert all(torch.equal(views[k], expected[k]) for k in expected)
 
 
+def test_a_chain_limits_its_links_by_the_models_bucket_not_by_the_bucket_size() -> None:
+    # 1 MiB in 32 MiB buckets: before any transfer, a link may stall for four times what
+    # 1 MiB takes on a slow link (plus 5 s), not four times 32 MiB's (some 11 s more).
+    from aiowsync._planes.dist.chain import ChainLimits
+    from aiowsync._planes.dist.links import SLOW_LINK
+    from aiowsync._planes.dist.plane import DistSenderPlane
+    from aiowsync._weights.layout import Layout
+
+    plane = DistSenderPlane(
+        backend="gloo",
+        bucket_bytes=32 << 20,
+        host="127.0.0.1",
+        device=torch.device("cpu"),
+        chain_wait=5.0,
+        topology="chain",
+    )
+    plane.setup(Layout.from_weights({"w": torch.zeros(1 << 18)}))
+    try:
+        limits = plane.chain_limits()
+        assert limits is not None
+        expected = ChainLimits.for_pace((1 << 20) / SLOW_LINK)
+        assert limits.stall == pytest.approx(expected.stall, rel=1e-3)
+        assert limits.hop == pytest.approx(expected.hop, rel=1e-3)
+    finally:
+        plane.close()
+
+
 MiB = 1 << 20
 
 

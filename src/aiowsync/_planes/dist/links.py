@@ -19,6 +19,7 @@ it).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from aiowsync._exceptions import TransportError
 
 from .collectives import Backend, finish, seconds_left
 
-__all__ = ["LINK_STALL", "SLOW_LINK", "stall_limit", "wait_link"]
+__all__ = ["LINK_STALL", "SLOW_LINK", "LinkPace", "stall_limit", "wait_link"]
 
 LINK_STALL = 5.0
 """How long a link may move nothing, beyond a few times what a bucket takes, before the end
@@ -42,6 +43,24 @@ def stall_limit(bucket_seconds: float) -> float:
     """The stall limit of a link on which a bucket takes ``bucket_seconds``, with room to
     spare for a busy host."""
     return LINK_STALL + 4 * bucket_seconds
+
+
+class LinkPace:
+    """How long the largest bucket of a version takes on one link, as the latest transfer
+    went (before the first, as if on a :data:`SLOW_LINK`): the stall limits scale with it."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+        self._ranges = ranges
+        self._largest = max((hi - lo for lo, hi in ranges), default=1)
+        self.bucket_seconds = self._largest / SLOW_LINK
+
+    def observe(self, seconds: float, indices: Sequence[int], links: int) -> None:
+        """A transfer of the buckets ``indices`` on ``links`` links took ``seconds``. A
+        transfer of one bucket counts too: its time includes its packing and the receivers'
+        posting, so it errs towards longer limits, never shorter ones."""
+        sent = sum(self._ranges[i][1] - self._ranges[i][0] for i in indices)
+        if sent > 0 and links > 0:
+            self.bucket_seconds = seconds / links * self._largest / sent
 
 
 def wait_link(

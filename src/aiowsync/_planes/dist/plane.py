@@ -42,7 +42,7 @@ from .groups import (
     host_of,
     local_ip_towards,
 )
-from .links import SLOW_LINK, stall_limit
+from .links import LinkPace, stall_limit
 from .send import send_buckets
 from .trailers import Trailers
 
@@ -129,11 +129,9 @@ class DistSenderPlane(SenderPlane):
         self.bucket_bytes = self._bucket_choice or choose_bucket_bytes(
             layout.total_bytes, self.topology, self._members
         )
-        self._bucket_seconds = self.bucket_bytes / SLOW_LINK
-        """How long the latest transfer took per bucket and link the sender sent it on (at
-        first, as if on a slow link): the stall limits on the links scale with it."""
         self._packer = Packer(layout, self.bucket_bytes, self.device, self._policy)
         self.buckets = self._packer.buckets
+        self._pace = LinkPace(self.buckets.ranges)
         self._trailers = Trailers(self._packer, self.device, HELD_VERSIONS)
         """By version, the digest its transfers end with."""
         for _ in range(2):
@@ -296,7 +294,7 @@ class DistSenderPlane(SenderPlane):
         sender alone, for the deadline)."""
         if self.topology != "chain":
             return None
-        return ChainLimits.for_pace(self._bucket_seconds)
+        return ChainLimits.for_pace(self._pace.bucket_seconds)
 
     def _peers(self, route: Group) -> dict[int, int]:
         """The ranks the sender sends a version on ``route`` to, each with its worker index:
@@ -351,7 +349,7 @@ class DistSenderPlane(SenderPlane):
 
             # The sender's links share its bandwidth: a bucket to each peer takes that many
             # bucket times.
-            stall = stall_limit(self._bucket_seconds * len(peers))
+            stall = stall_limit(self._pace.bucket_seconds * len(peers))
 
             def send(pg: Any) -> None:
                 started = time.monotonic()
@@ -368,10 +366,8 @@ class DistSenderPlane(SenderPlane):
                     hashing=hashing,
                     follow=follow,
                 )
-                if len(indices) > 1 and peers:
-                    # The links' pace, for the limits of the next transfers.
-                    spent = time.monotonic() - started
-                    self._bucket_seconds = spent / len(indices) / len(peers)
+                # The links' pace, for the limits of the next transfers.
+                self._pace.observe(time.monotonic() - started, indices, len(peers))
 
             self._groups.run(route, deadline, send)
         except Exception as exc:  # every failure, whatever raised it, ends in a dropped group
