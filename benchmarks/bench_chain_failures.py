@@ -1,9 +1,10 @@
 """What a chain does when one of its receivers dies or stops during a send.
 
 A trainer sends a model (256 MiB by default) to real receiver processes over gloo with
-``topology="chain"``; the receivers are busy the way rollout workers are (a task on their loop
-reads the weights under the read guard every 20 ms, hashing what it reads). For each case the
-second receiver of the chain is SIGKILLed (or SIGSTOPped) at a point of a send:
+``topology="chain"`` (``--topology star`` for the star); the receivers are busy the way
+rollout workers are (a task on their loop reads the weights under the read guard every 20 ms,
+hashing what it reads). For each case the second receiver of the chain is SIGKILLed (or
+SIGSTOPped) at a point of a send:
 
 - before the send starts (the sender may not have noticed yet);
 - at 10%, 40% and 70% of a send's usual duration (while buckets travel along the chain);
@@ -206,11 +207,16 @@ async def case(
     }
 
 
-async def run(mib: int, n: int, bucket_mib: int, only: str, repeat: int) -> list[dict[str, Any]]:
+async def run(
+    mib: int, n: int, bucket_mib: int, topology: str, only: str, repeat: int
+) -> list[dict[str, Any]]:
     model = build(mib)
     randomize(model, 1)
     scheme = aiowsync.DistributedWeightSyncScheme(
-        backend="gloo", topology="chain", bucket_bytes=bucket_mib << 20, heartbeats=BEATS
+        backend="gloo",
+        topology="star" if topology == "star" else "chain",
+        bucket_bytes=(bucket_mib << 20) or None,
+        heartbeats=BEATS,
     )
     scheme.init_on_sender(model=model, num_workers=n)
     r = Receivers(scheme, mib)
@@ -252,12 +258,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--receivers", type=int, default=4)
-    p.add_argument("--bucket-mib", type=int, default=32)
+    p.add_argument("--bucket-mib", type=int, default=32, help="0: the topology's default")
+    p.add_argument("--topology", choices=("chain", "star"), default="chain")
     p.add_argument("--cases", default="", help="only the cases whose names contain one of these")
     p.add_argument("--repeat", type=int, default=1, help="run each case this many times")
     p.add_argument("--out", default="bench-chain-failures.json")
     args = p.parse_args()
-    rows = asyncio.run(run(args.mib, args.receivers, args.bucket_mib, args.cases, args.repeat))
+    rows = asyncio.run(
+        run(args.mib, args.receivers, args.bucket_mib, args.topology, args.cases, args.repeat)
+    )
     bound = DEADLINE + BEATS.interval
     print(f"\n{'case':<24} {'raised':<20} {'names':<6} {'acked':<10} {'s':>6} exact next_s")
     for row in rows:
