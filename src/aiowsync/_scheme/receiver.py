@@ -9,8 +9,10 @@ role call it.
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import torch
@@ -19,18 +21,21 @@ from torch import nn
 from .._channel import ChannelFactory
 from .._exceptions import NotConnectedError, WeightSyncError, WeightSyncTimeout
 from .._planes.base import ReceiverContext
-from .._protocol import Hello
+from .._protocol import PROTOCOL_VERSION, Hello
 from .._receiving.engine import ApplyMode, Hook, ReceiverCore
 from .._receiving.guard import ReadGuard
 from .._weights.binding import module_targets
 from .._weights.flatten import WeightsLike, flatten_weights
 from .._weights.layout import Layout, refuse_meta
 from .._weights.models import receiver_targets
-from .base import SessionOptions, Tasks
+from .base import SessionOptions, Tasks, forked_text
 from .follow import Follower, Rejoin, Target
 from .relay import Relay
 
-__all__ = ["ReceiverSession", "tell_sender"]
+if TYPE_CHECKING:
+    from .sender import SenderSession
+
+__all__ = ["ReceiverSession", "refuse_forked", "tell_sender"]
 
 TELL_WAIT_S = 2.0
 """How long a process that cannot be a receiver spends telling the trainer why."""
@@ -58,6 +63,26 @@ def tell_sender(channels: ChannelFactory, address: str, hello: Hello, *, wait: f
     thread = threading.Thread(target=target, name="aiowsync-tell-sender", daemon=True)
     thread.start()
     thread.join(wait * 2 + 1)
+
+
+def refuse_forked(
+    channels: ChannelFactory, model_id: str, sending: SenderSession, worker_idx: object
+) -> NoReturn:
+    """This process is a fork of the sender's (``sending``): tell the trainer, so that it
+    can say why this worker never connects, then raise with the fix."""
+    text = forked_text(sending.pid)
+    if isinstance(worker_idx, int) and worker_idx >= 0 and sending.served is not None:
+        hello = Hello(
+            protocol=PROTOCOL_VERSION,
+            model_id=model_id[:256],
+            worker_idx=min(worker_idx, 2**31),
+            fingerprint=sending.layout.fingerprint,
+            pid=os.getpid(),
+            host=socket.gethostname()[:256],
+            problem=text,
+        )
+        tell_sender(channels, sending.served, hello, wait=TELL_WAIT_S)
+    raise RuntimeError(text)
 
 
 class ReceiverSession:

@@ -33,7 +33,7 @@ from .._util.text import error_text
 if TYPE_CHECKING:
     from .._receiving.engine import ReceiverCore
 
-__all__ = ["LocalSender", "Relay", "Upstream", "digest_of"]
+__all__ = ["LocalSender", "Relay", "Upstream", "check_pair", "digest_of"]
 
 log = logging.getLogger("aiowsync.relay")
 
@@ -82,6 +82,33 @@ class LocalSender(Protocol):
 
     def default_source(self) -> WeightSource:
         """Where a send takes the model's weights from."""
+
+
+def check_pair(ours: object, theirs: object, *, entered: bool, taken: bool, follows: bool) -> None:
+    """Refuse a relay that cannot work: the upstream receiver's model (or models) ``ours``
+    and the leaves' sender's ``theirs`` must be the very same objects, neither scheme may be
+    entered yet (``entered``) or relay already (``taken``), and the upstream may not follow
+    its sender across restarts (``follows``)."""
+    same = ours is theirs or (
+        isinstance(ours, dict)
+        and isinstance(theirs, dict)
+        and ours.keys() == theirs.keys()
+        and all(ours[k] is theirs[k] for k in ours)
+    )
+    if ours is None or not same:
+        raise ValueError(
+            "relay_to() needs `local` initialised as sender on the very model (or models) "
+            "this receiver was initialised on: the relay stages what it receives from it"
+        )
+    if entered:
+        raise RuntimeError("call relay_to() before entering either scheme")
+    if taken:
+        raise RuntimeError("each scheme takes part in one relay")
+    if follows:
+        raise ValueError(
+            "a relay's upstream cannot follow its sender across restarts (reconnect=): "
+            "the leaves count in the root's numbers, which a new root starts again from 0"
+        )
 
 
 def digest_of(core: ReceiverCore | None, version: int) -> str | None:

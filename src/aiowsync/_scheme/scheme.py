@@ -7,8 +7,6 @@ roles, each handed to the session of its role.
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,18 +14,17 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from .._protocol import PROTOCOL_VERSION, Hello
 from .._receiving.engine import Hook
 from .._receiving.guard import ReadGuard
 from .._receiving.lease import Lease
 from .._sending.engine import PendingSend, SendResult
 from .._weights.flatten import WeightsLike
 from .._weights.models import check_models, sender_weights
-from .base import forked_text, resolve_model
+from .base import resolve_model
 from .config import SchemeOptions
 from .follow import Rejoin
-from .receiver import TELL_WAIT_S, ReceiverSession, tell_sender
-from .relay import Relay, Upstream, digest_of
+from .receiver import ReceiverSession, refuse_forked
+from .relay import Relay, Upstream, check_pair, digest_of
 from .running import SchemeRuntime
 from .sender import SenderSession
 
@@ -264,7 +261,7 @@ class WeightSyncScheme(SchemeRuntime):
         (see docs/security.md), or this raises ``ValueError`` naming them.
         """
         if self._sending is not None and self._sending.forked:
-            self._refuse_forked(self._sending, worker_idx)
+            refuse_forked(self.channels, self.model_id, self._sending, worker_idx)
         self._check_fresh()
         checked = _checked_models(models, model, weights)
         if checked is not None:
@@ -299,23 +296,6 @@ class WeightSyncScheme(SchemeRuntime):
             reconnect=reconnect,
         )
         self.model_id = named
-
-    def _refuse_forked(self, sending: SenderSession, worker_idx: object) -> None:
-        """This process is a fork of the sender's: tell the trainer (it can say why this
-        worker never connects), then raise with the fix."""
-        text = forked_text(sending.pid)
-        if isinstance(worker_idx, int) and worker_idx >= 0 and sending.served is not None:
-            hello = Hello(
-                protocol=PROTOCOL_VERSION,
-                model_id=self.model_id[:256],
-                worker_idx=min(worker_idx, 2**31),
-                fingerprint=sending.layout.fingerprint,
-                pid=os.getpid(),
-                host=socket.gethostname()[:256],
-                problem=text,
-            )
-            tell_sender(self.channels, sending.served, hello, wait=TELL_WAIT_S)
-        raise RuntimeError(text)
 
     async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
         """Wait until the model runs ``version`` or newer; returns the version it runs.
@@ -364,28 +344,13 @@ class WeightSyncScheme(SchemeRuntime):
             raise ValueError("relay_to() needs a scheme initialised with init_on_sender()")
         if local is self:
             raise ValueError("a scheme cannot relay to itself")
-        ours = upstream.models if upstream.models is not None else upstream.model
-        theirs = leaves.models if leaves.models is not None else leaves.model
-        same = ours is theirs or (
-            isinstance(ours, dict)
-            and isinstance(theirs, dict)
-            and ours.keys() == theirs.keys()
-            and all(ours[k] is theirs[k] for k in ours)
+        check_pair(
+            upstream.models if upstream.models is not None else upstream.model,
+            leaves.models if leaves.models is not None else leaves.model,
+            entered=self._exit is not None or local._exit is not None,
+            taken=leaves.relay is not None or upstream.relays_to is not None,
+            follows=bool(upstream.follows),
         )
-        if ours is None or not same:
-            raise ValueError(
-                "relay_to() needs `local` initialised as sender on the very model (or models) "
-                "this receiver was initialised on: the relay stages what it receives from it"
-            )
-        if self._exit is not None or local._exit is not None:
-            raise RuntimeError("call relay_to() before entering either scheme")
-        if leaves.relay is not None or upstream.relays_to is not None:
-            raise RuntimeError("each scheme takes part in one relay")
-        if upstream.follows:
-            raise ValueError(
-                "a relay's upstream cannot follow its sender across restarts (reconnect=): "
-                "the leaves count in the root's numbers, which a new root starts again from 0"
-            )
         feed = Upstream(
             worker_idx=upstream.worker_idx,
             ack_timeout=self.timeouts.ack,
