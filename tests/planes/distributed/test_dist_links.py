@@ -44,16 +44,19 @@ def test_the_pace_is_that_of_the_largest_bucket_the_model_has_not_of_the_bucket_
 
 
 def test_a_transfer_of_one_bucket_or_some_buckets_sets_the_pace_of_the_largest() -> None:
-    pace = LinkPace([(0, 8 << 20), (8 << 20, 9 << 20)])
-    pace.observe(0.02, [0], 1)  # the only bucket of a one-bucket version
+    pace = LinkPace([(0, 8 << 20), (8 << 20, 12 << 20), (12 << 20, 12 << 20 | 4096)])
+    pace.observe(0.02, [0], 1)  # the largest bucket alone
     assert pace.bucket_seconds == pytest.approx(0.02)
-    pace.observe(0.01, [1], 2)  # 1 MiB to each of two members: 8 MiB takes 8 times as long
-    assert pace.bucket_seconds == pytest.approx(0.01 / 2 * 8)
+    pace.observe(0.01, [1], 2)  # 4 MiB to each of two members: 8 MiB takes twice as long
+    assert pace.bucket_seconds == pytest.approx(0.01 / 2 * 2)
     pace.observe(0.5, [0, 1], 1)
-    assert pace.bucket_seconds == pytest.approx(0.5 * 8 / 9)
-    pace.observe(0.5, [], 1)  # nothing sent: nothing learnt
+    assert pace.bucket_seconds == pytest.approx(0.5 * 8 / 12)
+    # Learnt from nothing: no bytes, no link, or a bucket too small to show the pace (4 KiB
+    # in 5 ms would make 8 MiB take 10 s).
+    pace.observe(0.5, [], 1)
     pace.observe(0.5, [0], 0)
-    assert pace.bucket_seconds == pytest.approx(0.5 * 8 / 9)
+    pace.observe(0.005, [2], 1)
+    assert pace.bucket_seconds == pytest.approx(0.5 * 8 / 12)
 
 
 @dataclass

@@ -55,11 +55,15 @@ class LinkPace:
         self.bucket_seconds = self._largest / SLOW_LINK
 
     def observe(self, seconds: float, indices: Sequence[int], links: int) -> None:
-        """A transfer of the buckets ``indices`` on ``links`` links took ``seconds``. A
-        transfer of one bucket counts too: its time includes its packing and the receivers'
-        posting, so it errs towards longer limits, never shorter ones."""
+        """A transfer of the buckets ``indices`` on ``links`` links took ``seconds``.
+
+        A transfer of one bucket counts too: its time includes its packing and the receivers'
+        posting, so it errs towards longer limits. One of less than half the largest bucket
+        (a send of a small model among larger ones) is left out: its time is mostly the
+        fixed cost of an operation, which scaled up to the largest bucket would stretch the
+        limits far past any link's pace."""
         sent = sum(self._ranges[i][1] - self._ranges[i][0] for i in indices)
-        if sent > 0 and links > 0:
+        if links > 0 and sent > 0 and 2 * sent >= self._largest:
             self.bucket_seconds = seconds / links * self._largest / sent
 
 
