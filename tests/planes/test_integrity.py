@@ -212,20 +212,36 @@ def _damage_on_the_way(
     monkeypatch.setattr(dist_plane, "send_buckets", damaging)
 
 
+def _wide_system(workers: int, bucket_bytes: int, connect_timeout: float = 30, **kw: Any) -> Any:
+    """A gloo sender of the wide model and ``workers`` receivers (see ``helpers.system``)."""
+    return helpers.system(
+        aiowsync.DistributedWeightSyncScheme,
+        workers,
+        make_model=_wide,
+        connect_timeout=connect_timeout,
+        heartbeats=BEATS,
+        bucket_bytes=bucket_bytes,
+        **kw,
+    )
+
+
+async def _undamaged_send_reaches_all(
+    monkeypatch: pytest.MonkeyPatch, sender: Any, src: nn.Module, receivers: Any
+) -> None:
+    """With the damage undone, the next version goes to every worker at the first attempt."""
+    monkeypatch.undo()
+    bump(src)
+    assert (await sender.send(timeout=30)).retries == 0
+    assert all(r.version == 3 and same(m, src) for r, m in receivers)
+
+
 @pytest.mark.parametrize("what", ["bucket", "digest"])
 async def test_bytes_damaged_on_their_way_over_gloo_are_refused_by_that_worker_alone(
     monkeypatch: pytest.MonkeyPatch, what: str
 ) -> None:
     # The digest follows the bytes on the data plane, sealed with a key that only the update
     # carries: damage to a bucket fails the bucket's hash, damage to the digest its seal.
-    async with helpers.system(
-        aiowsync.DistributedWeightSyncScheme,
-        2,
-        make_model=_wide,
-        connect_timeout=30,
-        heartbeats=BEATS,
-        bucket_bytes=1 << 20,
-    ) as (sender, src, receivers):
+    async with _wide_system(2, 1 << 20) as (sender, src, receivers):
         assert sender._sender.digests.enabled  # type: ignore[union-attr]  # on by default here
         bump(src)
         # Checked and switched at the first attempt: a check that refused good bytes must
@@ -249,10 +265,7 @@ async def test_bytes_damaged_on_their_way_over_gloo_are_refused_by_that_worker_a
         r1, m1 = receivers[1]
         assert r1.version == 1
         assert same(m1, kept)
-        monkeypatch.undo()
-        bump(src)
-        assert (await sender.send(timeout=30)).retries == 0
-        assert all(r.version == 3 and same(m, src) for r, m in receivers)
+        await _undamaged_send_reaches_all(monkeypatch, sender, src, receivers)
 
 
 @pytest.mark.parametrize("chunk", [0, 1])
@@ -261,14 +274,7 @@ async def test_damage_in_either_digest_bucket_of_one_transfer_bucket_is_named(
 ) -> None:
     # One 32 MiB transfer bucket holds the model's two digest buckets: the receiver hashes
     # both once it arrived, and names the one that differs.
-    async with helpers.system(
-        aiowsync.DistributedWeightSyncScheme,
-        2,
-        make_model=_wide,
-        connect_timeout=30,
-        heartbeats=BEATS,
-        bucket_bytes=32 << 20,
-    ) as (sender, src, receivers):
+    async with _wide_system(2, 32 << 20) as (sender, src, receivers):
         assert len(sender._sender.plane.buckets.ranges) == 1  # type: ignore[union-attr]
         bump(src)
         assert (await sender.send(timeout=30)).retries == 0
@@ -281,10 +287,7 @@ async def test_damage_in_either_digest_bucket_of_one_transfer_bucket_is_named(
         assert info.value.errors[0].startswith(f"DigestMismatch: bucket {chunk} of 2 (bytes ")
         assert receivers[0][0].version == 1 and same(receivers[0][1], kept)
         assert receivers[1][0].version == 2 and same(receivers[1][1], src)
-        monkeypatch.undo()
-        bump(src)
-        assert (await sender.send(timeout=30)).retries == 0
-        assert all(r.version == 3 and same(m, src) for r, m in receivers)
+        await _undamaged_send_reaches_all(monkeypatch, sender, src, receivers)
 
 
 async def test_a_chain_member_that_damages_what_it_forwards_is_named_and_routed_around(
@@ -295,15 +298,8 @@ async def test_a_chain_member_that_damages_what_it_forwards_is_named_and_routed_
     # since the chain was built in the same order. Now those after it are sent the version
     # again, within the same send, on a chain without it; it is named; and later chains put it
     # last, where it forwards to nobody.
-    async with helpers.system(
-        aiowsync.DistributedWeightSyncScheme,
-        4,
-        make_model=_wide,
-        connect_timeout=60,
-        heartbeats=BEATS,
-        bucket_bytes=1 << 20,
-        topology="chain",
-    ) as (sender, src, receivers):
+    chain = _wide_system(4, 1 << 20, connect_timeout=60, topology="chain")
+    async with chain as (sender, src, receivers):
         bump(src)
         first = await sender.send(timeout=60)
         assert first.retries == 0 and first.suspects == ()
