@@ -52,9 +52,9 @@ def test_bucket_plans_cover_every_byte_once_and_split_straddling_tensors() -> No
 
 
 @contextlib.contextmanager
-def _packing(weights: dict[str, torch.Tensor], bucket_bytes: int) -> Any:
-    """A sender plane set up for ``weights`` (a state_dict), its packer started on them in
-    a fresh slot: yields the plane, its image and the layout; the plane is closed after."""
+def _sender_plane(weights: dict[str, torch.Tensor], bucket_bytes: int, **kw: Any) -> Any:
+    """A gloo sender plane on the CPU set up for ``weights`` (a state_dict): yields it and
+    its layout; the plane is closed after."""
     from aiowsync._planes.dist.plane import DistSenderPlane
     from aiowsync._weights.layout import Layout
 
@@ -65,14 +65,23 @@ def _packing(weights: dict[str, torch.Tensor], bucket_bytes: int) -> Any:
         host="127.0.0.1",
         device=torch.device("cpu"),
         chain_wait=5.0,
+        **kw,
     )
     plane.setup(layout)
     try:
+        yield plane, layout
+    finally:
+        plane.close()
+
+
+@contextlib.contextmanager
+def _packing(weights: dict[str, torch.Tensor], bucket_bytes: int) -> Any:
+    """A sender plane set up for ``weights``, its packer started on them in a fresh slot:
+    yields the plane, its image and the layout."""
+    with _sender_plane(weights, bucket_bytes) as (plane, layout):
         image = plane._slots[plane.reserve(set())].value.image
         plane._packer.start(image, Source(tensors=weights))
         yield plane, image, layout
-    finally:
-        plane.close()
 
 
 @pytest.mark.parametrize("plain", [True, False])
@@ -114,26 +123,14 @@ def test_a_chain_limits_its_links_by_the_models_bucket_not_by_the_bucket_size() 
     # 1 MiB takes on a slow link (plus 5 s), not four times 32 MiB's (some 11 s more).
     from aiowsync._planes.dist.chain import ChainLimits
     from aiowsync._planes.dist.links import SLOW_LINK
-    from aiowsync._planes.dist.plane import DistSenderPlane
-    from aiowsync._weights.layout import Layout
 
-    plane = DistSenderPlane(
-        backend="gloo",
-        bucket_bytes=32 << 20,
-        host="127.0.0.1",
-        device=torch.device("cpu"),
-        chain_wait=5.0,
-        topology="chain",
-    )
-    plane.setup(Layout.from_weights({"w": torch.zeros(1 << 18)}))
-    try:
+    one_mib = {"w": torch.zeros(1 << 18)}
+    with _sender_plane(one_mib, 32 << 20, topology="chain") as (plane, _):
         limits = plane.chain_limits()
         assert limits is not None
         expected = ChainLimits.for_pace((1 << 20) / SLOW_LINK)
         assert limits.stall == pytest.approx(expected.stall, rel=1e-3)
         assert limits.hop == pytest.approx(expected.hop, rel=1e-3)
-    finally:
-        plane.close()
 
 
 MiB = 1 << 20
