@@ -24,7 +24,9 @@ from aiowsync import ProtocolError
 from aiowsync._planes.shm.plane import SharedMemReceiverPlane, SwitchMode
 from aiowsync._planes.shm.slots import SHM_DIR, SlotFile, open_slot, pid_alive, remove_stale_slots
 from aiowsync._protocol import PROTOCOL_VERSION, Hello, Refuse, TensorDesc, decode, encode
-from aiowsync._weights.layout import Layout, _dtype_from_name
+from aiowsync._weights.layout import Layout
+from aiowsync._weights.specs import dtype_from_name
+from aiowsync.vllm._describe import placeholders
 from helpers import rss
 
 pytestmark = pytest.mark.timeout(120)
@@ -252,10 +254,18 @@ async def test_dtype_names_from_the_wire_never_reach_torch_attributes() -> None:
     # getattr(torch, "has_cuda") warns (an error in this suite), "_dynamo" imports a subsystem.
     for name in ("has_cuda", "_dynamo", "nn", "float64x"):
         with pytest.raises(aiowsync.LayoutMismatchError, match="unknown dtype"):
-            _dtype_from_name(name)
-    assert _dtype_from_name("bfloat16") is torch.bfloat16
+            dtype_from_name(name)
+    assert dtype_from_name("bfloat16") is torch.bfloat16
     reason = await _refusal_for(_hello([TensorDesc("weight", "has_cuda", [4, 4])]))
     assert "unknown dtype" in reason
+    # The JSON description a vLLM worker is handed reads dtypes from the same table.
+    description = {"wire_dtype": None, "tensors": [["weight", "has_cuda", [4, 4]]]}
+    with pytest.raises(ValueError, match="unknown dtype 'has_cuda' in the scheme's description"):
+        placeholders(description)
+    description["tensors"] = [["weight", "float32", [4, 4]], ["step", "int64", []]]
+    description["wire_dtype"] = "bfloat16"
+    made = placeholders(description)
+    assert (made["weight"].dtype, made["step"].dtype) == (torch.bfloat16, torch.int64)
 
 
 def test_a_welcome_cannot_make_a_worker_beat_without_pause() -> None:

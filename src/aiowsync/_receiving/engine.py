@@ -6,8 +6,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
-import socket
 from collections.abc import Mapping
 
 import anyio
@@ -18,27 +16,23 @@ from .._config import Heartbeats, Timeouts
 from .._exceptions import (
     ConnectError,
     ProtocolError,
-    RefusedError,
     SenderGoneError,
     WeightSyncError,
     WeightSyncTimeout,
 )
 from .._planes.base import ReceiverPlane
 from .._protocol import (
-    PROTOCOL_VERSION,
     Bye,
     Heartbeat,
-    Hello,
     Nack,
-    Refuse,
     Welcome,
 )
-from .._util.libc import libc
 from .._util.shield import to_the_end
 from .._util.text import error_text
 from .._weights.layout import Layout
 from .apply import Applier, ApplyMode, Hook
 from .guard import ReadGuard
+from .handshake import handshake, return_freed_memory
 from .lease import LeaseTable
 from .state import ReceiverState
 from .updates import UpdateLoop
@@ -46,8 +40,6 @@ from .updates import UpdateLoop
 __all__ = ["ApplyMode", "Hook", "ReceiverCore"]
 
 log = logging.getLogger("aiowsync.receiver")
-
-_HOST = socket.gethostname()[:256]
 
 
 BYE_FLUSH_S = 1.0
@@ -211,7 +203,14 @@ class ReceiverCore:
         welcome: Welcome | None = None
         try:
             with anyio.fail_after(first) as scope:
-                welcome = await self._handshake(channel)
+                welcome = await handshake(
+                    channel,
+                    self._state,
+                    layout=self.layout,
+                    model_id=self.model_id,
+                    worker_idx=self.worker_idx,
+                    timeout=self.timeouts.control,
+                )
                 scope.deadline += timeout - first  # the rest is for applying its version
                 self.applier.generation = self._generation(welcome)
                 # The sender judges this worker's liveness from the welcome on, and bringing
@@ -246,7 +245,7 @@ class ReceiverCore:
                 f"{answer.error}"
             )
         if self.apply_mode == "swap":
-            _return_freed_memory()
+            return_freed_memory()
 
     def _generation(self, welcome: Welcome) -> int:
         """The generation of the sender that sent ``welcome``: the one before's again if it
@@ -281,33 +280,6 @@ class ReceiverCore:
         # room is dropped: the next answer carries the same news.
         with contextlib.suppress(WeightSyncError):
             channel.send_nowait(beat)
-
-    async def _handshake(self, channel: ReceiverChannel) -> Welcome:
-        hello = Hello(
-            protocol=PROTOCOL_VERSION,
-            model_id=self.model_id,
-            worker_idx=self.worker_idx,
-            fingerprint=self.layout.fingerprint,
-            layout=self.layout.descs(),
-            pid=os.getpid(),
-            host=_HOST,
-        )
-        self._state.conn.send(hello)
-        await channel.send(hello, timeout=self.timeouts.control)
-        while True:
-            message = await channel.recv(timeout=None)
-            if isinstance(message, Heartbeat):
-                continue
-            self._state.conn.receive(message)
-            if isinstance(message, Refuse):
-                raise RefusedError(message.reason)
-            if isinstance(message, Welcome):
-                if message.worker_idx != self.worker_idx or message.model_id != self.model_id:
-                    raise ProtocolError("welcome names another worker or model")
-                self._state.session = message.session
-                self._state.proof = message.proof
-                return message
-            raise ProtocolError(f"unexpected {type(message).__name__} during the handshake")
 
     # -- updates ------------------------------------------------------------------------------
 
@@ -405,15 +377,3 @@ class ReceiverCore:
             # Otherwise the model still reads the plane's mappings: they stay.
             self._plane.close()
         self.notify()
-
-
-def _return_freed_memory() -> None:
-    """Give the model's original storage back to the OS after the first swap.
-
-    glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold on the heap, so
-    without a trim a swap-mode worker would keep a private copy's worth of freed memory.
-    """
-    c = libc()
-    trim = getattr(c, "malloc_trim", None) if c is not None else None
-    if trim is not None:  # not glibc: nothing to trim, or no way to ask
-        trim(0)

@@ -11,7 +11,6 @@ import hashlib
 import json
 import operator
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -21,56 +20,11 @@ from .._copy.gather import Places
 from .._exceptions import LayoutMismatchError
 from .._protocol import TensorDesc
 from .flatten import WeightsLike, flatten_weights
+from .specs import TensorSpec, dtype_from_name, dtype_name, refuse_meta, section_of, wire_of
 
 __all__ = ["DEFAULT_ALIGNMENT", "Layout", "TensorSpec", "refuse_meta", "section_of", "wire_of"]
 
 DEFAULT_ALIGNMENT = 64
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    # A fixed table, never getattr(torch, name): names come from the wire, and some torch
-    # attributes import whole subsystems or warn when touched.
-    dtype = _DTYPES.get(name)
-    if dtype is None:
-        raise LayoutMismatchError([f"unknown dtype {name[:40]!r}"], context="layout")
-    return dtype
-
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """Where one tensor lives: ``nbytes`` bytes at ``offset`` in buffer number ``buffer``."""
-
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    buffer: int
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of data (no padding)."""
-        return self.numel * self.dtype.itemsize
-
-    def describe(self) -> str:
-        """dtype and shape, as in error messages (``float32[4, 16]``)."""
-        return f"{_dtype_name(self.dtype)}{list(self.shape)}"
 
 
 class Layout:
@@ -168,7 +122,7 @@ class Layout:
     ) -> Layout:
         """The layout described by ``descs`` (as a receiver's hello carries them)."""
         return cls(
-            ((d.key, _dtype_from_name(d.dtype), d.shape) for d in descs),
+            ((d.key, dtype_from_name(d.dtype), d.shape) for d in descs),
             alignment=alignment,
             bucket_bytes=bucket_bytes,
             sectioned=sectioned,
@@ -176,14 +130,14 @@ class Layout:
 
     def descs(self) -> tuple[TensorDesc, ...]:
         """The rows as they travel in a hello: key, dtype name, shape."""
-        return tuple(TensorDesc(s.key, _dtype_name(s.dtype), s.shape) for s in self.specs)
+        return tuple(TensorDesc(s.key, dtype_name(s.dtype), s.shape) for s in self.specs)
 
     # -- identity -----------------------------------------------------------------------------
 
     @cached_property
     def fingerprint(self) -> str:
         """SHA-256 over keys, dtypes and shapes (not offsets: those follow from them)."""
-        rows: list[object] = [[s.key, _dtype_name(s.dtype), list(s.shape)] for s in self.specs]
+        rows: list[object] = [[s.key, dtype_name(s.dtype), list(s.shape)] for s in self.specs]
         if self.sectioned:
             rows.append("sectioned")  # the same keys, other buffers: another layout
         return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
@@ -331,7 +285,7 @@ class Layout:
             elif t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
                 problems.append(
                     f"{name(spec.key)}: expected {spec.describe()}, got "
-                    f"{_dtype_name(t.dtype)}{list(t.shape)}"
+                    f"{dtype_name(t.dtype)}{list(t.shape)}"
                 )
         known = set(self.keys)
         problems.extend(f"{name(k)}: unexpected key" for k in sorted(tensors) if k not in known)
@@ -375,32 +329,6 @@ class Layout:
         fused_copy([dst[k] for k in self.keys], [tensors[k] for k in self.keys], policy)
 
 
-def section_of(key: str) -> str:
-    """The model id of a key of a layout of several models (``policy.0.weight``)."""
-    return key.partition(".")[0]
-
-
-def wire_of(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype a tensor of ``dtype`` travels in: ``wire_dtype`` for floating tensors when
-    one is set, its own otherwise (integers and bools travel as they are)."""
-    if wire_dtype is not None and dtype.is_floating_point:
-        return wire_dtype
-    return dtype
-
-
-def refuse_meta(tensors: Mapping[str, torch.Tensor], why: str) -> None:
-    """Raise ``ValueError`` if any tensor is on the meta device (``why``: what it cannot do)."""
-    if not any(map(_is_meta, tensors.values())):
-        return
-    meta = [k for k, t in tensors.items() if t.is_meta]
-    raise ValueError(
-        f"the model has tensors on the meta device ({', '.join(meta[:5])}"
-        f"{', ...' if len(meta) > 5 else ''}): {why}; "
-        "materialise the model first (e.g. model.to_empty(device='cpu'))"
-    )
-
-
-_is_meta = operator.attrgetter("is_meta")
 _size = torch.Tensor.size
 _get_dtype = operator.attrgetter("dtype")
 

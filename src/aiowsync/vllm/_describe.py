@@ -18,10 +18,12 @@ from torch import nn
 from .._channel import ZmqChannelFactory
 from .._channel._auth import CurveKeys
 from .._config import Heartbeats, Timeouts
+from .._exceptions import LayoutMismatchError
 from .._scheme.distributed import DistributedWeightSyncScheme
 from .._scheme.scheme import WeightSyncScheme
 from .._scheme.sender import SenderSession
 from .._scheme.shared_mem import SharedMemWeightSyncScheme
+from .._weights.specs import dtype_from_name, dtype_name
 
 __all__ = ["describe", "placeholders", "rebuild"]
 
@@ -30,15 +32,12 @@ FORMAT = 2
 senders authenticate by default, and ``allow_insecure_bind`` says when one does not)."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _dtype(name: str) -> torch.dtype:
-    found = getattr(torch, name, None)
-    if not isinstance(found, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in the scheme's description")
-    return found
+    # The table the handshake reads dtypes from: a name never reaches getattr(torch, ...).
+    try:
+        return dtype_from_name(name)
+    except LayoutMismatchError:
+        raise ValueError(f"unknown dtype {name[:40]!r} in the scheme's description") from None
 
 
 def describe(scheme: WeightSyncScheme) -> dict[str, Any]:
@@ -93,13 +92,13 @@ def describe(scheme: WeightSyncScheme) -> dict[str, Any]:
         "model_id": scheme.model_id,
         "plane": plane,
         "integrity": scheme.integrity,
-        "wire_dtype": None if scheme.wire_dtype is None else _dtype_name(scheme.wire_dtype),
+        "wire_dtype": None if scheme.wire_dtype is None else dtype_name(scheme.wire_dtype),
         "timeouts": dataclasses.asdict(scheme.timeouts),
         "heartbeats": dataclasses.asdict(scheme.heartbeats),
         "curve": keys,
         "allow_insecure_bind": channels.allow_insecure_bind,
         "allow_other_users": channels.allow_other_users,
-        "tensors": [[s.key, _dtype_name(s.dtype), list(s.shape)] for s in layout.specs],
+        "tensors": [[s.key, dtype_name(s.dtype), list(s.shape)] for s in layout.specs],
         "skip": skip,
     }
 
@@ -142,8 +141,8 @@ def placeholders(description: dict[str, Any]) -> dict[str, torch.Tensor]:
     take no memory until written (swap mode never writes them)."""
     wire = description["wire_dtype"]
     out: dict[str, torch.Tensor] = {}
-    for key, dtype_name, shape in description["tensors"]:
-        dtype = _dtype(dtype_name)
+    for key, name, shape in description["tensors"]:
+        dtype = _dtype(name)
         if wire is not None and dtype.is_floating_point:
             dtype = _dtype(wire)
         out[key] = torch.empty(tuple(shape), dtype=dtype)
