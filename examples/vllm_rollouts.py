@@ -71,10 +71,12 @@ def free_port(port: int = 0) -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_server(model_dir: Path, port: int, log: Path, tmp: Path) -> subprocess.Popen[bytes]:
     """A vLLM server on ``port`` in a process group of its own (so that all of its processes
-    can be stopped together), its output in ``log``."""
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    can be stopped together), its output in ``log``, its temporary files in ``tmp``."""
+    # TMPDIR: vLLM's processes talk over ipc:// sockets there, which a killed process leaves
+    # behind; in a directory of the example's own, they go when it does.
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", TMPDIR=str(tmp))
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"  # vllm-cpu's OpenMP must be loaded first
     if iomp.exists():
         env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
@@ -257,7 +259,9 @@ async def serve_and_run(opts: argparse.Namespace, model_dir: Path, log: Path) ->
     port = free_port(opts.port)
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    proc = start_server(model_dir, port, log)
+    server_tmp = log.parent / "tmp"
+    server_tmp.mkdir()
+    proc = start_server(model_dir, port, log, server_tmp)
     try:
         # uvicorn closes a connection idle for 5 s; letting ours go after 2 s means a request
         # never goes out on a connection the server is closing.
@@ -284,7 +288,8 @@ def main() -> int:
     opts = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # progress in logs
     with tempfile.TemporaryDirectory(prefix="aiowsync-vllm-") as tmp:
-        model_dir, log = Path(tmp), Path(tmp) / "server.log"
+        model_dir, log = Path(tmp) / "model", Path(tmp) / "server.log"
+        model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(CONFIG))
         try:
             asyncio.run(serve_and_run(opts, model_dir, log))

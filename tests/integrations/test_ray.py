@@ -7,8 +7,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,14 +49,21 @@ def test_two_async_rollout_actors_hold_every_version_on_both_transports(tmp_path
     if ray_processes():
         pytest.skip(f"another Ray cluster runs on this machine: {ray_processes()[:2]}")
     shm_before = set(os.listdir("/dev/shm"))
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "ray_rollouts.py"), "--sends", "10"],
-        cwd=tmp_path,
-        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
-        capture_output=True,
-        text=True,
-        timeout=700,
-    )
+    # Ray keeps each session's logs and a socket under its temporary directory (/tmp/ray by
+    # default) after the cluster ends: here, one of the test's own, gone after it. Short, for
+    # the socket paths within it.
+    ray_tmp = tempfile.mkdtemp(prefix="ray-")
+    try:
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "ray_rollouts.py"), "--sends", "10"],
+            cwd=tmp_path,
+            env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE", RAY_TMPDIR=ray_tmp),
+            capture_output=True,
+            text=True,
+            timeout=700,
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     reports = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("[")))
     assert [r["transport"] for r in reports] == ["shm", "dist"]

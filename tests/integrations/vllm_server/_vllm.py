@@ -12,10 +12,12 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -70,9 +72,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_env(fault_file: Path | None = None) -> dict[str, str]:
+def server_env(fault_file: Path | None = None, tmp: str | None = None) -> dict[str, str]:
     venv_lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     env = dict(os.environ)
+    if tmp is not None:
+        # vLLM's processes talk over ipc:// sockets in the temporary directory; a killed
+        # process leaves its socket files behind.
+        env["TMPDIR"] = tmp
     env.update(
         VLLM_SERVER_DEV_MODE="1",
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -94,6 +100,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.fault_file = fault_file
+        # Short (a socket's path must fit 107 bytes), and the server's own, so that stop()
+        # removes every socket file its processes made.
+        self.tmp = tempfile.mkdtemp(prefix="vllm-")
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
@@ -101,14 +110,18 @@ class Server:
             "--enable-scale-out", "--max-model-len", "256", "--max-num-seqs", "8",
             "--weight-transfer-config", '{"backend": "aiowsync"}',
         ]  # fmt: skip
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=server_env(fault_file),
-                start_new_session=True,
-            )
+        try:
+            with open(log, "wb") as out:
+                self.proc = subprocess.Popen(
+                    args,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=server_env(fault_file, self.tmp),
+                    start_new_session=True,
+                )
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
 
     def wait_up(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -149,6 +162,7 @@ class Server:
             for path in files:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _stop(self) -> None:
         # The API server alone first: it shuts its engine core down, which removes its queues.

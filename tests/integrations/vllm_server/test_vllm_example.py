@@ -4,8 +4,10 @@ client, and every response checked against the version it names."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "vllm_rollouts.py"
 
 
 def test_the_example_checks_every_response_and_succeeds(tmp_path: Path) -> None:
-    before = _server_files()
+    before, sockets_before = _server_files(), _sockets()
     run = subprocess.run(
         [sys.executable, str(EXAMPLE), "--start-limit", str(START_LIMIT_S)],
         cwd=tmp_path,
@@ -37,6 +39,23 @@ def test_the_example_checks_every_response_and_succeeds(tmp_path: Path) -> None:
     # The server's engine queues and OpenMP files go with it, also those of killed processes.
     left = sorted(_server_files() - before)
     assert not left, f"the example left these in /dev/shm: {left}"
+    # So do the socket files of vLLM's processes (in their temporary directory).
+    left = sorted(_sockets() - sockets_before)
+    assert not left, f"the example left these sockets in {tempfile.gettempdir()}: {left}"
+
+
+def _sockets() -> set[str]:
+    """Socket files in the temporary directory, where vLLM makes its ipc:// sockets unless
+    told otherwise."""
+    with os.scandir(tempfile.gettempdir()) as entries:
+        return {e.name for e in entries if _is_socket(e)}
+
+
+def _is_socket(entry: os.DirEntry[str]) -> bool:
+    try:
+        return stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)
+    except OSError:  # gone meanwhile
+        return False
 
 
 def _server_files() -> set[str]:
