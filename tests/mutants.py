@@ -233,16 +233,18 @@ MUTANTS = [
         "vllm-paused",
         "a vLLM server whose load failed is not resumed",
         "src/aiowsync/vllm/_servers.py",
-        '        finally:\n            await self._call(server, "resume", always=True)\n',
+        "        finally:\n"
+        "            await to_the_end(self._resume(server, started, quiet=failed))\n",
         "        except BaseException:\n            raise\n        if True:\n"
-        '            await self._call(server, "resume", always=True)\n',
+        "            await to_the_end(self._resume(server, started, quiet=failed))\n",
     ),
     Mutant(
         "vllm-no-take-back",
         "together=True: servers that loaded a version the fleet could not keep keep it",
         "src/aiowsync/vllm/_servers.py",
-        "                await asyncio.gather(*(self._take_back_quietly(s) for s in loaded))\n",
-        "                pass\n",
+        "                        s for s, e in zip(servers, loads, strict=True) "
+        'if _may_hold("load", e)\n',
+        "                        s for s, e in zip(servers, loads, strict=True) if False\n",
     ),
 ]
 VLLM_TESTS = ["tests/integrations/vllm_server/test_vllm_failures.py"]

@@ -14,7 +14,7 @@ weight-transfer routes). On the trainer::
 See the vLLM page of the docs.
 
 May import: aiowsync._exceptions, aiowsync._config, aiowsync._util, aiowsync._channel,
-aiowsync._scheme, aiowsync._receiving.
+aiowsync._weights, aiowsync._scheme, aiowsync._receiving.
 """
 
 from ._servers import PauseMode, VLLMServerError, VLLMServers, VLLMServerTimeout

@@ -64,6 +64,9 @@ class AiowsyncUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     """``/update_weights``'s body: the version to apply."""
 
     version: int = -1
+    take_back: bool = False
+    """Undo the version applied and not yet labelled, if any, instead (``version`` is then
+    the one the trainer last saw labelled, -1 for none)."""
 
 
 class AiowsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
@@ -119,7 +122,7 @@ class AiowsyncWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: AiowsyncUpdateInfo) -> None:
-        self._need_receiver().apply(update_info.version)
+        self._need_receiver().apply(update_info.version, take_back=update_info.take_back)
         self._loaded_at = time.time()
 
     def finish_weight_update(self) -> None:

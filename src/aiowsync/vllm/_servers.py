@@ -11,43 +11,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 import httpx
 
-from .._exceptions import WeightSyncError, WeightSyncTimeout
 from .._scheme.scheme import WeightSyncScheme
 from .._scheme.sender import SenderSession
+from .._util.shield import to_the_end
 from ._describe import describe
+from ._http import KEEPALIVE_S, VLLMServerError, VLLMServerTimeout, first_error, request
 
 __all__ = ["PauseMode", "VLLMServerError", "VLLMServerTimeout", "VLLMServers"]
 
 PauseMode = Literal["wait", "keep", "abort"]
 
 log = logging.getLogger("aiowsync.vllm")
-
-
-class VLLMServerError(WeightSyncError):
-    """A vLLM server refused or failed a step of attaching or of a send.
-
-    Attributes:
-        url: the server.
-        step: the route that failed (``"update_weights"``, ...).
-        detail: what the server (or the connection) said.
-    """
-
-    def __init__(self, url: str, step: str, detail: str) -> None:
-        super().__init__(f"vLLM server {url}: {step} failed: {detail}")
-        self.url = url
-        self.step = step
-        self.detail = detail
-
-
-class VLLMServerTimeout(VLLMServerError, WeightSyncTimeout):
-    """A server's step of a send did not finish by the send's deadline (the server was
-    resumed, with the version it served before unless its label had moved)."""
 
 
 class _Server:
@@ -145,14 +125,11 @@ class VLLMServers:
         limit = self.timeout + scheme.timeouts.handshake
         # vLLM's uvicorn closes a connection idle for 5 s: a call sent on one as it closes
         # fails, so idle connections are let go sooner (a call between sends finds a fresh one).
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self.timeout, connect=10.0),
-            limits=httpx.Limits(keepalive_expiry=_KEEPALIVE_S),
-        )
+        self._client = httpx.AsyncClient(limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
         try:
             self._servers = await self._number(sending.num_workers)
             try:
-                await _first_error(self._init(s, description, limit) for s in self._servers)
+                await first_error(self._init(s, description, limit) for s in self._servers)
                 sending.finishers.append(self)
                 try:
                     yield self
@@ -222,53 +199,66 @@ class VLLMServers:
         if self.together and len(servers) > 1:
             await self._switch_together(servers, version)
         else:
-            await _first_error(self._switch(s, version) for s in servers)
+            await first_error(self._switch(s, version) for s in servers)
 
     async def _switch(self, server: _Server, version: int) -> None:
-        """Pause, load ``version``, label it, resume; resumed whatever fails."""
+        """Pause, load ``version``, label it, resume. Whatever fails, and also when the send
+        is cancelled, the server is resumed with the version it served (see :meth:`_undo`)."""
         started = time.perf_counter()
+        step, failed = "pause", False
         try:
             # In the block: a pause that fails or times out may still happen on the server.
             await self._call(server, "pause", params={"mode": self.pause})
+            step = "load"
             await self._load(server, version)
+            step = "label"
             await self._label(server, version)
-        except VLLMServerTimeout:
-            # The server may still load the version, unlabelled: have it go back after.
-            await self._take_back_quietly(server)
+        except BaseException as exc:
+            failed = True
+            if _may_hold(step, exc):
+                await to_the_end(self._take_back_quietly(server))
             raise
         finally:
-            await self._call(server, "resume", always=True)
-            self.pause_seconds[server.url] = time.perf_counter() - started
+            await to_the_end(self._resume(server, started, quiet=failed))
 
     async def _switch_together(self, servers: list[_Server], version: int) -> None:
         """Every server loads ``version`` before any resumes; if one cannot, the others take
         their previous version back."""
-        started = time.perf_counter()
+        started, failed = time.perf_counter(), False
         try:
-            await _first_error(self._call(s, "pause", params={"mode": self.pause}) for s in servers)
-            loads = await asyncio.gather(
-                *(self._load(s, version) for s in servers), return_exceptions=True
+            await first_error(self._call(s, "pause", params={"mode": self.pause}) for s in servers)
+            try:
+                loads = await asyncio.gather(
+                    *(self._load(s, version) for s in servers), return_exceptions=True
+                )
+            except BaseException:  # cancelled: every server may hold the version
+                await to_the_end(self._take_back_all(servers))
+                raise
+            errors = [e for e in loads if isinstance(e, BaseException)]
+            if errors:
+                await to_the_end(
+                    self._take_back_all(
+                        s for s, e in zip(servers, loads, strict=True) if _may_hold("load", e)
+                    )
+                )
+                raise errors[0]
+            # Every server holds the version: its label goes on past the deadline (it takes
+            # milliseconds), since a server left out would split the fleet.
+            labels = await to_the_end(
+                asyncio.gather(
+                    *(self._label(s, version, always=True) for s in servers),
+                    return_exceptions=True,
+                )
             )
-            failed = [e for e in loads if isinstance(e, BaseException)]
-            if failed:
-                loaded = [
-                    s
-                    for s, e in zip(servers, loads, strict=True)
-                    if e is None or isinstance(e, VLLMServerTimeout)
-                ]
-                await asyncio.gather(*(self._take_back_quietly(s) for s in loaded))
-                raise failed[0]
-            await asyncio.gather(*(self._label(s, version) for s in servers))
+            unlabelled = [s for s, e in zip(servers, labels, strict=True) if e is not None]
+            if unlabelled:
+                await to_the_end(self._take_back_all(unlabelled))
+                raise next(e for e in labels if e is not None)
+        except BaseException:
+            failed = True
+            raise
         finally:
-            resumed = await asyncio.gather(
-                *(self._call(s, "resume", always=True) for s in servers),
-                return_exceptions=True,
-            )
-            for server in servers:
-                self.pause_seconds[server.url] = time.perf_counter() - started
-        for outcome in resumed:
-            if isinstance(outcome, BaseException):
-                raise outcome
+            await to_the_end(first_error(self._resume(s, started, quiet=failed) for s in servers))
 
     async def _load(self, server: _Server, version: int) -> None:
         try:
@@ -281,9 +271,26 @@ class VLLMServers:
             await self._call(server, "start_weight_update")
         await self._call(server, "update_weights", {"update_info": {"version": version}})
 
-    async def _label(self, server: _Server, version: int) -> None:
-        await self._call(server, "finish_weight_update", {"weight_version": str(version)})
+    async def _label(self, server: _Server, version: int, *, always: bool = False) -> None:
+        await self._call(
+            server, "finish_weight_update", {"weight_version": str(version)}, always=always
+        )
         server.version = version
+
+    async def _resume(self, server: _Server, started: float, *, quiet: bool) -> None:
+        """Resume ``server`` (whatever the deadline); with ``quiet``, a failure is logged,
+        not raised (the send fails with the error that came first)."""
+        try:
+            await self._call(server, "resume", always=True)
+        except VLLMServerError as exc:
+            if not quiet:
+                raise
+            log.warning("%s: could not resume it: %s", server.url, exc)
+        finally:
+            self.pause_seconds[server.url] = time.perf_counter() - started
+
+    async def _take_back_all(self, servers: Iterable[_Server]) -> None:
+        await asyncio.gather(*(self._take_back_quietly(s) for s in servers))
 
     async def _take_back_quietly(self, server: _Server) -> None:
         try:
@@ -292,12 +299,13 @@ class VLLMServers:
             log.warning("%s: could not take its previous version back: %s", server.url, exc)
 
     async def _take_back(self, server: _Server) -> None:
-        """A server that loaded a version its fleet could not: back to the one it served."""
-        if server.version is None:
-            raise VLLMServerError(
-                server.url, "update_weights", "no earlier version of this trainer to go back to"
-            )
-        info = {"update_info": {"version": server.version}}
+        """A server that may hold a version it was not to keep (its load failed, ran past
+        the deadline or was cancelled, or its fleet could not take it): back to what it
+        served. Its workers wait for a load still under way, then undo it (to the version
+        before, or to the weights the server started with); one that holds nothing unlabelled
+        does nothing."""
+        back = -1 if server.version is None else server.version
+        info = {"update_info": {"version": back, "take_back": True}}
         await self._call(server, "update_weights", info, always=True)
         await self._call(server, "finish_weight_update", {}, always=True)
 
@@ -335,7 +343,7 @@ class VLLMServers:
             return await self._request("POST", server.url, route, body, params=params, limit=limit)
         except VLLMServerError as exc:
             if self._deadline is not None and not always and time.monotonic() >= self._deadline:
-                raise VLLMServerTimeout(server.url, route, exc.detail) from exc
+                raise VLLMServerTimeout(server.url, route, exc.detail, exc.status) from exc
             raise
 
     async def _request(
@@ -351,51 +359,16 @@ class VLLMServers:
         client = self._client
         if client is None:
             raise RuntimeError("the servers are not attached (async with servers.attach(scheme))")
-        timeout = httpx.Timeout(limit or self.timeout, connect=10.0)
-        for attempt in (1, 2):
-            try:
-                reply = await client.request(
-                    method, f"{url}/{route}", json=body, params=params, timeout=timeout
-                )
-                break
-            except httpx.TransportError as exc:
-                # A server that failed the call before closes its connection after its
-                # answer; the next call on that connection meets the close: try once more on a
-                # fresh one (every call here may be made twice).
-                if attempt == 2 or isinstance(exc, httpx.TimeoutException):
-                    raise VLLMServerError(url, route, f"{type(exc).__name__}: {exc}") from exc
-            except httpx.HTTPError as exc:
-                raise VLLMServerError(url, route, f"{type(exc).__name__}: {exc}") from exc
-        if reply.status_code >= 400:
-            raise VLLMServerError(url, route, f"HTTP {reply.status_code}: {_detail(reply)}")
-        try:
-            answer = reply.json()
-        except ValueError:
-            return {}
-        return answer if isinstance(answer, dict) else {}
+        return await request(
+            client, method, url, route, body, params=params, limit=limit or self.timeout
+        )
 
 
-_KEEPALIVE_S = 2.0
-"""How long an idle connection to a server is kept: below uvicorn's 5 s (vLLM's
-``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` default)."""
-
-
-def _detail(reply: httpx.Response) -> str:
-    try:
-        body = reply.json()
-    except ValueError:
-        return reply.text[:2000]
-    if isinstance(body, dict):
-        error = body.get("error", body.get("detail", body))
-        if isinstance(error, dict):
-            error = error.get("message", error)
-        return str(error)[:2000]
-    return str(body)[:2000]
-
-
-async def _first_error(steps: Any) -> None:
-    """Run ``steps`` together, let each finish, raise the first error."""
-    outcomes = await asyncio.gather(*steps, return_exceptions=True)
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException):
-            raise outcome
+def _may_hold(step: str, error: BaseException | None) -> bool:
+    """Whether a server whose switch failed at ``step`` with ``error`` may hold the version,
+    unlabelled: once its load was asked for, unless the server answered the load with an
+    error (its workers then put back what they had)."""
+    if error is None or step == "label":
+        return True
+    answered = isinstance(error, VLLMServerError) and error.status is not None
+    return step == "load" and not answered

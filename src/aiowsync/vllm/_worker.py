@@ -50,7 +50,12 @@ class _Applied:
     """A version the model holds (or is taking): its tensors and the lease keeping them."""
 
     def __init__(
-        self, version: int, tensors: dict[str, torch.Tensor], lease: Lease | None, mine: bool
+        self,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        lease: Lease | None,
+        mine: bool,
+        before: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.version = version
         self.tensors = tensors
@@ -58,6 +63,9 @@ class _Applied:
         self.mine = mine
         """A version of the trainer now attached (not one left by a trainer before, whose
         version numbers mean nothing to this one)."""
+        self.before = before
+        """For a version loaded over weights no trainer gave (the server's first), a copy of
+        those weights, kept until the version is labelled, to undo it."""
 
     def release(self) -> None:
         lease, self.lease = self.lease, None
@@ -126,10 +134,16 @@ class WorkerReceiver:
 
     # -- applying -----------------------------------------------------------------------------
 
-    def apply(self, version: int) -> None:
+    def apply(self, version: int, *, take_back: bool = False) -> None:
         """Load ``version`` into the model; on failure the model holds what it held before and
-        the error is raised."""
-        with self._lock:
+        the error is raised. With ``take_back``, undo the version applied since the last
+        ``finish`` instead, if there is one (a load that failed, ran late or was cancelled on
+        the trainer's side, or that the fleet could not take everywhere)."""
+        with self._lock:  # a load still under way ends first
+            if take_back:
+                if self._pending is not None:
+                    self._undo_pending()
+                return
             self._apply(version)
 
     def _apply(self, version: int) -> None:
@@ -137,14 +151,10 @@ class WorkerReceiver:
         if pending is not None:
             if version == pending.version:
                 return  # asked twice
-            if not self._is_applied(version):
-                raise RuntimeError(
-                    f"version {pending.version} was applied and not finished: call "
-                    "finish_weight_update before the next update"
-                )
-            # Taken back: a fleet could not load the version everywhere.
-            self._undo_pending()
-            return
+            raise RuntimeError(
+                f"version {pending.version} was applied and not finished: call "
+                "finish_weight_update before the next update"
+            )
         if self._applied is not None and self._is_applied(version):
             self._load(self._applied.tensors, undo=None)  # loaded again, as asked
             return
@@ -157,8 +167,8 @@ class WorkerReceiver:
                 "trainer asked for a version this worker did not receive"
             )
         tensors = {k: t for k, t in held.weights.flatten_keys(".").items() if k not in self._skip}
-        taking = _Applied(version, tensors, lease, mine=True)
         undo = None if self._applied is not None else self._snapshot()
+        taking = _Applied(version, tensors, lease, mine=True, before=undo)
         try:
             self._load(tensors, undo=undo)
         except BaseException:
@@ -185,11 +195,15 @@ class WorkerReceiver:
         return held is not None and held.mine and held.version == version
 
     def _undo_pending(self) -> None:
-        """Back to the version applied before the pending one (loaded again)."""
+        """Back to what the model held before the pending version: the version applied before
+        (loaded again), or the weights the server started with."""
         pending, self._pending = self._pending, None
-        assert pending is not None and self._applied is not None
+        assert pending is not None
         try:
-            self._reload(self._applied.tensors.items())
+            if self._applied is not None:
+                self._reload(self._applied.tensors.items())
+            elif pending.before is not None:
+                self._restore(pending.before)
         finally:
             pending.release()
 
@@ -204,6 +218,7 @@ class WorkerReceiver:
         if pending is not None:
             if self._applied is not None and self._applied is not pending:
                 self._applied.release()
+            pending.before = None  # labelled: no going back to the server's first weights
             self._applied = pending
         return self.applied
 
@@ -211,7 +226,12 @@ class WorkerReceiver:
         """Stop receiving; the version the model holds, copied out of the sender's memory (for
         undoing a failed apply under the next trainer)."""
         with self._lock:
-            self._finish()
+            if self._pending is not None:
+                # Never labelled: the server goes on with what it served before.
+                try:
+                    self._undo_pending()
+                except Exception as exc:
+                    log.error("worker %d: could not undo a version: %s", self.worker_idx, exc)
             applied, self._applied = self._applied, None
             kept = None
             if applied is not None:
@@ -223,10 +243,11 @@ class WorkerReceiver:
 
     def close(self) -> None:
         self._closed.set()
-        for held in (self._pending, self._applied):
-            if held is not None:
-                held.release()
-        self._pending = self._applied = None
+        with self._lock:  # not while the watch reloads from a lease
+            for held in (self._pending, self._applied):
+                if held is not None:
+                    held.release()
+            self._pending = self._applied = None
         self._facade.close()
 
     # -- staging ------------------------------------------------------------------------------
@@ -255,7 +276,7 @@ class WorkerReceiver:
                 )
                 warned = True
             with self._lock:
-                if self._pending is not None and self._applied is not None:
+                if self._pending is not None:
                     # Loaded but never labelled: the server goes on with what it served.
                     try:
                         self._undo_pending()
