@@ -249,3 +249,24 @@ async def test_a_send_deadline_bounds_the_servers_step_too(vllm_servers: list[Se
         await _still_serves_the_previous_version(client, server, before, sums)
         result = await scheme.send(timeout=60)
         assert (await _served(client, server.url))[1] == str(result.version)
+
+
+async def test_a_send_cancelled_while_the_server_loads_leaves_it_on_its_version(
+    vllm_servers: list[Server],
+) -> None:
+    """``asyncio.timeout`` cancels the send during the server's load: the call returns once
+    the server took the version it served back and was resumed; the next send is served."""
+    server = vllm_servers[1]
+    async with (
+        http_client() as client,
+        attached_trainer([server.url]) as (scheme, model, servers),
+    ):
+        before, sums = await _served(client, server.url), await checksums(client, server.url)
+        server.fail_next({"fail": "reload", "after": 10**9, "delay": 3.0})
+        set_version(model, 2)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await scheme.send()
+        await _still_serves_the_previous_version(client, server, before, sums)
+        result = await scheme.send(timeout=60)
+        assert (await _served(client, server.url))[1] == str(result.version)

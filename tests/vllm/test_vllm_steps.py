@@ -1,0 +1,209 @@
+"""The trainer's step on vLLM servers and a worker's side of it, without vLLM: whatever ends
+a send (an error, the deadline, a cancellation), each server is resumed generating with the
+version it served, its first one included. The trainer's side runs against an HTTP twin of
+the servers' routes (tests/vllm/_routes.py), a worker's against a real sender with a
+stand-in for vLLM's model; the same failures on real vLLM servers are in
+tests/integrations/vllm_server/test_vllm_failures.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from _routes import VLLMRoutes
+from torch import nn
+
+import aiowsync
+from aiowsync.vllm import VLLMServerError, VLLMServers, VLLMServerTimeout
+from aiowsync.vllm._describe import describe
+from aiowsync.vllm._worker import WorkerReceiver
+from helpers import eventually
+
+LOAD_S = 1.0
+"""How long a load takes when a test cancels it or lets the deadline pass during it."""
+
+
+@asynccontextmanager
+async def attached(
+    n: int = 1, **options: Any
+) -> AsyncIterator[tuple[VLLMServers, list[VLLMRoutes]]]:
+    twins = [VLLMRoutes() for _ in range(n)]
+    servers = VLLMServers([t.url for t in twins], **options)
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model=nn.Linear(2, 2), num_workers=n)
+    try:
+        async with scheme, servers.attach(scheme):
+            yield servers, twins
+    finally:
+        for twin in twins:
+            twin.close()
+
+
+def state(twin: VLLMRoutes) -> tuple[int | None, str | None, bool]:
+    """What the server generates with, its label, and whether it is paused."""
+    return twin.serves, twin.label, twin.paused
+
+
+@pytest.mark.parametrize("cancel", ["asyncio", "anyio"])
+async def test_a_send_cancelled_while_a_server_loads_leaves_it_resumed_on_its_version(
+    cancel: str,
+) -> None:
+    async with attached() as (servers, [twin]):
+        await servers.finish(1, [0], None)
+        assert state(twin) == (1, "1", False)
+        twin.delays["update_weights"] = LOAD_S
+        if cancel == "asyncio":  # Task.cancel(), as asyncio.timeout and wait_for do
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await servers.finish(2, [0], None)
+        else:
+            with anyio.move_on_after(0.2) as scope:
+                await servers.finish(2, [0], None)
+            assert scope.cancelled_caught
+        # The cancelled call returned once the server was back on version 1 and resumed:
+        # the load ended, was undone, and only then did the server resume.
+        assert state(twin) == (1, "1", False)
+        load, back = (
+            twin.call("update_weights", version=2),
+            twin.call("update_weights", take_back=True),
+        )
+        assert back[1] >= load[1] and twin.call("resume")[0] >= back[1]
+        await servers.finish(3, [0], None)  # the next send works
+        assert state(twin) == (3, "3", False)
+
+
+async def test_a_first_version_past_the_deadline_is_taken_back_to_the_servers_own_weights() -> None:
+    """As in ``scheme.connect()``: the server served no version of this trainer before."""
+    async with attached() as (servers, [twin]):
+        twin.delays["update_weights"] = LOAD_S
+        started = time.monotonic()
+        with pytest.raises(VLLMServerTimeout) as info:
+            await servers.finish(0, [0], started + 0.2)
+        assert (info.value.url, info.value.step, info.value.status) == (
+            twin.url,
+            "update_weights",
+            None,
+        )
+        assert state(twin) == (None, None, False)
+        assert twin.call("update_weights", take_back=True, version=-1)
+
+
+async def test_a_load_the_server_answered_with_an_error_is_not_taken_back() -> None:
+    """Its workers put back what they had before answering (a reload that failed)."""
+    async with attached() as (servers, [twin]):
+        await servers.finish(1, [0], None)
+        twin.fail["update_weights"] = "the reload failed after 5 tensors"
+        with pytest.raises(VLLMServerError) as info:
+            await servers.finish(2, [0], None)
+        assert (info.value.step, info.value.status) == ("update_weights", 500)
+        assert "the reload failed after 5 tensors" in str(info.value)
+        assert state(twin) == (1, "1", False)
+        assert not any(body.get("update_info", {}).get("take_back") for *_, body in twin.calls)
+
+
+async def test_together_labels_end_before_any_resume_and_an_unlabelled_server_goes_back() -> None:
+    async with attached(2, together=True) as (servers, [a, b]):
+        await servers.finish(1, [0, 1], None)
+        a.delays["finish_weight_update"] = 0.5
+        b.fail["finish_weight_update"] = "label refused"
+        with pytest.raises(VLLMServerError) as info:
+            await servers.finish(2, [0, 1], None)
+        assert info.value.url == b.url and info.value.status == 500
+        # No server resumed while another's label was under way (a's took 0.5 s).
+        label_ended = a.call("finish_weight_update")[1]
+        assert min(a.call("resume")[0], b.call("resume")[0]) >= label_ended
+        # The server that could not label the version went back to the one it served; the
+        # one that labelled it keeps it (a label is the point of no return).
+        assert state(b) == (1, "1", False)
+        assert state(a) == (2, "2", False)
+
+
+# -- a worker's side ---------------------------------------------------------------------------
+
+
+class ServedModel:
+    """A stand-in for the model inside vLLM: the weights it generates with, and the reload,
+    snapshot and restore the engine gives the worker."""
+
+    OWN = -1.0
+    """The value of every weight of the server's own checkpoint."""
+
+    def __init__(self) -> None:
+        self.weight = torch.full((2, 2), self.OWN)
+
+    def reload(self, pairs: Any) -> None:
+        for key, tensor in pairs:
+            assert key == "weight"
+            self.weight.copy_(tensor)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight.clone()}
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        self.weight.copy_(saved["weight"])
+
+    def value(self) -> set[float]:
+        return set(self.weight.flatten().tolist())
+
+
+async def joined(scheme: aiowsync.WeightSyncScheme, served: ServedModel) -> WorkerReceiver:
+    description = describe(scheme)
+    worker, _ = await asyncio.gather(
+        asyncio.to_thread(
+            WorkerReceiver,
+            description,
+            0,
+            reload=served.reload,
+            snapshot=served.snapshot,
+            restore=served.restore,
+            server_url=None,
+        ),
+        scheme.connect(timeout=30),
+    )
+    return worker
+
+
+def trainer() -> aiowsync.SharedMemWeightSyncScheme:
+    model = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=aiowsync.Heartbeats(0.1, 5))
+    scheme.init_on_sender(model=model, num_workers=1)
+    return scheme
+
+
+async def test_a_worker_takes_a_first_version_back_to_the_servers_own_weights() -> None:
+    served = ServedModel()
+    async with trainer() as scheme:
+        worker = await joined(scheme, served)
+        try:
+            await asyncio.to_thread(worker.apply, 0)
+            assert served.value() == {7.0}
+            await asyncio.to_thread(worker.apply, -1, take_back=True)
+            assert served.value() == {ServedModel.OWN} and worker.applied is None
+            await asyncio.to_thread(worker.apply, -1, take_back=True)  # nothing left to undo
+            assert served.value() == {ServedModel.OWN}
+            await asyncio.to_thread(worker.apply, 0)
+            assert worker.finish() == 0 and served.value() == {7.0}
+        finally:
+            worker.close()
+
+
+async def test_a_trainer_gone_before_labelling_a_first_version_leaves_the_servers_weights() -> None:
+    served = ServedModel()
+    async with trainer() as scheme:
+        worker = await joined(scheme, served)
+        await asyncio.to_thread(worker.apply, 0)  # loaded, never labelled
+        assert served.value() == {7.0}
+    try:
+        # The worker sees its trainer gone and undoes the version.
+        assert await eventually(lambda: served.value() == {ServedModel.OWN}, within=30)
+        assert worker.applied is None
+    finally:
+        worker.close()
