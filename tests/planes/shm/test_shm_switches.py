@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import aiowsync
-from helpers import SHM_BEATS, bump, eventually, model, same, shm_pair, shm_system
+from helpers import SHM_BEATS, Hosted, bump, eventually, model, same, shm_pair, shm_system
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -200,6 +200,41 @@ async def test_a_window_is_given_back_once_no_model_reads_it() -> None:
         gc.collect()
     assert same(mirror, src)  # the model kept its weights, in memory of its own
     assert [a for a in windows if mapped(a)] == []
+
+
+async def test_a_window_receiver_leases_its_version_once_its_sender_has_ended() -> None:
+    """A receiver that outlives its sender (``reconnect=``) serves its version from the slot
+    its window shows; the sender removed the slot's name on its way out, and a lease maps the
+    slot all the same."""
+
+    def many(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)])
+
+    src, mirror = many(0), many(1)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=SHM_BEATS)
+    sender.init_on_sender(model=src, num_workers=1)
+    host = Hosted(sender)
+    await host.start()
+    try:
+        r = aiowsync.SharedMemWeightSyncScheme(
+            address=sender.address, switch="remap", apply_mode="swap"
+        )
+        r.init_on_receiver(model=mirror, worker_idx=0, reconnect=True)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+            bump(src)
+            await sender.send(timeout=10)
+            assert r._receiver._plane._window is not None  # type: ignore[union-attr]
+            expected = {k: v.clone() for k, v in src.state_dict().items()}
+            await host.stop()  # its slot files go with it
+            await eventually(lambda: not r.connected, what="the receiver sees its sender gone")
+            assert r.ready and r.version == 1 and same(mirror, src)
+            async with r.lease() as held:
+                assert held.version == 1
+                assert all(torch.equal(held.params()[k], v) for k, v in expected.items())
+    finally:
+        await host.stop()
 
 
 async def test_a_window_whose_model_torch_moved_elsewhere_is_not_remapped_blindly() -> None:

@@ -145,8 +145,9 @@ class SharedMemReceiverPlane(ReceiverPlane):
             return Staged([], {}, path, shared=True)
         return self._map(path, nbytes)
 
-    def _map(self, path: str, nbytes: int) -> Staged:
-        """Slot file ``path`` mapped on its own (once, then cached)."""
+    def _map(self, path: str, nbytes: int, *, fd: int | None = None) -> Staged:
+        """Slot file ``path`` mapped on its own (once, then cached); through ``fd`` when
+        given (a descriptor of it that the window keeps)."""
         views = self._mapped.get(path)
         if views is None:
             # Paths come from the wire: checked before anything is opened, once per path.
@@ -154,7 +155,10 @@ class SharedMemReceiverPlane(ReceiverPlane):
             if len(self._mapped) >= _KEPT_MAPPINGS:
                 # A sender has a few slots; a cache of every path ever named would grow.
                 self._mapped.pop(next(iter(self._mapped)))
-            file = SlotFile.open(path, nbytes, writable=False)
+            if fd is None:
+                file = SlotFile.open(path, nbytes, writable=False)
+            else:
+                file = SlotFile.open_descriptor(path, fd, nbytes)
             parts = self.layout.split(file.tensor)
             views = self._mapped[path] = Staged(parts, self.layout.views(parts), path, shared=True)
         return views
@@ -162,8 +166,11 @@ class SharedMemReceiverPlane(ReceiverPlane):
     def lease_buffers(self, staged: Staged) -> list[torch.Tensor] | None:
         if staged.buffers or self._window is None:
             return super().lease_buffers(staged)
-        # The window shows whichever slot is live: a lease maps its slot file itself.
-        return self._map(staged.source, self._expected).buffers
+        # The window shows whichever slot is live: a lease maps that slot itself, through the
+        # descriptor the window keeps of it, which holds once the sender has removed the
+        # file's name too (a sender that ended while this receiver runs on).
+        path = staged.source
+        return self._map(path, self._expected, fd=self._window.open(path)).buffers
 
     def _fetch_models(self, params: Mapping[str, ParamValue]) -> Staged:
         """A version of several models: one slot file per model, each mapped once."""

@@ -145,12 +145,17 @@ def _map(
     finally:
         if not held:
             os.close(fd)
-    # The tensor holds the only reference to the mapping; it is unmapped when the last view
-    # of it (including a model's parameters) is gone.
+    return _tensor_of(mm, nbytes), fd if held else None
+
+
+def _tensor_of(mm: mmap.mmap, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of mapping ``mm`` as a byte tensor. The tensor holds the only
+    reference to the mapping; it is unmapped when the last view of it (including a model's
+    parameters) is gone."""
     with warnings.catch_warnings():
         # torch warns that it cannot mark a tensor read-only: the mapping itself is.
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
-        return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], fd if held else None
+        return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
 
 
 def _free_bytes(directory: str) -> int | str:
@@ -215,6 +220,16 @@ class SlotFile:
         flags = os.O_RDWR if writable else os.O_RDONLY
         tensor, _ = _map(path, nbytes, flags, writable=writable)
         return cls(path, nbytes, tensor, owner=False, lock=None)
+
+    @classmethod
+    def open_descriptor(cls, path: str, fd: int, nbytes: int) -> SlotFile:
+        """Map, read only, the slot file ``path`` through ``fd``, a descriptor opened on it
+        before (:func:`open_slot`): this holds after the file's name was removed."""
+        try:
+            mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as exc:
+            raise TransportError(f"cannot map shared-memory slot {path}: {exc}") from None
+        return cls(path, nbytes, _tensor_of(mm, nbytes), owner=False, lock=None)
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid until their last view goes)."""
