@@ -187,3 +187,54 @@ async def test_a_failing_function_is_logged_once_and_asked_again(
         "worker 0: reconnect's function failed: RuntimeError: no trainer registered yet; "
         "trying again (reconnect)"
     ]
+
+
+async def test_leases_keep_working_while_a_join_that_switched_the_model_is_tried_again(
+    kind: Kind,
+) -> None:
+    """A hook fails on the new sender's version after the switch: the model runs that
+    version, and its leases are taken on it while the next tries fail too."""
+    senders: list[aiowsync.WeightSyncScheme] = []
+    failing = threading.Event()
+    failed = threading.Event()
+
+    def hook(version: int) -> None:
+        if failing.is_set():
+            failed.set()
+            raise RuntimeError("the hook failed")
+
+    first = _sender(kind, 1.0, None)
+    senders.append(first)
+    hosts = [Hosted(first)]
+    await hosts[0].start()
+    mirror = model(100)
+    r = kind.scheme(first.address, plane=first.plane, apply_mode="swap")
+    r.init_on_receiver(
+        model=mirror,
+        worker_idx=0,
+        reconnect=lambda: senders[-1] if kind.name == "dist" else senders[-1].address,
+    )
+    r.register_hook(hook)
+    try:
+        async with r:
+            await asyncio.gather(first.connect(timeout=CONNECT), r.connect(timeout=CONNECT))
+            await hosts[0].stop()
+            await eventually(lambda: not r.connected, what="the sender seen gone")
+            failing.set()
+            second = _sender(kind, 9.0, None)
+            senders.append(second)
+            hosts.append(Hosted(second))
+            await hosts[1].start()
+            await eventually(failed.is_set, within=CONNECT, what="a join whose hook failed")
+            assert (r.version, r.generation, values(mirror)) == (0, 1, {9.0}) and r.ready
+            for _ in range(3):  # the tries go on failing meanwhile
+                async with r.lease() as held:
+                    assert (held.version, held.generation) == (0, 1)
+                    assert {float(t.unique()) for t in held.params().values()} == {9.0}
+                await asyncio.sleep(0.2)
+            failing.clear()  # the next try joins
+            await eventually(lambda: r.connected, within=CONNECT, what="the join")
+            assert (r.version, r.generation, values(mirror)) == (0, 1, {9.0})
+    finally:
+        for host in reversed(hosts):
+            await host.stop()

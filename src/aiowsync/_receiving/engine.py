@@ -349,17 +349,18 @@ class ReceiverCore:
         return False
 
     async def _abandon(self) -> None:
-        """After a failed ``connect()``: stop reading shared memory, close the channel."""
+        """After a failed ``connect()``: stop reading shared memory, close the channel. A
+        model that runs the version switched in keeps taking leases (copies of it)."""
         try:
-            await self._detach_or_warn()
+            await self._detach_or_warn(close_leases=self.version < 0)
         finally:
             self._close_channel()
 
-    async def _detach_or_warn(self) -> None:
+    async def _detach_or_warn(self, *, close_leases: bool = True) -> None:
         """:meth:`_detach`, run to its end even if cancelled; a failure is logged, and the
         model then keeps reading the shared memory it was on."""
         try:
-            self.leases.detach()
+            self.leases.detach(close=close_leases)
             await to_the_end(self.applier.detach())
         except Exception as exc:
             log.warning(

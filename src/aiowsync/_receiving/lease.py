@@ -67,6 +67,8 @@ class LeaseTable:
         self._copying = threading.Lock()
         self._held: dict[int, _Held] = {}
         self.closed = False
+        self._copies_only = False
+        """Leases copy the version, never view the sender's memory (see :meth:`detach`)."""
 
     def pinned(self) -> tuple[int, ...]:
         """The leased versions whose bytes the sender keeps for this receiver."""
@@ -84,7 +86,7 @@ class LeaseTable:
                 raise NotConnectedError("the receiver is closed: no lease can be taken")
             held = self._held.get(version)
             if held is None:
-                tensors = self._applier.lease_views()
+                tensors = None if self._copies_only else self._applier.lease_views()
                 if tensors is None:
                     return None
                 if sum(h.shared for h in self._held.values()) >= MAX_LEASED:
@@ -163,12 +165,18 @@ class LeaseTable:
 
     # -- shutdown ------------------------------------------------------------------------------
 
-    def detach(self) -> None:
+    def detach(self, *, close: bool = True) -> None:
         """Before the receiver says goodbye: leases reading the sender's memory get a private
         copy of the same bytes (the sender may reuse its slots after the goodbye). Call
-        holding the guard, or on the loop."""
+        holding the guard, or on the loop.
+
+        Without ``close``, leases go on being taken, each a copy: the model runs on a
+        version of its own after a failed ``connect()``, and an engine that follows a sender
+        keeps driving it until the next try succeeds."""
         with self._lock:
-            self.closed = True
+            if close:
+                self.closed = True
+            self._copies_only = True
             shared = [h for h in self._held.values() if h.shared]
         for held in shared:
             own = {k: t.clone() for k, t in held.tensors.items()}
