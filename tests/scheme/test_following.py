@@ -238,3 +238,42 @@ async def test_leases_keep_working_while_a_join_that_switched_the_model_is_tried
     finally:
         for host in reversed(hosts):
             await host.stop()
+
+
+async def test_a_receiver_that_joins_the_same_sender_again_keeps_its_lease_whole() -> None:
+    """The receiver breaks with its sender while the sender lives on (here as on a protocol
+    error it saw) and joins it again from the same process. A lease taken before keeps its
+    bytes while the sender sends on, and the sender's slots go back into use once the model
+    runs a version of the new connection."""
+    kind = Kind("shm")
+    # Two slots: without the old connection's pins, the leased one is rewritten at once.
+    sender = kind.scheme(plane=aiowsync.SharedMemPlane(num_slots=2, max_slots=4))
+    src = model(0)
+    fill(src, 2.0)
+    sender.init_on_sender(model=src, num_workers=1)
+    host = Hosted(sender)
+    await host.start()
+    mirror = model(100)
+    r = kind.scheme(sender.address, apply_mode="swap")
+    r.init_on_receiver(model=mirror, worker_idx=0, reconnect=True)
+    try:
+        async with r:
+            await asyncio.gather(sender.connect(timeout=CONNECT), r.connect(timeout=CONNECT))
+            async with r.lease() as kept:
+                first = r._receiver
+                first._state.bye = "simulated: the sender broke the protocol"
+                first.notify()
+                await eventually(
+                    lambda: r._receiver is not first and r.connected,
+                    within=CONNECT,
+                    what="the receiver joined the sender again",
+                )
+                assert (r.generation, values(mirror)) == (0, {2.0})
+                for value in (3.0, 4.0, 5.0, 6.0):
+                    fill(src, value)
+                    await sender.send(timeout=CONNECT)
+                assert values(mirror) == {6.0}
+                assert kept.version == 0
+                assert {float(t.unique()) for t in kept.params().values()} == {2.0}
+    finally:
+        await host.stop()

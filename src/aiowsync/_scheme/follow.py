@@ -123,6 +123,9 @@ class Follower:
                 gone = await self._until_gone(core)
                 tg.cancel_scope.cancel()
             core.unlink()
+            # Leases in the sender's memory become copies: a sender that lived on lets go of
+            # this worker's old pins once it joins again (same process, new connection).
+            core.leases.detach(close=False)
             log.warning(
                 "worker %d: the sender at %s %s (%s); the model keeps version %d and goes on "
                 "serving it; joining the next sender at %s as soon as one answers (reconnect)",

@@ -110,14 +110,29 @@ class PeerTable:
 
     def replace(self, worker: int, pid: int) -> None:
         """A new connection takes index ``worker``: its old holder is lost, and keeps its pins
-        while its process (another than ``pid``) may still read its version."""
+        while its process may still read its version (see :meth:`_reads_still`)."""
         old = self.by_index.pop(worker, None)
         if old is None:
             return
         self.by_routing.pop(old.routing, None)
         self.mark_lost(old, "replaced by a new connection under the same index")
-        if self.sees_processes(old) and not self.gone(old) and old.pid != pid:
+        if self.sees_processes(old) and not self.gone(old):
             self._retired.append(old)
+
+    def _retirees(self) -> list[Peer]:
+        """The replaced peers whose process may still read their versions."""
+        self._retired = [p for p in self._retired if self._reads_still(p)]
+        return self._retired
+
+    def _reads_still(self, old: Peer) -> bool:
+        """Whether a replaced peer's process may still read the versions it held: until the
+        process ends, or, when the new connection is the same process joining again (a
+        receiver that lost this sender for a while), until its model ran a version of the
+        new connection (its leases of the old one were copied before it joined)."""
+        if self.gone(old):
+            return False
+        new = self.by_index.get(old.worker_idx)
+        return new is None or new.pid != old.pid or new.conn.acked_version < 0
 
     def said_goodbye(self, peer: Peer, reason: str) -> None:
         peer.gone = True
@@ -164,8 +179,7 @@ class PeerTable:
     def pinned_versions(self, current: int) -> set[int]:
         """``current`` and every version a receiver's process may still read."""
         pinned = {current}
-        self._retired = [p for p in self._retired if not self.gone(p)]
-        for peer in [*self.by_index.values(), *self._retired]:
+        for peer in [*self.by_index.values(), *self._retirees()]:
             acked = peer.conn.acked_version
             if (
                 acked in pinned
@@ -187,7 +201,7 @@ class PeerTable:
         """Who holds leases in the sender's memory, oldest lease first ('' if nobody)."""
         held = [
             (min(p.leased), p.worker_idx, sorted(p.leased))
-            for p in [*self.by_index.values(), *self._retired]
+            for p in [*self.by_index.values(), *self._retirees()]
             if p.leased and not self.gone(p)
         ]
         return "; ".join(
@@ -201,13 +215,13 @@ class PeerTable:
         be released without a send."""
         return any(
             (p.inflight or p.leased or p.deferred) and not self.gone(p)
-            for p in [*self.by_index.values(), *self._retired]
+            for p in [*self.by_index.values(), *self._retirees()]
         )
 
     def holders_text(self, version: int) -> str:
         """Who keeps ``version`` in use, and how: runs it, has not answered it, leases it."""
         held = []
-        everyone = [*self.by_index.values(), *self._retired]
+        everyone = [*self.by_index.values(), *self._retirees()]
         for peer in sorted(everyone, key=lambda p: p.worker_idx):
             if self.gone(peer):
                 continue
