@@ -113,3 +113,8 @@ def low_level_worker(scheme, out, last: int) -> None:  # type: ignore[no-untyped
     finally:
         scheme.shutdown()
         out.close()
+
+
+def failing_env():  # type: ignore[no-untyped-def]
+    """An environment that cannot be built: its worker process ends before it connects."""
+    raise RuntimeError("this environment cannot be built")

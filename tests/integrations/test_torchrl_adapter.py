@@ -197,6 +197,121 @@ def test_a_single_process_collector_takes_explicit_weights_into_its_policy() -> 
 
 
 @needs_torchrl
+def test_a_single_process_collector_that_moved_the_policy_takes_every_kind_of_update() -> None:
+    """The collector runs a copy of the trainer's policy (``policy_device``): an update
+    without weights sends the trainer's policy, a module is taken as weights, and weights
+    that do not fit are refused before any is copied."""
+    from _torchrl_policy import make_env
+    from tensordict import TensorDict
+    from torchrl.collectors import Collector
+
+    policy, scheme = _policy(), _scheme("shm")
+    collector = Collector(
+        make_env, policy, frames_per_batch=16, total_frames=-1,
+        weight_sync_schemes={"policy": scheme}, policy_device="cpu:0",
+    )  # fmt: skip
+    try:
+        it = iter(collector)
+        assert collector.get_model("policy") is not policy  # the collector's own copy
+        assert set(next(it)["marker"].unique().tolist()) == {0.0}
+        _mark(policy, 7.0)
+        collector.update_policy_weights_()
+        assert set(next(it)["marker"].unique().tolist()) == {7.0}
+        other = _policy()
+        _mark(other, 8.0)
+        collector.update_policy_weights_(other)
+        assert set(next(it)["marker"].unique().tolist()) == {8.0}
+        misfit = TensorDict.from_module(policy).clone()
+        misfit["module", "marker"] = torch.tensor(9.0)
+        misfit["module", "net", "weight"] = torch.zeros(3, 4)
+        with pytest.raises(aiowsync.LayoutMismatchError, match=r"net\.weight"):
+            collector.update_policy_weights_(misfit)
+        assert set(next(it)["marker"].unique().tolist()) == {8.0}  # nothing was copied
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+
+@needs_torchrl
+@pytest.mark.parametrize("kind", ["shm", "dist"])
+def test_workers_whose_collector_moved_the_policy_run_every_version(kind: str) -> None:
+    """Each worker's collector runs a copy of the policy the scheme was given, made after
+    the worker connected (``policy_device``); every version reaches that copy."""
+    from _torchrl_policy import make_env
+    from torchrl.collectors import MultiSyncCollector
+
+    policy, scheme = _policy(), _scheme(kind)
+    collector = MultiSyncCollector(
+        [make_env, make_env], policy, frames_per_batch=FRAMES, total_frames=-1,
+        cat_results="stack", weight_sync_schemes={"policy": scheme}, policy_device="cpu:0",
+    )  # fmt: skip
+    try:
+        it = iter(collector)
+        assert set(next(it)["marker"].unique().tolist()) == {0.0}
+        for value in (1.0, 2.0):
+            _mark(policy, value)
+            collector.update_policy_weights_()
+            assert set(next(it)["marker"].unique().tolist()) == {value}
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    assert _segments() == set()
+
+
+@needs_torchrl
+def test_a_worker_that_cannot_build_its_environment_fails_the_start_at_once() -> None:
+    """Not at the connect deadline, as a worker that never came: the error names it."""
+    from _torchrl_policy import failing_env, make_env
+    from torchrl.collectors import MultiSyncCollector
+
+    import aiowsync.torchrl
+
+    scheme = aiowsync.torchrl.SharedMemWeightSyncScheme(connect_timeout=120)
+    started = time.monotonic()
+    with pytest.raises(aiowsync.WorkerLostError) as info:
+        MultiSyncCollector(
+            [make_env, failing_env], _policy(), frames_per_batch=FRAMES, total_frames=-1,
+            weight_sync_schemes={"policy": scheme},
+        )  # fmt: skip
+    scheme.shutdown()
+    assert info.value.worker_ids == (1,)
+    assert "ended before they connected" in str(info.value)
+    assert time.monotonic() - started < 60  # the deadline is 120 s
+    assert _segments() == set()
+    deadline = time.monotonic() + 30
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert multiprocessing.active_children() == []
+
+
+@needs_torchrl
+def test_a_failed_send_made_with_sync_false_is_raised_by_shutdown() -> None:
+    from torchrl.collectors import MultiSyncCollector
+
+    import aiowsync.torchrl
+
+    policy = _policy()
+    scheme = aiowsync.torchrl.SharedMemWeightSyncScheme(sync=False, send_timeout=20)
+    collector = _collector(MultiSyncCollector, policy, scheme)
+    try:
+        next(iter(collector))
+        collector.procs[1].kill()
+        collector.procs[1].join(10)
+        _mark(policy, 5.0)
+        assert collector.update_policy_weights_() is None  # staged; the send goes on
+        deadline = time.monotonic() + 60
+        while not all(f.done() for f in scheme._unsettled) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        collector.shutdown()
+        with pytest.raises(aiowsync.WeightSyncError) as info:
+            scheme.shutdown()
+    assert 1 in info.value.worker_ids  # type: ignore[attr-defined]
+    scheme.shutdown()  # once raised, it is not raised again
+    assert _segments() == set()
+
+
+@needs_torchrl
 def test_a_dead_worker_and_wrong_weights_raise_from_the_update() -> None:
     from tensordict import TensorDict
     from torchrl.collectors import MultiSyncCollector
@@ -246,7 +361,7 @@ def test_the_schemes_pickle_before_and_after_init() -> None:
             sender.shutdown()
     assert _segments() == set()
     with pytest.raises(ValueError, match="name workers by index"):
-        aiowsync.torchrl._adapter._worker_ids([torch.device("cpu")], 1)
+        aiowsync.torchrl._trainer.worker_ids([torch.device("cpu")], 1)
 
 
 def test_without_torchrl_the_module_says_what_to_install() -> None:

@@ -31,7 +31,7 @@ How TorchRL (0.14) drives a scheme, and what these classes do at each step:
   (it also runs at interpreter exit, on both sides).
 
 May import: aiowsync, aiowsync._exceptions, aiowsync._config, aiowsync._scheme,
-aiowsync._sending.
+aiowsync._sending, aiowsync._weights.
 """
 
 from __future__ import annotations

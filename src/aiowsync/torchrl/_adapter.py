@@ -9,28 +9,45 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import logging
 import threading
+import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from tensordict import TensorDictBase
 from torch import nn
 from torchrl.weight_update import WeightSyncScheme as _TorchRLScheme
 
+from .._exceptions import WeightSyncError
 from .._scheme.base import resolve_model
 from .._scheme.blocking import BlockingScheme, blocking
 from .._scheme.scheme import WeightSyncScheme as _Scheme
 from .._sending.outcome import SendResult
 from ._plan import Plan, plan_sender
+from ._trainer import apply_locally, connect, jobs, raise_failed
+from ._trainer import worker_ids as worker_ids_of
+from ._worker import guard_forwards, is_meta, pass_on
 
 __all__ = ["CONNECT_TIMEOUT_S", "Adapter"]
+
+log = logging.getLogger("aiowsync.torchrl")
 
 CONNECT_TIMEOUT_S = 120.0
 """Default deadline of ``connect()`` on either side: worker processes import torch and build
 their environments first."""
 
-_RUNTIME = ("_plan", "_faces", "_face", "_guard_handles", "_closing", "_last_seen", "_unsettled")
+_RUNTIME = (
+    "_plan",
+    "_faces",
+    "_face",
+    "_guard_handles",
+    "_closing",
+    "_last_seen",
+    "_unsettled",
+    "_bound",
+)
 """What an adapter holds only in the process that made it (never pickled)."""
 
 
@@ -68,6 +85,8 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
         self._closing = threading.Lock()
         self._last_seen: int | None = None
         self._unsettled: list[concurrent.futures.Future[SendResult]] = []
+        self._bound: weakref.ReferenceType[nn.Module] | None = None
+        """Receiver: the module the worker's receiver copies each version into."""
 
     def _make(self, **options: Any) -> _Scheme:
         raise NotImplementedError
@@ -130,8 +149,10 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
     def _setup_connection_and_weights_on_sender_impl(
         self, *, worker_idx: int | None = None, weights: Any = None
     ) -> None:
+        deadline = time.monotonic() + self.connect_timeout
+        context = getattr(self, "context", None)
         for face in self._faces:
-            face.connect(self.connect_timeout)
+            connect(face, deadline, context=context, limit=self.connect_timeout)
         if weights is not None and self._faces:  # first weights other than the model's
             self.send(weights)
 
@@ -148,65 +169,32 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
         plan = self._plan
         if plan is None:
             raise RuntimeError("send() needs init_on_sender() first")
-        if plan.local is not None:
-            self._apply_locally(plan.local, weights)
-            return None
         if isinstance(weights, str):
             weights = self._resolve(weights)
-        targets = _worker_ids(worker_ids, len(self._route))
-        if isinstance(weights, dict) and weights and all(isinstance(k, int) for k in weights):
-            jobs = self._per_worker_jobs(weights, targets)
-        else:
-            jobs = self._shared_jobs(weights, targets)
+        if plan.local is not None:
+            apply_locally(plan.local, weights, getattr(self, "context", None))
+            return None
+        parts = jobs(weights, worker_ids_of(worker_ids, len(self._route)), self._route)
         self._raise_unsettled()
         if not self.sync:
             # Returns once the version is staged (the weights may change then); its outcome
             # is raised by the next send() or shutdown() if it failed.
-            for k, w, ids in jobs:
+            for k, w, ids in parts:
                 self._unsettled.append(self._faces[k].publish(w, ids, self.send_timeout))
             return None
-        if len(jobs) == 1 and not plan.per_worker:
-            k, w, ids = jobs[0]
+        if len(parts) == 1 and not plan.per_worker:
+            k, w, ids = parts[0]
             return self._faces[k].send(w, ids, self.send_timeout)
         # Workers with senders of their own are sent to side by side; each send has its
         # deadline (send_timeout, or the scheme's Timeouts).
-        futures = [self._faces[k].send_soon(w, ids, self.send_timeout) for k, w, ids in jobs]
+        futures = [self._faces[k].send_soon(w, ids, self.send_timeout) for k, w, ids in parts]
         return [f.result() for f in futures]
 
     def _raise_unsettled(self) -> None:
         """Raise the error of an earlier ``sync=False`` send that has failed since."""
         done = [f for f in self._unsettled if f.done()]
         self._unsettled = [f for f in self._unsettled if not f.done()]
-        for future in done:
-            future.result()
-
-    def _shared_jobs(self, weights: Any, targets: list[int]) -> list[tuple[int, Any, list[int]]]:
-        by_sender: dict[int, list[int]] = {}
-        for w in targets:
-            k, local = self._route[w]
-            by_sender.setdefault(k, []).append(local)
-        return [(k, weights, ids) for k, ids in sorted(by_sender.items())]
-
-    def _per_worker_jobs(
-        self, weights: Mapping[int, Any], targets: list[int]
-    ) -> list[tuple[int, Any, list[int]]]:
-        unknown = sorted(set(weights) - set(range(len(self._route))))
-        if unknown:
-            raise ValueError(f"weights for workers {unknown}: there are {len(self._route)}")
-        chosen = [w for w in targets if w in weights]
-        senders = [self._route[w][0] for w in chosen]
-        if len(set(senders)) != len(senders):
-            raise ValueError(
-                "weights of their own for each worker need per_worker_weights=True (or "
-                "distinct policy factories): these workers share one copy of the weights"
-            )
-        return [(self._route[w][0], weights[w], [self._route[w][1]]) for w in chosen]
-
-    def _apply_locally(self, local: nn.Module, weights: Any) -> None:
-        if isinstance(weights, str):
-            weights = self._resolve(weights)
-        if weights is not None and weights is not local:
-            self._strategy.apply_weights(local, weights, inplace=True)
+        raise_failed(done)
 
     def _resolve(self, model_id: str) -> Any:
         context = getattr(self, "context", None)
@@ -243,7 +231,7 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
             )
         if not 0 <= worker_idx < len(self._route):
             raise ValueError(f"worker_idx {worker_idx}: the trainer set up {len(self._route)}")
-        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        if is_meta(model):
             # TorchRL ships the policy to its workers without memory: give it some, which the
             # first version fills before connect() returns.
             model.to_empty(device="cpu")
@@ -251,7 +239,35 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
         inner = self._inners[k]
         inner.init_on_receiver(model=model, worker_idx=local)
         inner.register_hook(self._count_version)
-        self._guard_forward(model, inner)
+        self._guard_handles = guard_forwards(model, inner.read_guard())
+        self._bound = weakref.ref(model)
+        _TorchRLScheme.model.fset(self, model)  # what TorchRL compares with its collector's
+
+    @property
+    def model(self) -> Any:
+        return _TorchRLScheme.model.fget(self)
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        """TorchRL points a worker's scheme at the policy its collector runs, once it has
+        connected: a copy of the policy the receiver copies versions into, when the
+        collector moved it to its ``policy_device``. Each version then goes on into it."""
+        bound = self._bound() if self._bound is not None else None
+        if bound is not None and isinstance(model, nn.Module) and model is not bound:
+            self._pass_on(bound, model)
+        _TorchRLScheme.model.fset(self, model)
+
+    def _pass_on(self, bound: nn.Module, runs: nn.Module) -> None:
+        """Each version goes on from ``bound`` into ``runs``, before it is acknowledged;
+        forwards of ``runs`` hold the guard from now on. The collector is not running yet,
+        and the trainer sends its next version once the worker says it is ready."""
+        inner = self._inners[self._route[self.worker_idx][0]]
+        guard = inner.read_guard()
+        hook = pass_on(bound, runs, guard, inner.timeouts.ack)
+        for handle in self._guard_handles:
+            handle.remove()
+        self._guard_handles = guard_forwards(runs, guard)
+        inner.register_hook(hook)
 
     def _count_version(self, version: int) -> None:
         """After each switch: move the collector's policy version on by as many versions
@@ -264,25 +280,6 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
             return
         for _ in range(version - last):
             bump()
-
-    def _guard_forward(self, model: nn.Module, inner: _Scheme) -> None:
-        """Hold the read guard for each forward of ``model``: a switch waits for it to end."""
-        guard = inner.read_guard()
-        held = threading.local()  # a forward whose pre-hooks failed never took the guard
-
-        def enter(module: nn.Module, args: Any) -> None:
-            guard.acquire()
-            held.depth = getattr(held, "depth", 0) + 1
-
-        def leave(module: nn.Module, args: Any, output: Any) -> None:
-            if getattr(held, "depth", 0) > 0:
-                held.depth -= 1
-                guard.release()
-
-        self._guard_handles = [
-            model.register_forward_pre_hook(enter),
-            model.register_forward_hook(leave, always_call=True),
-        ]
 
     def _setup_connection_and_weights_on_receiver_impl(
         self, *, worker_idx: int | None = None
@@ -334,6 +331,7 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
                 face.close()
         finally:
             super().shutdown()
+        raise_failed(unsettled)  # one that failed since the last update
 
     def __getstate__(self) -> dict[str, Any]:
         state: dict[str, Any] = super().__getstate__()
@@ -354,20 +352,9 @@ def _shut_at_exit(scheme: Adapter) -> None:
     def shut() -> None:
         alive = ref()
         if alive is not None:
-            alive.shutdown()
+            try:
+                alive.shutdown()
+            except WeightSyncError as exc:  # a sync=False send failed, and nobody asked
+                log.warning("at exit: %s", exc)
 
     atexit.register(shut)
-
-
-def _worker_ids(worker_ids: Any, workers: int) -> list[int]:
-    if worker_ids is None:
-        return list(range(workers))
-    ids = [worker_ids] if isinstance(worker_ids, int) else worker_ids
-    if not isinstance(ids, Sequence) or not all(isinstance(w, int) for w in ids):
-        raise ValueError(
-            f"worker_ids={worker_ids!r}: aiowsync's TorchRL schemes name workers by index"
-        )
-    outside = sorted(w for w in ids if not 0 <= w < workers)
-    if outside:
-        raise ValueError(f"worker_ids {outside}: there are {workers} workers")
-    return list(ids)

@@ -1,7 +1,7 @@
 """The trainer's step on vLLM servers and a worker's side of it, without vLLM: whatever ends
 a send (an error, the deadline, a cancellation), each server is resumed generating with the
 version it served, its first one included. The trainer's side runs against an HTTP twin of
-the servers' routes (tests/vllm/_routes.py), a worker's against a real sender with a
+the servers' routes (tests/vllm_steps/_routes.py), a worker's against a real sender with a
 stand-in for vLLM's model; the same failures on real vLLM servers are in
 tests/integrations/vllm_server/test_vllm_failures.py."""
 

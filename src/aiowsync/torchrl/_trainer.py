@@ -1,0 +1,127 @@
+"""The trainer's side of the TorchRL adapter, as functions of its plan: connecting while the
+collector's worker processes start, which sender a send goes through, a collector without
+worker processes, the outcome of ``sync=False`` sends."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._exceptions import ConnectFailedError, WeightSyncTimeout, WorkerLostError
+from .._scheme.blocking import BlockingScheme
+from .._sending.outcome import SendResult
+from .._weights.flatten import flatten_weights
+from .._weights.layout import Layout
+
+__all__ = ["LOOK_S", "Job", "apply_locally", "connect", "jobs", "raise_failed", "worker_ids"]
+
+LOOK_S = 1.0
+"""How often the trainer's ``connect()`` looks whether a worker process has ended."""
+
+Job = tuple[int, Any, list[int]]
+"""One sender's part of a send: its index, the weights, its own indices of the workers."""
+
+
+def connect(face: BlockingScheme, deadline: float, *, context: Any, limit: float) -> None:
+    """``face.connect()`` by ``deadline`` (``limit`` seconds after the first try), looking at
+    the collector's worker processes (``context.procs``) every :data:`LOOK_S`: one that
+    ended (its environment or policy failed to build) fails the wait at once, instead of at
+    the deadline as a worker that never came."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            face.connect(max(min(left, LOOK_S), 0.001))
+            return
+        except ConnectFailedError:
+            raise
+        except WeightSyncTimeout as exc:
+            ended = _ended_workers(context)
+            if ended:
+                raise WorkerLostError(
+                    "the collector's worker processes ended before they connected ("
+                    + ", ".join(f"worker {w}: exit code {code}" for w, code in ended)
+                    + "); their own error is in their output",
+                    [w for w, _ in ended],
+                ) from exc
+            if left <= LOOK_S:
+                raise WeightSyncTimeout(
+                    f"workers did not connect within {limit:g} s:\n  "
+                    + str(exc).split("\n", 1)[-1].strip()
+                ) from None
+
+
+def _ended_workers(context: Any) -> list[tuple[int, int]]:
+    """(worker index, exit code) of each of a collector's worker processes that ended."""
+    procs = getattr(context, "procs", None) or []
+    return [
+        (w, p.exitcode) for w, p in enumerate(procs) if getattr(p, "exitcode", None) is not None
+    ]
+
+
+def jobs(weights: Any, targets: list[int], route: list[tuple[int, int]]) -> list[Job]:
+    """The senders that a send of ``weights`` to workers ``targets`` goes through."""
+    if isinstance(weights, dict) and weights and all(isinstance(k, int) for k in weights):
+        return _per_worker_jobs(weights, targets, route)
+    by_sender: dict[int, list[int]] = {}
+    for w in targets:
+        k, local = route[w]
+        by_sender.setdefault(k, []).append(local)
+    return [(k, weights, ids) for k, ids in sorted(by_sender.items())]
+
+
+def _per_worker_jobs(
+    weights: Mapping[int, Any], targets: list[int], route: list[tuple[int, int]]
+) -> list[Job]:
+    unknown = sorted(set(weights) - set(range(len(route))))
+    if unknown:
+        raise ValueError(f"weights for workers {unknown}: there are {len(route)}")
+    chosen = [w for w in targets if w in weights]
+    senders = [route[w][0] for w in chosen]
+    if len(set(senders)) != len(senders):
+        raise ValueError(
+            "weights of their own for each worker need per_worker_weights=True (or "
+            "distinct policy factories): these workers share one copy of the weights"
+        )
+    return [(route[w][0], weights[w], [route[w][1]]) for w in chosen]
+
+
+def worker_ids(given: Any, workers: int) -> list[int]:
+    """The workers a send names (all of them for None)."""
+    if given is None:
+        return list(range(workers))
+    ids = [given] if isinstance(given, int) else given
+    if not isinstance(ids, Sequence) or not all(isinstance(w, int) for w in ids):
+        raise ValueError(f"worker_ids={given!r}: aiowsync's TorchRL schemes name workers by index")
+    outside = sorted(w for w in ids if not 0 <= w < workers)
+    if outside:
+        raise ValueError(f"worker_ids {outside}: there are {workers} workers")
+    return list(ids)
+
+
+def apply_locally(local: nn.Module, weights: Any, context: Any) -> None:
+    """A collector without worker processes: copy ``weights`` into the policy it runs,
+    checked whole before a byte moves. None: the trainer's policy, which the collector runs
+    a copy of when it moved it to its device."""
+    if weights is None:
+        weights = getattr(context, "_orig_policy", None)
+    if weights is None or weights is local:
+        return
+    given = flatten_weights(weights)
+    Layout.from_weights(local).check(given)
+    with torch.no_grad():
+        for key, tensor in flatten_weights(local).items():
+            tensor.copy_(given[key])
+
+
+def raise_failed(sends: list[concurrent.futures.Future[SendResult]]) -> None:
+    """Raise the error of the first of ``sends`` (ended) that failed, noting the others."""
+    errors = [e for f in sends if not f.cancelled() and (e := f.exception()) is not None]
+    if errors:
+        for other in errors[1:]:
+            errors[0].add_note(f"a later send made with sync=False failed too: {other}")
+        raise errors[0]
