@@ -1,4 +1,5 @@
-"""A receiver's side of the handshake: its hello, the sender's welcome or refusal."""
+"""A receiver's side of the handshake (its hello, the sender's welcome or refusal), and giving
+back the memory that a first switch in swap mode frees."""
 
 from __future__ import annotations
 

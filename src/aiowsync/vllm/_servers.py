@@ -203,7 +203,8 @@ class VLLMServers:
 
     async def _switch(self, server: _Server, version: int) -> None:
         """Pause, load ``version``, label it, resume. Whatever fails, and also when the send
-        is cancelled, the server is resumed with the version it served (see :meth:`_undo`)."""
+        is cancelled, the server is resumed with the version it served (see
+        :meth:`_take_back`)."""
         started = time.perf_counter()
         step, failed = "pause", False
         try:
