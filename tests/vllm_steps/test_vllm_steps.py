@@ -136,10 +136,14 @@ class ServedModel:
 
     def __init__(self) -> None:
         self.weight = torch.full((2, 2), self.OWN)
+        self.fail_next = False
 
     def reload(self, pairs: Any) -> None:
         for key, tensor in pairs:
             assert key == "weight"
+            if self.fail_next:  # as vLLM's reload failing half-way: the engine restores
+                self.fail_next = False
+                raise RuntimeError("the reload failed")
             self.weight.copy_(tensor)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -207,3 +211,37 @@ async def test_a_trainer_gone_before_labelling_a_first_version_leaves_the_server
         assert worker.applied is None
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("labelled_first", [True, False])
+async def test_a_version_left_unlabelled_is_replaced_by_the_next_and_a_failure_goes_back(
+    labelled_first: bool,
+) -> None:
+    """A version was loaded and never labelled (its take-back failed): the next load
+    replaces it, and a load that fails then goes back to what the server was labelled with,
+    its own weights when no version was."""
+    served = ServedModel()
+    async with trainer() as scheme:
+        worker = await joined(scheme, served)
+        model = scheme.model
+        try:
+            await asyncio.to_thread(worker.apply, 0)
+            if labelled_first:
+                assert worker.finish() == 0
+            labelled = {7.0} if labelled_first else {ServedModel.OWN}
+            for value in (8.0, 9.0):  # loaded, never labelled, then the next one
+                with torch.no_grad():
+                    model.weight.fill_(value)
+                result = await scheme.send()
+                await asyncio.to_thread(worker.apply, result.version)
+                assert served.value() == {value}
+            with torch.no_grad():
+                model.weight.fill_(10.0)
+            result = await scheme.send()
+            served.fail_next = True
+            with pytest.raises(RuntimeError, match="the reload failed"):
+                await asyncio.to_thread(worker.apply, result.version)
+            assert served.value() == labelled
+            assert worker.applied == (0 if labelled_first else None)
+        finally:
+            worker.close()

@@ -148,14 +148,9 @@ class WorkerReceiver:
 
     def _apply(self, version: int) -> None:
         pending = self._pending
-        if pending is not None:
-            if version == pending.version:
-                return  # asked twice
-            raise RuntimeError(
-                f"version {pending.version} was applied and not finished: call "
-                "finish_weight_update before the next update"
-            )
-        if self._applied is not None and self._is_applied(version):
+        if pending is not None and version == pending.version:
+            return  # asked twice
+        if pending is None and self._applied is not None and self._is_applied(version):
             self._load(self._applied.tensors, undo=None)  # loaded again, as asked
             return
         lease = self._facade.lease()
@@ -167,13 +162,22 @@ class WorkerReceiver:
                 "trainer asked for a version this worker did not receive"
             )
         tensors = {k: t for k, t in held.weights.flatten_keys(".").items() if k not in self._skip}
-        undo = None if self._applied is not None else self._snapshot()
+        if self._applied is not None:
+            undo = None
+        else:  # the server's own weights, from before any version it was sent
+            undo = pending.before if pending is not None else self._snapshot()
         taking = _Applied(version, tensors, lease, mine=True, before=undo)
+        # A version loaded and never labelled (its take-back failed) is replaced: a load that
+        # fails goes back to what was labelled, not to it.
+        self._pending = None
         try:
             self._load(tensors, undo=undo)
         except BaseException:
             taking.release()
             raise
+        finally:
+            if pending is not None:
+                pending.release()
         self._pending = taking
 
     def _load(self, tensors: dict[str, torch.Tensor], undo: dict[str, torch.Tensor] | None) -> None:
