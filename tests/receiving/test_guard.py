@@ -67,3 +67,22 @@ async def test_a_coroutine_holding_the_guard_on_the_loop_is_never_made_to_wait()
             assert guard.readers == 2
         assert not switch.done()
     assert await switch == 0
+
+
+async def test_a_thread_that_a_coroutine_holding_the_guard_awaits_is_not_made_to_wait() -> None:
+    """The coroutine holds the guard across an ``await asyncio.to_thread(forward)`` whose
+    forward takes the guard too: the thread must not yield to the switch, which waits for
+    the coroutine, or neither would ever move."""
+    guard = ReadGuard()
+
+    def forward() -> float:
+        started = time.monotonic()
+        with guard:
+            return time.monotonic() - started
+
+    async with guard:
+        switch = asyncio.ensure_future(guard.switch(lambda: guard.readers, timeout=10))
+        await asyncio.sleep(YIELD_AFTER_S * 3)  # the switch has waited past the grace
+        waited = await asyncio.wait_for(asyncio.to_thread(forward), timeout=5)
+        assert waited < 1.0 and not switch.done()
+    assert await switch == 0

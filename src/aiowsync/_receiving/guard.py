@@ -11,6 +11,9 @@ readers to leave for more than ``YIELD_AFTER_S``, waits for that switch. A threa
 that follow each other back to back would otherwise always hold the guard when the loop looks.
 Coroutines on the switching loop never wait for a pending switch, so they cannot deadlock
 against it; a thread that already holds the guard does not wait either (nested forwards).
+Nor does any thread while a coroutine on the switching loop holds the guard: the switch
+waits for that coroutine anyway, and the coroutine may be awaiting that very thread (a
+forward run with ``asyncio.to_thread``, or a lease's copy).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class ReadGuard:
             since is not None
             and me != self._pending_thread
             and me not in self._held
+            and self._pending_thread not in self._held
             and time.monotonic() - since > YIELD_AFTER_S
         )
 
