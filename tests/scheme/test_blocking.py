@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -187,3 +188,40 @@ def test_blocking_is_the_one_way_to_a_blocking_scheme() -> None:
     with pytest.raises(TypeError, match=r"use aiowsync.blocking\(scheme\)"):
         aiowsync.BlockingScheme(scheme)
     assert isinstance(aiowsync.blocking(scheme), aiowsync.BlockingScheme)
+
+
+_LEFT_OPEN = """
+import os, sys, threading
+sys.path.insert(0, sys.argv[1])
+import aiowsync
+from helpers import sync_pair
+
+sender, src, r, mirror = sync_pair()
+s = aiowsync.blocking(sender).__enter__()  # never closed, nor left by a with block
+rb = aiowsync.blocking(r).__enter__()
+joined = threading.Thread(target=lambda: s.connect(timeout=30))
+joined.start()
+rb.connect(timeout=30)
+joined.join()
+s.send(timeout=30)
+print(os.getpid(), sender.address, flush=True)
+"""
+
+
+def test_blocking_schemes_left_open_are_closed_at_interpreter_exit(tmp_path: Any) -> None:
+    """A sender's slot files and socket directory go with the process, as when closed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    run = subprocess.run(
+        [sys.executable, "-c", _LEFT_OPEN, tests],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    pid, address = run.stdout.split()
+    assert [f for f in os.listdir("/dev/shm") if f.startswith(f"aiowsync-{pid}-")] == []
+    socket_dir = Path(address.removeprefix("ipc://")).parent
+    assert not socket_dir.exists(), address

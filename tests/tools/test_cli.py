@@ -67,6 +67,19 @@ def test_demo_help_gives_every_option_a_text_and_its_default(
         assert f"(default: {default})" in line
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--sends", "0"), ("--workers", "0"), ("--width", "-1"), ("--interval", "-0.5")],
+)
+def test_demo_refuses_counts_it_cannot_run_with_naming_the_option(
+    option: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", option, value])
+    assert exit_info.value.code == 2
+    assert f"argument {option}: must be" in capsys.readouterr().err
+
+
 def test_doctor_judges_shared_memory_against_the_model_size(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

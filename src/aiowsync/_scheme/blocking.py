@@ -11,10 +11,12 @@ loop under the scheme's read guard.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -101,6 +103,7 @@ class BlockingScheme:
             concurrent.futures.wait([self._host], STOP_WAIT_S)
             self._shut_loop()
             raise
+        _OPEN.add(self)  # closed at interpreter exit if nobody closes it before
         return self
 
     async def _hold(self, entered: concurrent.futures.Future[None]) -> None:
@@ -287,6 +290,22 @@ async def _unwind() -> None:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.get_running_loop().shutdown_asyncgens()
+
+
+_OPEN: weakref.WeakSet[BlockingScheme] = weakref.WeakSet()
+"""Blocking schemes entered and not closed yet."""
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Leave every blocking scheme still open while its loop thread runs (a daemon thread,
+    which the interpreter would stop mid-way): a sender's slot files and socket directory go
+    with it, as they do when it is closed."""
+    for facade in list(_OPEN):
+        try:
+            facade.close()
+        except Exception as exc:
+            log.warning("at exit, leaving a blocking scheme failed: %s", exc)
 
 
 def _refuse_inside_a_loop() -> None:

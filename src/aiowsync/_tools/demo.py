@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -242,17 +243,35 @@ def _summary(
     return 0 if ok else 1
 
 
+def _at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be {least} or more, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # what argparse's error names
+    return parse
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="aiowsync demo",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--workers", type=int, default=4, help="worker processes to start")
-    parser.add_argument("--sends", type=int, default=40, help="versions the trainer sends")
-    parser.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
-    parser.add_argument("--depth", type=int, default=4, help="hidden layers of the MLP")
-    parser.add_argument("--interval", type=float, default=0.05, help="seconds between sends")
+    parser.add_argument("--workers", type=_at_least(1), default=4, help="worker processes to start")
+    parser.add_argument("--sends", type=_at_least(1), default=40, help="versions the trainer sends")
+    parser.add_argument("--width", type=_at_least(1), default=1024, help="hidden width of the MLP")
+    parser.add_argument("--depth", type=_at_least(0), default=4, help="hidden layers of the MLP")
+    parser.add_argument("--interval", type=_seconds, default=0.05, help="seconds between sends")
     parser.add_argument(
         "--wire-dtype",
         choices=["bfloat16", "float16"],
