@@ -156,6 +156,61 @@ async def test_leaves_check_the_roots_digest_so_a_relay_that_damages_its_copy_fa
         assert (await t.root.send(timeout=20)).worker_ids == (0,) and t.leaves_hold(3)
 
 
+@pytest.mark.parametrize("local", ["memory", "dist"])
+async def test_leaves_check_the_first_version_against_the_roots_digest_too(local: str) -> None:
+    """The version the relay's sender starts at (version 0 here) reaches its leaves with the
+    root's digest, as every later one: the relay damages its copy, and no leaf runs it."""
+
+    def flip(version: int) -> None:
+        with torch.no_grad():
+            next(t.relay_model.parameters()).view(-1)[3] += 1.0
+
+    t = Tree(before_relay=flip, local=local, integrity=True, apply_mode="copy")
+    own = [{k: v.clone() for k, v in m.state_dict().items()} for m in t.leaf_models]
+    async with t.stack:
+        for scheme in (t.root, t.local, t.upstream):
+            await t.stack.enter_async_context(scheme)
+        for i in range(len(t.leaves)):
+            await t.start_leaf(i)
+        try:
+            leaves = [leaf.connect(timeout=20) for leaf in t.leaves if leaf is not None]
+            outcomes = await asyncio.gather(
+                t.root.connect(timeout=20),
+                t.upstream.connect(timeout=20),
+                t.local.connect(timeout=20),
+                *leaves,
+                return_exceptions=True,
+            )
+            for outcome in outcomes[3:]:  # each leaf refused the damaged bytes
+                assert isinstance(outcome, aiowsync.ConnectError), outcome
+                assert "DigestMismatch" in str(outcome), outcome
+            # The relay cannot bring its leaves to version 0: its upstream does not take it.
+            assert isinstance(outcomes[1], aiowsync.ConnectError), outcomes[1]
+            for m, before in zip(t.leaf_models, own, strict=True):
+                assert same(m, before)  # no leaf ran a byte of the damaged copy
+        finally:
+            for i in reversed(range(len(t.leaves))):
+                if t.leaf_stacks[i] is not None:
+                    await t.stop_leaf(i)
+
+
+@pytest.mark.parametrize("local", ["memory", "dist"])
+async def test_a_root_digest_of_other_bytes_than_the_leaves_get_is_not_handed_on(
+    local: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The root sends bfloat16 (its wire dtype), the relay's sender its float32 copy: the
+    root's digests are of other bytes, though of the same bucket count. They are not handed
+    on (the leaves check what the relay's own sender digests), and every send goes through."""
+    async with tree(local=local, integrity=True, wire_dtype=torch.bfloat16, apply_mode="copy") as t:
+        for _ in range(2):
+            bump(t.src)
+            assert (await t.root.send(timeout=20)).worker_ids == (0,)
+            for m in t.leaf_models:
+                assert same(m, t.relay_model)  # the relay's float32 copy of the root's bytes
+    unfit = [r for r in caplog.records if "do not fit the leaves' layout" in r.getMessage()]
+    assert len(unfit) == 1
+
+
 async def test_local_connect_before_the_upstream_is_entered_fails_at_once_with_the_order() -> None:
     t = Tree(leaves=1)
     async with t.root, t.local:

@@ -156,6 +156,7 @@ class ReceiverSession:
         self.relays_to: Relay | None = None
         """Set when this receiver feeds a relay (``scheme.relay_to(local)``)."""
         self._core: ReceiverCore | None = None
+        self._connecting: ReceiverCore | None = None
         self._follower: Follower | None = None
         self.connected = False
         self._tasks: Tasks | None = None
@@ -168,6 +169,12 @@ class ReceiverSession:
     def core(self) -> ReceiverCore | None:
         """The engine that drives the model (of the sender followed now, with ``reconnect``)."""
         return self._follower.core if self._follower is not None else self._core
+
+    @property
+    def applying(self) -> ReceiverCore | None:
+        """:attr:`core`, or while ``connect()`` runs, the engine it connects (whose hooks
+        run before it is the core)."""
+        return self.core if self.core is not None else self._connecting
 
     @property
     def address(self) -> str:
@@ -220,8 +227,11 @@ class ReceiverSession:
         tasks = self._tasks
         assert tasks is not None
         options = self.options
-        core = self._make_core(self._target)
-        await core.connect(timeout)
+        core = self._connecting = self._make_core(self._target)
+        try:
+            await core.connect(timeout)
+        finally:
+            self._connecting = None
         self._core = core
         self.connected = True
         if not options.background:

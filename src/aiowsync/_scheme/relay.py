@@ -55,6 +55,8 @@ class Upstream:
     """The upstream is inside ``async with`` (it cannot receive a version before)."""
     digest: Callable[[int], str | None] = lambda version: None
     """The root's digest of ``version``, if the update that brought it carried one."""
+    fingerprint: Callable[[], str | None] = lambda: None
+    """The fingerprint of the layout the root's bytes travel in (its wire dtype's)."""
 
 
 class LocalSender(Protocol):
@@ -77,8 +79,11 @@ class LocalSender(Protocol):
     @property
     def workers(self) -> WorkerTable: ...
 
-    async def start_at(self, version: int) -> SenderCore | None:
-        """Start the engine with ``version`` as its first version (None: not entered)."""
+    async def start_at(
+        self, version: int, *, before: Callable[[SenderCore], None] | None = None
+    ) -> SenderCore | None:
+        """Start the engine with ``version`` as its first version (None: not entered);
+        ``before(core)`` is called first."""
 
     def default_source(self) -> WeightSource:
         """Where a send takes the model's weights from."""
@@ -143,11 +148,17 @@ class Relay:
             if not local.entered:
                 return None
             if at is not None:
-                return await local.start_at(at)
+                return await self._start_at(at)
             if self.upstream.version() < 0:
                 return None
             async with self.upstream.guard:
-                return await local.start_at(self.upstream.version())
+                return await self._start_at(self.upstream.version())
+
+    async def _start_at(self, version: int) -> SenderCore | None:
+        # The leaves that join check the first version against the root's digest too.
+        return await self.local.start_at(
+            version, before=lambda core: self._hand_on_digest(core, version)
+        )
 
     async def wait_started(self, timeout: float) -> float:
         """Wait (at most ``timeout`` s) until ``local`` serves; the seconds it took."""
@@ -215,11 +226,15 @@ class Relay:
         root = self.upstream.digest(version)
         if root is None:
             return
-        if not core.digests.give(version, root) and not self._unfit_logged:
+        # A digest fits a layout's bucket count; the bytes must also be the same: the root's
+        # and the leaves' wire dtypes may differ.
+        same = self.upstream.fingerprint() == core.digests.layout.fingerprint
+        if not (same and core.digests.give(version, root)) and not self._unfit_logged:
             self._unfit_logged = True
             log.warning(
                 "relay (worker %d): the root's digests do not fit the leaves' layout (a "
-                "wire dtype or model differs); the leaves check the relay's own digest",
+                "wire dtype or model differs); the leaves check the relay's own digest, where "
+                "its sender makes one (integrity=)",
                 self.upstream.worker_idx,
             )
 

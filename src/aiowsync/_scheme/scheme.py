@@ -357,7 +357,8 @@ class WeightSyncScheme(SchemeRuntime):
             guard=self._guard,
             version=lambda: self.version,
             entered=lambda: self._exit is not None,
-            digest=lambda version: digest_of(upstream.core, version),
+            digest=lambda version: digest_of(upstream.applying, version),
+            fingerprint=lambda: upstream.layout.fingerprint,
         )
         relay = Relay(feed, leaves)
         upstream.relays_to = relay

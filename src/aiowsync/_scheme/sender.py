@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -219,9 +219,11 @@ class SenderSession:
         self._served = core.address  # what later sessions try to serve on again
         await tasks.start(core.serve)
 
-    async def start_at(self, version: int) -> SenderCore | None:
-        """A relayed sender's engine, started with ``version`` as its first version; None
-        while it is not entered."""
+    async def start_at(
+        self, version: int, *, before: Callable[[SenderCore], None] | None = None
+    ) -> SenderCore | None:
+        """A relayed sender's engine, started with ``version`` as its first version (after
+        ``before(core)``); None while it is not entered."""
         if self.core is not None:
             return self.core
         deferred, tasks = self._deferred, self._tasks
@@ -229,6 +231,8 @@ class SenderSession:
             return None
         core, initial, channel = deferred
         self._deferred = None  # start() closes the channel if it fails
+        if before is not None:
+            before(core)
         await core.start(initial, channel, first_version=version)
         self.core = core
         await tasks.start(core.serve)
