@@ -211,6 +211,35 @@ async def test_a_root_digest_of_other_bytes_than_the_leaves_get_is_not_handed_on
     assert len(unfit) == 1
 
 
+async def test_a_relay_whose_sender_could_not_start_fails_each_version_it_cannot_pass_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its sender to the leaves fails to start at the first version (say /dev/shm is full):
+    that version fails at the relay, and so does the next try, instead of being acknowledged
+    for leaves that never get it."""
+    from aiowsync._sending.engine import SenderCore
+
+    t = Tree(leaves=1)
+    start = SenderCore.start
+
+    async def fail_once(self: SenderCore, *args: Any, **kwargs: Any) -> None:
+        monkeypatch.setattr(SenderCore, "start", start)
+        raise OSError(28, "No space left on device")
+
+    async with t.stack:
+        for scheme in (t.root, t.local, t.upstream):
+            await t.stack.enter_async_context(scheme)
+        monkeypatch.setattr(SenderCore, "start", fail_once)
+        connects = await asyncio.gather(
+            t.root.connect(timeout=20), t.upstream.connect(timeout=20), return_exceptions=True
+        )
+        assert "No space left on device" in str(connects[1]), connects
+        with pytest.raises(aiowsync.ConnectError, match=r"could not start \(OSError"):
+            await t.upstream.connect(timeout=20)
+        with pytest.raises(aiowsync.WeightSyncError, match="could not start"):
+            await t.local.connect(timeout=20)
+
+
 async def test_local_connect_before_the_upstream_is_entered_fails_at_once_with_the_order() -> None:
     t = Tree(leaves=1)
     async with t.root, t.local:

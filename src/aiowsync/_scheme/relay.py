@@ -131,6 +131,8 @@ class Relay:
         self.local = local
         self._lock: anyio.Lock | None = None
         self._unfit_logged = False
+        self._start_failed: str | None = None
+        """Why ``local``'s engine could not start (it is not tried again)."""
 
     async def start_local(self, at: int | None = None) -> SenderCore | None:
         """``local``'s engine, started if it is not yet; None while it cannot start.
@@ -156,9 +158,13 @@ class Relay:
 
     async def _start_at(self, version: int) -> SenderCore | None:
         # The leaves that join check the first version against the root's digest too.
-        return await self.local.start_at(
-            version, before=lambda core: self._hand_on_digest(core, version)
-        )
+        try:
+            return await self.local.start_at(
+                version, before=lambda core: self._hand_on_digest(core, version)
+            )
+        except Exception as exc:
+            self._start_failed = error_text(exc)
+            raise
 
     async def wait_started(self, timeout: float) -> float:
         """Wait (at most ``timeout`` s) until ``local`` serves; the seconds it took."""
@@ -171,6 +177,10 @@ class Relay:
                 "and connect it first, then wait on `local.connect()` (or await both at once)"
             )
         while self.local.core is None:
+            if self._start_failed is not None:
+                raise WeightSyncError(
+                    f"the relay's local sender could not start: {self._start_failed}"
+                )
             if time.monotonic() - started >= timeout:
                 raise WeightSyncTimeout(
                     f"the relay's local sender did not start within {timeout:g} s: it starts "
@@ -190,6 +200,11 @@ class Relay:
             return  # ``local`` is not entered: it starts at the upstream's version when it is
         core = await self.start_local(at=version)
         if core is None:
+            if self._start_failed is not None:  # the leaves would never get a version
+                raise WeightSyncError(
+                    f"relay (worker {self.upstream.worker_idx}): its sender to the leaves "
+                    f"could not start ({self._start_failed}); leave and enter it again"
+                )
             return
         timeouts = self.local.timeouts
         # Hooks may run for the upstream's ack timeout: the relay is done a second before,

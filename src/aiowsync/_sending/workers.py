@@ -87,7 +87,8 @@ def status_of(peers: PeerTable, worker: int) -> WorkerStatus:
     if peer is None:
         return WorkerStatus(worker, "never connected", None, None, None, None, None, note)
     acked = peer.conn.acked_version
-    inflight = max(peer.inflight) if peer.inflight else None
+    # One read of the set: the engine may replace it meanwhile (a scrape runs in a thread).
+    inflight = max(peer.inflight, default=None)
     return WorkerStatus(
         worker_idx=worker,
         state=_state(peers, peer),
