@@ -124,8 +124,8 @@ MUTANTS = [
         "oldest-in-flight",
         "a worker's in_flight reports the oldest version in flight, not the newest",
         "src/aiowsync/_sending/workers.py",
-        "    inflight = max(peer.inflight) if peer.inflight else None\n",
-        "    inflight = min(peer.inflight) if peer.inflight else None\n",
+        "    inflight = max(peer.inflight, default=None)\n",
+        "    inflight = min(peer.inflight, default=None)\n",
     ),
     Mutant(
         "relay-acks-short",
