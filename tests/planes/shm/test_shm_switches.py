@@ -202,10 +202,13 @@ async def test_a_window_is_given_back_once_no_model_reads_it() -> None:
     assert [a for a in windows if mapped(a)] == []
 
 
-async def test_a_window_receiver_leases_its_version_once_its_sender_has_ended() -> None:
-    """A receiver that outlives its sender (``reconnect=``) serves its version from the slot
-    its window shows; the sender removed the slot's name on its way out, and a lease maps the
-    slot all the same."""
+@pytest.mark.parametrize("reconnect", [False, True])
+async def test_a_window_receiver_leases_its_version_once_its_sender_has_ended(
+    reconnect: bool,
+) -> None:
+    """A receiver that outlives its sender serves its version from the slot its window
+    shows; the sender removed the slot's name on its way out, and a lease maps the slot all
+    the same (with ``reconnect=``, a copy of it)."""
 
     def many(seed: int) -> nn.Module:
         torch.manual_seed(seed)
@@ -220,7 +223,7 @@ async def test_a_window_receiver_leases_its_version_once_its_sender_has_ended() 
         r = aiowsync.SharedMemWeightSyncScheme(
             address=sender.address, switch="remap", apply_mode="swap"
         )
-        r.init_on_receiver(model=mirror, worker_idx=0, reconnect=True)
+        r.init_on_receiver(model=mirror, worker_idx=0, reconnect=reconnect)
         async with r:
             await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
             bump(src)
@@ -229,7 +232,7 @@ async def test_a_window_receiver_leases_its_version_once_its_sender_has_ended() 
             expected = {k: v.clone() for k, v in src.state_dict().items()}
             await host.stop()  # its slot files go with it
             await eventually(lambda: not r.connected, what="the receiver sees its sender gone")
-            assert r.ready and r.version == 1 and same(mirror, src)
+            assert r.ready == reconnect and r.version == 1 and same(mirror, src)
             async with r.lease() as held:
                 assert held.version == 1
                 assert all(torch.equal(held.params()[k], v) for k, v in expected.items())
