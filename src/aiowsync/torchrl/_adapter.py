@@ -252,9 +252,16 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
         """TorchRL points a worker's scheme at the policy its collector runs, once it has
         connected: a copy of the policy the receiver copies versions into, when the
         collector moved it to its ``policy_device``. Each version then goes on into it."""
-        bound = self._bound() if self._bound is not None else None
+        bound: nn.Module | None = self._bound() if self._bound is not None else None
         if bound is not None and isinstance(model, nn.Module) and model is not bound:
-            self._pass_on(bound, model)
+            runs = _TorchRLScheme.model.fget(self)
+            if runs is bound:
+                self._pass_on(bound, model)
+            elif model is not runs:
+                raise RuntimeError(
+                    f"worker {self.worker_idx}: the scheme passes each version on to one copy "
+                    "of the policy; it is pointed at another one"
+                )
         _TorchRLScheme.model.fset(self, model)
 
     def _pass_on(self, bound: nn.Module, runs: nn.Module) -> None:
