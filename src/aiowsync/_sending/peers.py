@@ -108,7 +108,7 @@ class PeerTable:
         self.by_index[peer.worker_idx] = peer
         self.by_routing[peer.routing] = peer
 
-    def replace(self, worker: int, pid: int) -> None:
+    def replace(self, worker: int) -> None:
         """A new connection takes index ``worker``: its old holder is lost, and keeps its pins
         while its process may still read its version (see :meth:`_reads_still`)."""
         old = self.by_index.pop(worker, None)

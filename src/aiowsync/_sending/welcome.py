@@ -79,7 +79,7 @@ class Greeter:
         # Where the kernel names the peer's process (a Unix socket), liveness follows that
         # pid, not the one the hello gives (a peer could name a process that never ends).
         pid = channel.peer_pid(routing) or hello.pid
-        self._state.peers.replace(hello.worker_idx, pid)
+        self._state.peers.replace(hello.worker_idx)
         conn = wire.Connection(wire.Role.SENDER, hello.worker_idx)
         conn.receive(hello)
         session = secrets.token_hex(16)

@@ -211,6 +211,16 @@ class WorkerReceiver:
         finally:
             pending.release()
 
+    def _drop_unlabelled(self) -> None:
+        """Undo a version loaded and never labelled, if any (the trainer that loaded it is
+        gone): the server goes on with what it served before. A failure is logged."""
+        if self._pending is None:
+            return
+        try:
+            self._undo_pending()
+        except Exception as exc:
+            log.error("worker %d: could not undo a version: %s", self.worker_idx, exc)
+
     def finish(self) -> int | None:
         """The version applied since the last call becomes the one kept; the one before is
         released. Returns the version the model holds."""
@@ -230,12 +240,7 @@ class WorkerReceiver:
         """Stop receiving; the version the model holds, copied out of the sender's memory (for
         undoing a failed apply under the next trainer)."""
         with self._lock:
-            if self._pending is not None:
-                # Never labelled: the server goes on with what it served before.
-                try:
-                    self._undo_pending()
-                except Exception as exc:
-                    log.error("worker %d: could not undo a version: %s", self.worker_idx, exc)
+            self._drop_unlabelled()
             applied, self._applied = self._applied, None
             kept = None
             if applied is not None:
@@ -280,12 +285,7 @@ class WorkerReceiver:
                 )
                 warned = True
             with self._lock:
-                if self._pending is not None:
-                    # Loaded but never labelled: the server goes on with what it served.
-                    try:
-                        self._undo_pending()
-                    except Exception as exc:
-                        log.error("worker %d: could not undo a version: %s", self.worker_idx, exc)
+                self._drop_unlabelled()
             if self._server_url is None:
                 continue  # another worker of the server resumes it
             try:

@@ -231,31 +231,13 @@ async def test_together_a_fleet_that_cannot_take_a_version_keeps_the_one_it_had(
         assert after[0][0] == after[1][0] != before[0][0]
 
 
-async def test_a_send_deadline_bounds_the_servers_step_too(vllm_servers: list[Server]) -> None:
-    """The deadline passes while the server loads the version: the send times out naming the
-    server, which then goes back to the version it served and resumes."""
-    server = vllm_servers[1]
-    async with (
-        http_client() as client,
-        attached_trainer([server.url]) as (scheme, model, servers),
-    ):
-        before, sums = await _served(client, server.url), await checksums(client, server.url)
-        server.fail_next({"fail": "reload", "after": 10**9, "delay": 3.0})
-        set_version(model, 2)
-        with pytest.raises(aiowsync.WeightSyncTimeout) as info:
-            await scheme.send(timeout=1.5)
-        assert isinstance(info.value, aiowsync.vllm.VLLMServerTimeout)
-        assert info.value.url == server.url
-        await _still_serves_the_previous_version(client, server, before, sums)
-        result = await scheme.send(timeout=60)
-        assert (await _served(client, server.url))[1] == str(result.version)
-
-
-async def test_a_send_cancelled_while_the_server_loads_leaves_it_on_its_version(
-    vllm_servers: list[Server],
+@pytest.mark.parametrize("ended_by", ["deadline", "cancellation"])
+async def test_a_send_ended_while_the_server_loads_leaves_it_on_its_version(
+    vllm_servers: list[Server], ended_by: str
 ) -> None:
-    """``asyncio.timeout`` cancels the send during the server's load: the call returns once
-    the server took the version it served back and was resumed; the next send is served."""
+    """The send's deadline passes, or ``asyncio.timeout`` cancels the send, while the server
+    loads the version: the call ends once the server took the version it served back and
+    was resumed (a deadline's error names the server); the next send is served."""
     server = vllm_servers[1]
     async with (
         http_client() as client,
@@ -264,9 +246,15 @@ async def test_a_send_cancelled_while_the_server_loads_leaves_it_on_its_version(
         before, sums = await _served(client, server.url), await checksums(client, server.url)
         server.fail_next({"fail": "reload", "after": 10**9, "delay": 3.0})
         set_version(model, 2)
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(1.0):
-                await scheme.send()
+        if ended_by == "deadline":
+            with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+                await scheme.send(timeout=1.5)
+            assert isinstance(info.value, aiowsync.vllm.VLLMServerTimeout)
+            assert info.value.url == server.url
+        else:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await scheme.send()
         await _still_serves_the_previous_version(client, server, before, sums)
         result = await scheme.send(timeout=60)
         assert (await _served(client, server.url))[1] == str(result.version)

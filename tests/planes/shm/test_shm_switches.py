@@ -23,6 +23,12 @@ from helpers import SHM_BEATS, Hosted, bump, eventually, model, same, shm_pair, 
 pytestmark = pytest.mark.timeout(60)
 
 
+def _many(seed: int, layers: int, shape: tuple[int, int] = (8, 8)) -> nn.Module:
+    """A model of ``layers`` small linear layers (each of ``shape``)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(*shape) for _ in range(layers)])
+
+
 async def test_a_failed_hook_keeps_the_workers_slot_protected() -> None:
     async with shm_system(2) as (sender, src, receivers):
         r0, m0 = receivers[0]
@@ -126,16 +132,12 @@ async def test_swap_mode_switches_by_rebinding_or_by_remapping_one_window(
 ) -> None:
     from aiowsync._planes.shm.window import windows_supported
 
-    def many(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
-
-    src = many(0)
+    src = _many(0, layers)
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=SHM_BEATS)
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
         r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, switch=switch)
-        m = many(1)
+        m = _many(1, layers)
         r.init_on_receiver(model=m, worker_idx=0)
         async with r:
             await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
@@ -174,11 +176,7 @@ async def test_a_window_is_given_back_once_no_model_reads_it() -> None:
                     return True
         return False
 
-    def many(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(*[nn.Linear(33, 7) for _ in range(48)])
-
-    src, mirror = many(0), many(1)
+    src, mirror = _many(0, 48, (33, 7)), _many(1, 48, (33, 7))
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=SHM_BEATS)
     sender.init_on_sender(model=src, num_workers=1)
     windows: list[int] = []
@@ -210,11 +208,7 @@ async def test_a_window_receiver_leases_its_version_once_its_sender_has_ended(
     shows; the sender removed the slot's name on its way out, and a lease maps the slot all
     the same (with ``reconnect=``, a copy of it)."""
 
-    def many(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)])
-
-    src, mirror = many(0), many(1)
+    src, mirror = _many(0, 40), _many(1, 40)
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=SHM_BEATS)
     sender.init_on_sender(model=src, num_workers=1)
     host = Hosted(sender)
@@ -245,11 +239,7 @@ async def test_a_window_whose_model_torch_moved_elsewhere_is_not_remapped_blindl
     window must neither be unmapped under its receiver nor pretend to switch a model that
     no longer reads it."""
 
-    def many(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(*[nn.Linear(33, 7) for _ in range(48)])
-
-    src, mirror = many(0), many(1)
+    src, mirror = _many(0, 48, (33, 7)), _many(1, 48, (33, 7))
     async with shm_pair(src, mirror, switch="remap") as (sender, _):
         mirror.share_memory()
         gc.collect()
