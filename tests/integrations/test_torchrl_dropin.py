@@ -76,6 +76,16 @@ def test_distinct_factories_give_each_worker_weights_of_its_own(kind: str) -> No
         collector.update_policy_weights_({0: _weights(100.0), 1: _weights(200.0)})
         assert _markers(next(it)) == [{100.0}, {200.0}]
         assert scheme.per_worker_weights
+        # worker_ids and the map must name the same workers: nothing given is dropped,
+        # no worker named is skipped, and a refused update sends nothing.
+        for weights, ids in (
+            ({0: _weights(1.5), 1: _weights(2.5)}, [1]),
+            ({0: _weights(1.5)}, [0, 1]),
+        ):
+            with pytest.raises(ValueError, match="give the same workers"):
+                collector.update_policy_weights_(weights, worker_ids=ids)
+        collector.update_policy_weights_({1: _weights(300.0)}, worker_ids=1)
+        assert _markers(next(it)) == [{100.0}, {300.0}]
     finally:
         collector.shutdown()
         scheme.shutdown()

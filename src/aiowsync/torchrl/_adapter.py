@@ -27,7 +27,6 @@ from .._scheme.scheme import WeightSyncScheme as _Scheme
 from .._sending.outcome import SendResult
 from ._plan import Plan, plan_sender
 from ._trainer import apply_locally, connect, jobs, raise_failed
-from ._trainer import worker_ids as worker_ids_of
 from ._worker import guard_forwards, is_meta, pass_on
 
 __all__ = ["CONNECT_TIMEOUT_S", "Adapter"]
@@ -174,7 +173,7 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
         if plan.local is not None:
             apply_locally(plan.local, weights, getattr(self, "context", None))
             return None
-        parts = jobs(weights, worker_ids_of(worker_ids, len(self._route)), self._route)
+        parts = jobs(weights, worker_ids, self._route)
         self._raise_unsettled()
         if not self.sync:
             # Returns once the version is staged (the weights may change then); its outcome

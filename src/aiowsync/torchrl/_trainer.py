@@ -63,10 +63,12 @@ def _ended_workers(context: Any) -> list[tuple[int, int]]:
     ]
 
 
-def jobs(weights: Any, targets: list[int], route: list[tuple[int, int]]) -> list[Job]:
-    """The senders that a send of ``weights`` to workers ``targets`` goes through."""
+def jobs(weights: Any, named: Any, route: list[tuple[int, int]]) -> list[Job]:
+    """The senders that a send of ``weights`` to the workers ``named`` (a send's
+    ``worker_ids``; None for all) goes through."""
+    targets = worker_ids(named, len(route))
     if isinstance(weights, dict) and weights and all(isinstance(k, int) for k in weights):
-        return _per_worker_jobs(weights, targets, route)
+        return _per_worker_jobs(weights, None if named is None else targets, route)
     by_sender: dict[int, list[int]] = {}
     for w in targets:
         k, local = route[w]
@@ -75,12 +77,21 @@ def jobs(weights: Any, targets: list[int], route: list[tuple[int, int]]) -> list
 
 
 def _per_worker_jobs(
-    weights: Mapping[int, Any], targets: list[int], route: list[tuple[int, int]]
+    weights: Mapping[int, Any], targets: list[int] | None, route: list[tuple[int, int]]
 ) -> list[Job]:
+    """Each worker's own weights, to the workers the map names; where ``worker_ids`` named
+    workers too (``targets``), both must name the same ones, so that no weights given are
+    dropped and no named worker is left out without a word."""
     unknown = sorted(set(weights) - set(range(len(route))))
     if unknown:
         raise ValueError(f"weights for workers {unknown}: there are {len(route)}")
-    chosen = [w for w in targets if w in weights]
+    if targets is not None and set(targets) != set(weights):
+        raise ValueError(
+            f"worker_ids={sorted(set(targets))} and weights for workers {sorted(weights)}: "
+            "a map of each worker's weights names the workers it goes to, so give the same "
+            "workers (or leave worker_ids out)"
+        )
+    chosen = sorted(weights)
     senders = [route[w][0] for w in chosen]
     if len(set(senders)) != len(senders):
         raise ValueError(
