@@ -49,7 +49,7 @@ def _policy() -> Any:
     return TensorDictModule(Marked(), in_keys=["observation"], out_keys=["action", "marker"])
 
 
-def _scheme(kind: str) -> Any:
+def _scheme(kind: str, **options: Any) -> Any:
     import torchrl.weight_update
 
     import aiowsync.torchrl
@@ -57,8 +57,8 @@ def _scheme(kind: str) -> Any:
     if kind == "torchrl":
         return torchrl.weight_update.SharedMemWeightSyncScheme()
     if kind == "shm":
-        return aiowsync.torchrl.SharedMemWeightSyncScheme(send_timeout=30)
-    return aiowsync.torchrl.DistributedWeightSyncScheme(send_timeout=30)
+        return aiowsync.torchrl.SharedMemWeightSyncScheme(send_timeout=30, **options)
+    return aiowsync.torchrl.DistributedWeightSyncScheme(send_timeout=30, **options)
 
 
 def _collector(cls: Any, policy: Any, scheme: Any, total_frames: int = -1) -> Any:
@@ -300,7 +300,7 @@ def test_a_failed_send_made_with_sync_false_is_raised_by_shutdown() -> None:
         _mark(policy, 5.0)
         assert collector.update_policy_weights_() is None  # staged; the send goes on
         deadline = time.monotonic() + 60
-        while not all(f.done() for f in scheme._unsettled) and time.monotonic() < deadline:
+        while not all(f.done() for f, _ in scheme._unsettled) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
         collector.shutdown()
@@ -312,11 +312,14 @@ def test_a_failed_send_made_with_sync_false_is_raised_by_shutdown() -> None:
 
 
 @needs_torchrl
-def test_a_dead_worker_and_wrong_weights_raise_from_the_update() -> None:
+@pytest.mark.parametrize("per_worker", [False, True], ids=["one scheme", "a scheme per worker"])
+def test_a_dead_worker_and_wrong_weights_raise_from_the_update(per_worker: bool) -> None:
+    """The error names the collector's worker, also where that worker has a scheme of its own
+    (in which it is worker 0)."""
     from tensordict import TensorDict
     from torchrl.collectors import MultiSyncCollector
 
-    policy, scheme = _policy(), _scheme("shm")
+    policy, scheme = _policy(), _scheme("shm", per_worker_weights=per_worker)
     collector = _collector(MultiSyncCollector, policy, scheme)
     try:
         next(iter(collector))
@@ -381,3 +384,20 @@ def test_the_collector_example_runs(tmp_path: Any) -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "OK: 10 batches; the workers ran version 10 at the end" in run.stdout
+
+
+@needs_torchrl
+def test_workers_that_never_connect_are_named_with_what_the_sender_knows() -> None:
+    import aiowsync.torchrl
+
+    scheme = aiowsync.torchrl.SharedMemWeightSyncScheme(connect_timeout=1.5)
+    scheme.init_on_sender(model_id="policy", model=_policy(), num_workers=2)
+    try:
+        with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+            scheme.connect()
+    finally:
+        scheme.shutdown()
+    assert info.value.worker_ids == (0, 1)
+    assert str(info.value).startswith("workers did not connect within 1.5 s:\n")
+    assert "worker 0: never connected\n  worker 1: never connected" in str(info.value)
+    assert _segments() == set()

@@ -26,7 +26,7 @@ from .._scheme.blocking import BlockingScheme, blocking
 from .._scheme.scheme import WeightSyncScheme as _Scheme
 from .._sending.outcome import SendResult
 from ._plan import Plan, plan_sender
-from ._trainer import apply_locally, connect, jobs, raise_failed
+from ._trainer import apply_locally, connect, jobs, named_as, raise_failed
 from ._worker import guard_forwards, is_meta, pass_on
 
 __all__ = ["CONNECT_TIMEOUT_S", "Adapter"]
@@ -83,7 +83,9 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
         self._guard_handles: list[Any] = []
         self._closing = threading.Lock()
         self._last_seen: int | None = None
-        self._unsettled: list[concurrent.futures.Future[SendResult]] = []
+        self._unsettled: list[tuple[concurrent.futures.Future[SendResult], list[int]]] = []
+        """Sends made with ``sync=False``, each with the collector's indices of its scheme's
+        workers."""
         self._bound: weakref.ReferenceType[nn.Module] | None = None
         """Receiver: the module the worker's receiver copies each version into."""
 
@@ -150,8 +152,8 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
     ) -> None:
         deadline = time.monotonic() + self.connect_timeout
         context = getattr(self, "context", None)
-        for face in self._faces:
-            connect(face, deadline, context=context, limit=self.connect_timeout)
+        for face, names in zip(self._faces, self._names(), strict=True):
+            connect(face, deadline, context=context, limit=self.connect_timeout, workers=names)
         if weights is not None and self._faces:  # first weights other than the model's
             self.send(weights)
 
@@ -174,25 +176,40 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
             apply_locally(plan.local, weights, getattr(self, "context", None))
             return None
         parts = jobs(weights, worker_ids, self._route)
+        names = self._names()
         self._raise_unsettled()
         if not self.sync:
             # Returns once the version is staged (the weights may change then); its outcome
             # is raised by the next send() or shutdown() if it failed.
             for k, w, ids in parts:
-                self._unsettled.append(self._faces[k].publish(w, ids, self.send_timeout))
+                with named_as(names[k]):
+                    sent = self._faces[k].publish(w, ids, self.send_timeout)
+                self._unsettled.append((sent, names[k]))
             return None
         if len(parts) == 1 and not plan.per_worker:
             k, w, ids = parts[0]
-            return self._faces[k].send(w, ids, self.send_timeout)
+            with named_as(names[k]):
+                return self._faces[k].send(w, ids, self.send_timeout)
         # Workers with senders of their own are sent to side by side; each send has its
         # deadline (send_timeout, or the scheme's Timeouts).
         futures = [self._faces[k].send_soon(w, ids, self.send_timeout) for k, w, ids in parts]
-        return [f.result() for f in futures]
+        results = []
+        for (k, _, _), future in zip(parts, futures, strict=True):
+            with named_as(names[k]):
+                results.append(future.result())
+        return results
+
+    def _names(self) -> list[list[int]]:
+        """By sender, the collector's index of each of its workers (in its own order)."""
+        pairs: list[list[tuple[int, int]]] = [[] for _ in self._faces]
+        for w, (k, local) in enumerate(self._route):
+            pairs[k].append((local, w))
+        return [[w for _, w in sorted(p)] for p in pairs]
 
     def _raise_unsettled(self) -> None:
         """Raise the error of an earlier ``sync=False`` send that has failed since."""
-        done = [f for f in self._unsettled if f.done()]
-        self._unsettled = [f for f in self._unsettled if not f.done()]
+        done = [(f, names) for f, names in self._unsettled if f.done()]
+        self._unsettled = [(f, names) for f, names in self._unsettled if not f.done()]
         raise_failed(done)
 
     def _resolve(self, model_id: str) -> Any:
@@ -332,7 +349,7 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
             self._guard_handles = []
         try:
             # Sends made with sync=False end (each within its deadline) before the scheme goes.
-            concurrent.futures.wait(unsettled)
+            concurrent.futures.wait([f for f, _ in unsettled])
             for face in faces:
                 face.close()
         finally:

@@ -5,20 +5,30 @@ worker processes, the outcome of ``sync=False`` sends."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._exceptions import ConnectFailedError, WeightSyncTimeout, WorkerLostError
+from .._exceptions import ConnectFailedError, WeightSyncError, WeightSyncTimeout, WorkerLostError
 from .._scheme.blocking import BlockingScheme
 from .._sending.outcome import SendResult
 from .._weights.flatten import flatten_weights
 from .._weights.layout import Layout
 
-__all__ = ["LOOK_S", "Job", "apply_locally", "connect", "jobs", "raise_failed", "worker_ids"]
+__all__ = [
+    "LOOK_S",
+    "Job",
+    "apply_locally",
+    "connect",
+    "jobs",
+    "named_as",
+    "raise_failed",
+    "worker_ids",
+]
 
 LOOK_S = 1.0
 """How often the trainer's ``connect()`` looks whether a worker process has ended."""
@@ -27,15 +37,19 @@ Job = tuple[int, Any, list[int]]
 """One sender's part of a send: its index, the weights, its own indices of the workers."""
 
 
-def connect(face: BlockingScheme, deadline: float, *, context: Any, limit: float) -> None:
+def connect(
+    face: BlockingScheme, deadline: float, *, context: Any, limit: float, workers: Sequence[int]
+) -> None:
     """``face.connect()`` by ``deadline`` (``limit`` seconds after the first try), looking at
     the collector's worker processes (``context.procs``) every :data:`LOOK_S`: one that
     ended (its environment or policy failed to build) fails the wait at once, instead of at
-    the deadline as a worker that never came."""
+    the deadline as a worker that never came. ``workers``: the collector's index of each of
+    the face's workers, which its errors name."""
     while True:
         left = deadline - time.monotonic()
         try:
-            face.connect(max(min(left, LOOK_S), 0.001))
+            with named_as(workers):
+                face.connect(max(min(left, LOOK_S), 0.001))
             return
         except ConnectFailedError:
             raise
@@ -49,10 +63,51 @@ def connect(face: BlockingScheme, deadline: float, *, context: Any, limit: float
                     [w for w, _ in ended],
                 ) from exc
             if left <= LOOK_S:
+                missing = [workers.index(w) for w in exc.worker_ids]
                 raise WeightSyncTimeout(
                     f"workers did not connect within {limit:g} s:\n  "
-                    + str(exc).split("\n", 1)[-1].strip()
+                    + "\n  ".join(_story(face, i, workers[i]) for i in missing),
+                    exc.worker_ids,
                 ) from None
+
+
+def _story(face: BlockingScheme, local: int, worker: int) -> str:
+    """What the sender knows of collector worker ``worker`` (``face``'s worker ``local``)."""
+    status = face.workers[local]
+    return f"worker {worker}: {status.state}" + (f" ({status.note})" if status.note else "")
+
+
+@contextlib.contextmanager
+def named_as(workers: Sequence[int]) -> Iterator[None]:
+    """Errors raised inside name the collector's workers: ``workers[i]`` for a scheme's
+    worker ``i`` (a worker with weights of its own has a scheme of its own, where it is
+    worker 0). Their ``worker_ids``, ``acked``, ``reasons`` and ``errors`` are renumbered,
+    and a note says how to read the text."""
+    try:
+        yield
+    except WeightSyncError as exc:
+        if list(workers) != list(range(len(workers))):
+            _renumber(exc, workers)
+        raise
+
+
+def _renumber(exc: WeightSyncError, workers: Sequence[int]) -> None:
+    def name(i: int) -> int:
+        return workers[i] if 0 <= i < len(workers) else i
+
+    for attr in ("worker_ids", "acked"):
+        ids = getattr(exc, attr, None)
+        if isinstance(ids, tuple) and ids:
+            setattr(exc, attr, tuple(sorted(name(i) for i in ids)))
+    for attr in ("reasons", "errors"):
+        table = getattr(exc, attr, None)
+        if isinstance(table, dict):
+            setattr(exc, attr, {name(i): v for i, v in sorted(table.items())})
+    exc.add_note(
+        "(the workers above are numbered by their own scheme: "
+        + ", ".join(f"its worker {i} is the collector's worker {w}" for i, w in enumerate(workers))
+        + ")"
+    )
 
 
 def _ended_workers(context: Any) -> list[tuple[int, int]]:
@@ -129,9 +184,18 @@ def apply_locally(local: nn.Module, weights: Any, context: Any) -> None:
             tensor.copy_(given[key])
 
 
-def raise_failed(sends: list[concurrent.futures.Future[SendResult]]) -> None:
-    """Raise the error of the first of ``sends`` (ended) that failed, noting the others."""
-    errors = [e for f in sends if not f.cancelled() and (e := f.exception()) is not None]
+def raise_failed(
+    sends: Sequence[tuple[concurrent.futures.Future[SendResult], Sequence[int]]],
+) -> None:
+    """Raise the error of the first of ``sends`` (ended, each with the collector's indices of
+    its scheme's workers) that failed, noting the others."""
+    errors = []
+    for future, workers in sends:
+        if future.cancelled() or (error := future.exception()) is None:
+            continue
+        if isinstance(error, WeightSyncError) and list(workers) != list(range(len(workers))):
+            _renumber(error, workers)
+        errors.append(error)
     if errors:
         for other in errors[1:]:
             errors[0].add_note(f"a later send made with sync=False failed too: {other}")
