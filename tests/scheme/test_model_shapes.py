@@ -241,3 +241,24 @@ async def test_weights_that_require_grad_are_sent_as_they_are(kind: str) -> None
             assert result.version == r.version == step
             assert same(mirror, other)
             assert all(t.requires_grad and t.grad_fn is None and t.grad is None for t in leaves)
+
+
+async def test_apply_weights_writes_only_into_a_receiver_that_is_not_switching() -> None:
+    """Before connect() and after the session it writes in place; while connected it is
+    refused (in swap mode the model reads memory mapped read only, and a write would be a
+    version nobody sent), as is ``inplace=False`` (tensors the receiver never updates)."""
+    torch.manual_seed(0)
+    src, mirror, other = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(8, 4)
+    r = aiowsync.SharedMemWeightSyncScheme(address="ipc://@unused")
+    r.init_on_receiver(model=mirror, worker_idx=0)
+    r.apply_weights(other.state_dict())
+    assert same(mirror, other)
+    with pytest.raises(ValueError, match="inplace=False"):
+        r.apply_weights(other.state_dict(), inplace=False)
+    async with pair(src, mirror) as (sender, r):
+        assert same(mirror, src)
+        with pytest.raises(RuntimeError, match="on a connected receiver"):
+            r.apply_weights(other.state_dict())
+        assert same(mirror, src) and r.version == 0
+    r.apply_weights(other.state_dict())  # the session ended: the model is the user's again
+    assert same(mirror, other)

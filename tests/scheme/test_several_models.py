@@ -211,11 +211,24 @@ def test_bad_wire_dtypes_and_swaps_that_cannot_be_are_refused_with_the_fix() -> 
         "policy.0.bias is torch.float32; use apply_mode='copy' (or 'auto', which picks it) "
         "to copy each version with a cast"
     )
+    # A window maps one slot file: several models would be re-bound read only, silently.
+    remap = aiowsync.SharedMemWeightSyncScheme(address="ipc://@x", switch="remap")
+    with pytest.raises(ValueError, match="switch='remap' maps one model's slot file"):
+        remap.init_on_receiver(models={"policy": policy_net(0)}, worker_idx=0)
+    copying = aiowsync.SharedMemWeightSyncScheme(
+        address="ipc://@x", switch="remap", apply_mode="copy"
+    )
+    copying.init_on_receiver(models={"policy": policy_net(0)}, worker_idx=0)  # no window needed
     s = aiowsync.SharedMemWeightSyncScheme()
     with pytest.raises(ValueError, match=r"model id 'a\.b' must be"):
         s.init_on_sender(models={"a.b": policy_net(0)}, num_workers=1)
     with pytest.raises(ValueError, match="give models= alone"):
         s.init_on_sender(model=policy_net(0), models={"a": policy_net(0)}, num_workers=1)
+    with pytest.raises(ValueError, match=r"give models= without model_id=.*'a'"):
+        s.init_on_sender(models={"a": policy_net(0)}, model_id="mine", num_workers=1)
+    s.register_hook(lambda version: None)  # hooks run on receivers: a sender refuses them
+    with pytest.raises(RuntimeError, match="hooks run on receivers"):
+        s.init_on_sender(models={"a": policy_net(0)}, num_workers=1)
 
 
 @pytest.mark.parametrize("name", ["shm", "dist"])
@@ -368,3 +381,33 @@ async def test_model_ids_that_are_module_attributes_work_too() -> None:
             await sender.send(weights={"eval": models["eval"]})
             assert same(mine["eval"], frozen(models["eval"]))
             assert same(mine["training"], frozen(models["training"]))
+
+
+@pytest.mark.parametrize("name", ["shm", "dist"])
+async def test_models_that_share_a_trunk_connect_and_follow_every_version(name: str) -> None:
+    """An actor and a critic on one trunk: each side lists the trunk under both models."""
+
+    def actor_critic(seed: int) -> dict[str, nn.Module]:
+        torch.manual_seed(seed)
+        trunk = nn.Linear(4, 8)
+        return {
+            "policy": nn.Sequential(trunk, nn.Linear(8, 2)),
+            "value": nn.Sequential(trunk, nn.Linear(8, 1)),
+        }
+
+    kind = Kind(name)
+    models = actor_critic(0)
+    sender = kind.scheme()
+    sender.init_on_sender(models=models, num_workers=1)
+    async with serving(sender):
+        mine = actor_critic(1)
+        r = kind.scheme(sender.address, plane=sender.plane)
+        r.init_on_receiver(models=mine, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=CONNECT), r.connect(timeout=CONNECT))
+            for step in (1, 2):
+                fill(models["policy"], float(step))  # the trunk too
+                assert (await sender.send(timeout=CONNECT)).version == step
+                for model_id in models:
+                    assert same(mine[model_id], frozen(models[model_id]))
+            assert mine["policy"][0].weight is mine["value"][0].weight

@@ -155,6 +155,13 @@ class ReceiverSession:
         """The scheme's hooks: registered before or after ``init_on_receiver``."""
         self.relays_to: Relay | None = None
         """Set when this receiver feeds a relay (``scheme.relay_to(local)``)."""
+        if several and getattr(plane, "switch", None) == "remap" and self._apply_mode() == "swap":
+            raise ValueError(
+                "switch='remap' maps one model's slot file over a window, and a version of "
+                "several models (models=) spans several files, so its switches would re-bind "
+                "each tensor to read-only memory; for models the worker writes into, use "
+                "apply_mode='copy' (else switch='rebind' or 'auto')"
+            )
         self._core: ReceiverCore | None = None
         self._connecting: ReceiverCore | None = None
         self._follower: Follower | None = None
@@ -164,6 +171,12 @@ class ReceiverSession:
     @property
     def entered(self) -> bool:
         return self._tasks is not None
+
+    @property
+    def switching(self) -> bool:
+        """Whether the receiver may switch the model now: inside ``async with``, connected
+        or connecting."""
+        return self.entered and self.applying is not None
 
     @property
     def core(self) -> ReceiverCore | None:

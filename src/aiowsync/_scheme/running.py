@@ -101,6 +101,11 @@ class SchemeRuntime(SchemeConfig):
     def _model_id_for(self, model_id: str | None, models: dict[str, WeightsLike] | None) -> str:
         """The model id an ``init_on_*`` call settles on (the only place it is decided)."""
         if models is not None:
+            if model_id is not None:
+                raise ValueError(
+                    "give models= without model_id=: a scheme of several models goes by "
+                    f"their ids ({models_id(models)!r})"
+                )
             return models_id(models)
         if model_id is not None:
             if not isinstance(model_id, str) or not model_id:

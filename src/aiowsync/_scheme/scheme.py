@@ -115,6 +115,11 @@ class WeightSyncScheme(SchemeRuntime):
                 working); falls back to per-tensor fused copies if the model cannot be re-homed.
         """
         self._check_fresh()
+        if self._hooks:
+            raise RuntimeError(
+                "hooks run on receivers, and this scheme has hooks registered: a sender would "
+                "never call them"
+            )
         checked = _checked_models(models, model, weights)
         if checked is not None:
             model, weights = sender_weights(checked)
@@ -392,8 +397,23 @@ class WeightSyncScheme(SchemeRuntime):
         return Lease(lambda: receiving.need_core().leases)
 
     def apply_weights(self, weights: WeightsLike, inplace: bool = True) -> None:
-        """Apply weights to the receiver's model directly with the strategy (no versioning)."""
+        """Write ``weights`` into the receiver's model with the strategy (no version): before
+        ``connect()``, or once the session ended. A connected receiver's model takes its
+        weights from its sender only (send them instead), and always in place: the receiver
+        switches the tensors the model held at ``init_on_receiver``."""
         receiving = self._receiving
         if receiving is None:
             raise RuntimeError("apply_weights() is for receivers")
-        self._strategy.apply_weights(receiving.model, weights, inplace=inplace)
+        if not inplace:
+            raise ValueError(
+                "apply_weights(inplace=False) on a receiver would give the model tensors "
+                "that its receiver never updates; use inplace=True"
+            )
+        if receiving.switching:
+            raise RuntimeError(
+                "apply_weights() on a connected receiver: its model runs the sender's "
+                "versions (a write here would be a version nobody sent, and in swap mode "
+                "lands in memory mapped read only); send the weights from the sender, or "
+                "apply them before connect() or after the session ends"
+            )
+        self._strategy.apply_weights(receiving.model, weights, inplace=True)

@@ -46,7 +46,8 @@ class SharedMemWeightSyncScheme(WeightSyncScheme):
             prefer ``"rebind"``; see the shared-memory page of the docs. Re-bound slots are
             mapped read only: a worker that writes into its weights in swap mode (a BatchNorm
             in train mode, parameter noise) dies of a segmentation fault; give it
-            ``switch="remap"`` or ``apply_mode="copy"``.
+            ``switch="remap"`` (one model only: a receiver of several models refuses it in
+            swap mode) or ``apply_mode="copy"``.
         plane: another data plane instead of the shared-memory one built from the three
             arguments above (e.g. :class:`MemoryPlane` in tests); then none of them may be
             given.

@@ -53,14 +53,29 @@ def models_id(models: Mapping[str, Any]) -> str:
 
 def sender_weights(models: Mapping[str, WeightsLike]) -> tuple[nn.Module | None, WeightsLike]:
     """What the sender sends by default: one module holding every model when all are modules
-    (its tensors are watched and can be re-homed, as for one model), else the mapping."""
-    if all(isinstance(m, nn.Module) for m in models.values()):
+    (its tensors are watched and can be re-homed, as for one model), else the mapping.
+
+    Models that share a tensor (an actor and a critic on one trunk) are sent as the mapping:
+    one module holding them all would list the shared tensor under the first model only,
+    where each receiver lists it under every model that holds it."""
+    if all(isinstance(m, nn.Module) for m in models.values()) and not _share(models):
         try:
             holder = nn.ModuleDict(models)  # type: ignore[arg-type]
         except KeyError:  # an id that is an attribute of nn.Module ("training", ...)
             return None, dict(models)
         return holder, holder
     return None, dict(models)
+
+
+def _share(models: Mapping[str, Any]) -> bool:
+    """Whether two of ``models`` (modules) hold one parameter or buffer."""
+    seen: set[int] = set()
+    for model in models.values():
+        own = {id(t) for t in (*model.parameters(), *model.buffers())}
+        if own & seen:
+            return True
+        seen |= own
+    return False
 
 
 def receiver_targets(models: Mapping[str, WeightsLike]) -> dict[str, torch.Tensor]:

@@ -78,13 +78,25 @@ def test_an_address_read_but_never_served_is_released(bind: str | None) -> None:
     gc.collect()
 
 
+def _slots_mapped() -> list[str]:
+    """This process's mappings of the slot files of senders in it (its pid in their name)."""
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if f"/dev/shm/aiowsync-{os.getpid()}-" in line]
+
+
 async def test_a_second_session_serves_on_the_first_sessions_address() -> None:
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=SHM_BEATS)
     sender.init_on_sender(model=model(0), num_workers=1)
     async with sender:
         first = sender.address  # bound by `async with`, not read before
+        assert _slots_mapped()
+    # The slots' memory went with the session (an unlinked file's pages stay allocated in
+    # /dev/shm while mapped), not with the scheme object, which the caller keeps.
+    assert _slots_mapped() == []
     async with sender:
         assert sender.address == first
+        assert _slots_mapped()
+    assert _slots_mapped() == []
 
 
 @pytest.mark.parametrize("bind", [None, "tcp://127.0.0.1:0"], ids=["default", "tcp"])

@@ -320,6 +320,10 @@ class SharedMemSenderPlane(SenderPlane):
         for table in self._tables.values():
             for s in table:
                 s.value.file.unlink()
+        # An unlinked file's pages stay allocated while it is mapped: the mappings go now,
+        # not with the scheme object (a staging thread still running holds its own).
+        self._tables.clear()
+        self._held.clear()
         self._policy.close(wait=False)
 
 
