@@ -250,6 +250,12 @@ class SenderPlane(abc.ABC):
         """``worker`` is lost or replaced: drop whatever state involves it."""
         del worker
 
+    def receive_failed(self, worker: int) -> None:
+        """``worker`` said its receive of a version failed (a retryable nack): a plane that
+        keeps routes between sends stops handing out those that count it, as the worker let
+        go of its side of them."""
+        del worker
+
     def distrust(self, workers: set[int]) -> None:
         """``workers`` forwarded bytes that were not the sender's: a plane whose receivers
         forward to each other (a chain) keeps them from forwarding again."""

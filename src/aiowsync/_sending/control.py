@@ -270,6 +270,8 @@ class ControlLoop:
     ) -> None:
         PeerTable.answered(peer, version, ok=error is None, running=running)
         peer.warned_slow = False
+        if retryable:
+            self._state.plane.receive_failed(peer.worker_idx)
         self._state.notify()  # its version, its pins, and perhaps its readiness changed
         self._skipped(peer, version, error)
         pending = self._state.pending.get(version)

@@ -307,6 +307,11 @@ class DistSenderPlane(SenderPlane):
         self._groups.forget(worker)
         self._groups.last.discard(worker)  # a new process under that index starts trusted
 
+    def receive_failed(self, worker: int) -> None:
+        """Drop every group that counts ``worker``: it let go of its side of the one it
+        failed on (a send that found the group dead would fail and retry)."""
+        self._groups.forget(worker)
+
     def distrust(self, workers: set[int]) -> None:
         """Later chains put ``workers`` last, where they forward to nobody."""
         self._groups.last |= workers

@@ -20,6 +20,7 @@ import torch
 
 from aiowsync._exceptions import ProtocolError, TransportError
 from aiowsync._protocol import ParamValue
+from aiowsync._util.daemon import in_daemon_thread
 from aiowsync._util.text import first_line
 from aiowsync._weights.layout import Layout
 
@@ -103,9 +104,9 @@ class DistReceiverPlane(ReceiverPlane):
         timeout_ms = params.get("timeout_ms")
         limit = timeout_ms / 1000 + 1.0 if isinstance(timeout_ms, int) else None
         with anyio.move_on_after(limit):
-            return await anyio.to_thread.run_sync(
-                self.fetch_blocking, params, abandon_on_cancel=True
-            )
+            # A daemon thread: one abandoned at shutdown must not hold up the process's exit
+            # until its deadline.
+            return await in_daemon_thread(self.fetch_blocking, params, name="aiowsync-receive")
         raise TransportError("receiving the version failed: it ran past its deadline")
 
     def fetch_blocking(self, params: Mapping[str, ParamValue]) -> Staged:
@@ -180,14 +181,11 @@ class DistReceiverPlane(ReceiverPlane):
             failure = first_line(exc)
         if failure is not None:
             # Outside the handler, so that no traceback keeps the failed group alive.
-            if chain:
-                # Let go now (in a thread): its connections close, so that the member after
-                # this one fails at once instead of at the deadline.
-                cached = None
-                self._groups.discard(name, *held)
-                held.clear()
-            else:
-                self._groups.discard(name)
+            # Let go now (in a thread): its connections close, so that the sender (and in a
+            # chain, the member after this one) fails at once instead of at the deadline.
+            cached = None
+            self._groups.discard(name, *held)
+            held.clear()
             raise TransportError(f"receiving the version failed: {failure}")
         text = None if key is None or sealed is None else self._check(sealed, key, choice)
         for number in moved:
