@@ -54,8 +54,8 @@ class Heartbeats:
 
     def __post_init__(self) -> None:
         _positive("interval", self.interval)
-        if self.interval < 0.01:
-            raise ValueError(f"interval must be at least 0.01 s, got {self.interval!r}")
+        if not 0.01 <= self.interval <= 3600:
+            raise ValueError(f"interval must be 0.01 s to an hour, got {self.interval!r}")
         if not isinstance(self.missed, int) or self.missed < 1:
             raise ValueError(f"missed must be a positive integer, got {self.missed!r}")
 

@@ -271,8 +271,10 @@ async def test_dtype_names_from_the_wire_never_reach_torch_attributes() -> None:
 def test_a_welcome_cannot_make_a_worker_beat_without_pause() -> None:
     from aiowsync._protocol import Welcome
 
-    with pytest.raises(ValueError, match=r"at least 0\.01"):
+    with pytest.raises(ValueError, match=r"interval must be 0\.01 s to an hour"):
         aiowsync.Heartbeats(interval=0.001)
+    with pytest.raises(ValueError, match=r"interval must be 0\.01 s to an hour"):
+        aiowsync.Heartbeats(interval=3601)  # what no welcome could carry
 
     def welcome(interval: float) -> Welcome:
         return Welcome(

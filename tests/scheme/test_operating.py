@@ -288,6 +288,8 @@ async def test_a_worker_forked_from_the_trainer_is_told_to_spawn_and_the_trainer
         ("localhost:5555", "no transport: it must start with tcp:// or ipc://"),
         ("tcp://localhost", "tcp needs HOST:PORT"),
         ("tcp://127.0.0.1:99999", "bad port '99999'"),
+        ("tcp://127.0.0.1:\u0665\u0665", "bad port '\u0665\u0665'"),  # Arabic-Indic digits
+        ("tcp://127.0.0.1:\u00b2", "bad port '\u00b2'"),
         ("tcp://127.0.0.1:0", "port 0 is for binding; connect to the port the sender reports"),
         ("udp://127.0.0.1:5555", "unknown transport 'udp'"),
         ("ipc://@*", "ipc://@* is for binding; connect to the address the sender reports"),

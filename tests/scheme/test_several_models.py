@@ -411,3 +411,28 @@ async def test_models_that_share_a_trunk_connect_and_follow_every_version(name: 
                 for model_id in models:
                     assert same(mine[model_id], frozen(models[model_id]))
             assert mine["policy"][0].weight is mine["value"][0].weight
+
+
+async def test_a_scheme_of_many_models_connects_and_more_than_it_holds_are_refused() -> None:
+    """Each model has a slot file of its own, named in every update: 40 models, more than
+    the 64 entries an update's parameters once held, connect and follow a send."""
+
+    def many(seed: int, n: int = 40) -> dict[str, nn.Module]:
+        torch.manual_seed(seed)
+        return {f"m{i}": nn.Linear(2, 2) for i in range(n)}
+
+    kind = Kind("shm")
+    models = many(0)
+    sender = kind.scheme()
+    sender.init_on_sender(models=models, num_workers=1)
+    async with serving(sender):
+        mine = many(1)
+        r = kind.scheme(sender.address)
+        r.init_on_receiver(models=mine, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=CONNECT), r.connect(timeout=CONNECT))
+            fill(models["m39"], 3.0)
+            assert (await sender.send(timeout=CONNECT)).version == 1
+            assert all(same(mine[k], frozen(models[k])) for k in models)
+    with pytest.raises(ValueError, match="holds 257 models; a scheme holds at most 256"):
+        kind.scheme().init_on_sender(models=many(0, 257), num_workers=1)

@@ -95,7 +95,7 @@ def _problem(address: str, *, bind: bool) -> str | None:
         return "tcp needs HOST:PORT"
     if not _HOST.match(host) or (host == "*" and not bind):
         return f"bad host {host!r}"
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         return f"bad port {port!r}"
     if int(port) == 0 and not bind:
         return "port 0 is for binding; connect to the port the sender reports"

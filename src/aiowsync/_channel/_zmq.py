@@ -31,6 +31,7 @@ from ._zmq_options import (
     BEATS_QUEUED,
     DROPS_PER_TURN,
     base_options,
+    ip_version_for,
     ms,
     own_routing_id,
     terminate,
@@ -73,6 +74,7 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         self._handing = False
         self._held: collections.deque[Message] = collections.deque()
         try:
+            ip_version_for(self._sock, address)
             self._sock.connect(address)
         except zmq.ZMQError as exc:
             self.close()
@@ -195,6 +197,7 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
             # A beat is news only while it is fresh: with no live connection it is dropped,
             # not queued for whichever sender binds the address next.
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            ip_version_for(sock, self._address)
             sock.connect(self._address)
         except BaseException:
             sock.close(linger=0)

@@ -144,6 +144,13 @@ def ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+def ip_version_for(sock: zmq.Socket[Any], address: str) -> None:
+    """Let ``sock`` use IPv6 where ``address`` names an IPv6 host (``tcp://[::1]:5555``).
+    Only there: a socket with IPv6 on reports an IPv4 endpoint as ``[::ffff:a.b.c.d]``."""
+    if address.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+
+
 def base_options(sock: zmq.Socket[Any], heartbeat_timeout: float) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, ms(heartbeat_timeout / PINGS_PER_TIMEOUT))

@@ -31,6 +31,7 @@ from ._zmq_options import (
     QUEUED_PER_PEER,
     base_options,
     check_open_abstract_socket,
+    ip_version_for,
     raise_open_files_limit,
     terminate,
     unpredictable_generated_ids,
@@ -98,6 +99,7 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
             # A connection that does not finish ZeroMQ's handshake (a peer that connects and
             # says nothing) is dropped after this long, giving back its descriptor.
             self._sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+            ip_version_for(self._sock, address)
             if urlsplit(address).scheme == "tcp" and urlsplit(address).port in (None, 0):
                 host = address.rsplit(":", 1)[0] if address.count(":") > 1 else address
                 self._sock.bind(f"{host}:*")

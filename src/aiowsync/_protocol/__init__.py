@@ -8,6 +8,7 @@ May import: aiowsync._exceptions.
 from ._codec import MAX_FRAME, decode, encode
 from ._messages import (
     MAX_LEASED,
+    MAX_MODELS,
     PROTOCOL_VERSION,
     SENDER_INDEX,
     Ack,
@@ -27,6 +28,7 @@ from ._state import TRANSITIONS, Connection, Role, State
 __all__ = [
     "MAX_FRAME",
     "MAX_LEASED",
+    "MAX_MODELS",
     "PROTOCOL_VERSION",
     "SENDER_INDEX",
     "TRANSITIONS",

@@ -40,7 +40,11 @@ MAX_TEXT: Final = 64 * 1024
 MAX_NAME: Final = 256
 MAX_TENSORS: Final = 1_000_000
 MAX_DIMS: Final = 32
-MAX_PARAMS: Final = 64
+MAX_MODELS: Final = 256
+"""The most models one scheme holds (``models=``)."""
+MAX_PARAMS: Final = 4 * MAX_MODELS
+"""The most entries of an update's parameters: a plane may give each model a few of its own
+(the shared-memory plane names each model's slot file and its size)."""
 MAX_LEASED: Final = 64
 """The most versions one receiver's leases may hold in the sender's memory at once."""
 MIN_BEAT_INTERVAL: Final = 0.01

@@ -18,8 +18,11 @@ def first_line(exc: BaseException, limit: int = 500) -> str:
 
 
 def error_text(exc: BaseException, limit: int = 60000) -> str:
-    """``Type: message`` of ``exc``, as a nack carries it to the sender."""
-    return f"{type(exc).__name__}: {exc}"[:limit]
+    """``Type: message`` of ``exc``, as a nack carries it to the sender: at most ``limit``
+    bytes in UTF-8 (what the sender's cap on a message counts), cut at a character."""
+    text = f"{type(exc).__name__}: {exc}"
+    # A lone surrogate (an undecodable file name in an OSError) becomes "?": it cannot travel.
+    return text.encode("utf-8", errors="replace")[:limit].decode("utf-8", errors="ignore")
 
 
 def worth_logging(count: int) -> bool:

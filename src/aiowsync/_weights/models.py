@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from .._protocol import MAX_MODELS
 from .binding import module_targets
 from .flatten import WeightsLike, flatten_weights
 
@@ -29,6 +30,11 @@ def check_models(models: object) -> dict[str, WeightsLike]:
         raise ValueError(
             "models= takes a non-empty mapping of model id to an nn.Module, a TensorDict or a "
             "state_dict, e.g. models={'policy': policy, 'value': value}"
+        )
+    if len(models) > MAX_MODELS:
+        raise ValueError(
+            f"models= holds {len(models)} models; a scheme holds at most {MAX_MODELS} (give "
+            "related tensors as one model: a TensorDict or a state_dict of many tensors)"
         )
     out: dict[str, WeightsLike] = {}
     for model_id, model in models.items():

@@ -148,13 +148,24 @@ async def test_apply_failure_comes_back_as_a_nack_with_its_text() -> None:
     async with shm_system(2) as (sender, src, receivers):
 
         def broken(version: int) -> None:
-            raise RuntimeError(f"kv cache reset failed at {version}")
+            if version == 1:
+                raise RuntimeError(f"kv cache reset failed at {version}")
 
         receivers[0][0].register_hook(broken)
         with pytest.raises(aiowsync.RemoteApplyError) as info:
             await sender.send(timeout=5)
         assert info.value.errors == {0: "RuntimeError: kv cache reset failed at 1"}
         assert info.value.acked == (1,)
+
+        def verbose(version: int) -> None:
+            raise RuntimeError("\u20ac" * 60000)  # 180 kB in UTF-8
+
+        receivers[0][0].register_hook(verbose)
+        with pytest.raises(aiowsync.RemoteApplyError) as info:
+            await sender.send(timeout=5)
+        # Cut to fit a message the sender takes (it cut the worker off before).
+        text = info.value.errors[0]
+        assert text.startswith("RuntimeError: \u20ac\u20ac") and len(text.encode()) <= 60000
 
 
 async def test_a_worker_whose_hook_keeps_failing_does_not_use_up_the_slots() -> None:

@@ -264,3 +264,30 @@ def test_a_switch_that_timed_out_leaves_nothing_behind_for_later_releases() -> N
     guard.release()
     assert guard.readers == 0
     assert asyncio.run(guard.switch(lambda: 7, timeout=1)) == 7
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+async def test_a_sender_bound_on_the_ipv6_loopback_serves_its_workers() -> None:
+    src, mirror = model(0), model(1)
+    sender = aiowsync.SharedMemWeightSyncScheme(bind="tcp://[::1]:0", heartbeats=SHM_BEATS)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        assert re.fullmatch(r"tcp://\[::1\]:\d+", sender.address)
+        r = pickle.loads(pickle.dumps(sender))
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=10), r.connect(timeout=10))
+            bump(src)
+            assert (await sender.send(timeout=10)).worker_ids == (0,)
+            assert same(mirror, src)
