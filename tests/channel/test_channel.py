@@ -191,6 +191,34 @@ async def test_ipc_transport_round_trip(tmp_path: pathlib.Path) -> None:
         if receiver is not None:
             receiver.close()
         sender.close()
+    assert not os.path.exists(f"{tmp_path}/control.sock")  # ZeroMQ leaves it; the sender not
+
+
+def test_a_socket_path_of_a_live_sender_or_a_file_is_refused_and_a_stale_one_taken(
+    tmp_path: pathlib.Path,
+) -> None:
+    import socket
+
+    factory = ZmqChannelFactory()
+    path = f"{tmp_path}/trainer.sock"
+    first = factory.bind(f"ipc://{path}", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    try:
+        # ZeroMQ would remove the live sender's file and take its workers.
+        with pytest.raises(aiowsync.TransportError, match="socket of a live process"):
+            factory.bind(f"ipc://{path}", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    finally:
+        first.close()
+    assert not os.path.exists(path)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)  # a sender that died: its file stays, nobody listens
+    stale.close()
+    second = factory.bind(f"ipc://{path}", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    second.close()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(aiowsync.TransportError, match="exists and is not a socket"):
+        factory.bind(f"ipc://{notes}", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    assert notes.read_text() == "mine"
 
 
 # -- deadlines and cancellation -------------------------------------------------------------

@@ -44,12 +44,20 @@ def resolve_local(address: str) -> str:
     return address
 
 
+def transport(address: str) -> str:
+    """The transport of a ZeroMQ address (``tcp``, ``ipc``...): what precedes ``://``. Not
+    urllib's parse, which fails on an ipc name holding ``[``."""
+    return address.partition("://")[0]
+
+
 def is_loopback_address(address: str) -> bool:
     """True for ``ipc://``/``inproc://`` and for tcp hosts in 127.0.0.0/8, ::1 or localhost."""
-    parts = urlsplit(address)
-    if parts.scheme in ("ipc", "inproc"):
-        return True
-    host = (parts.hostname or "").strip("[]")
+    if transport(address) != "tcp":
+        return transport(address) in ("ipc", "inproc")
+    try:
+        host = (urlsplit(address).hostname or "").strip("[]")
+    except ValueError:
+        return False
     if host == "localhost":
         return True
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from urllib.parse import urlsplit
 
 import zmq
 
@@ -22,6 +21,7 @@ from ._address import (
     check_zmq_address,
     is_loopback_address,
     resolve_local,
+    transport,
 )
 from ._auth import CurveKeys, check_server_keys, client_options
 from ._base import ChannelFactory, ReceiverChannel, SenderChannel, timeout_error
@@ -326,4 +326,4 @@ class ZmqChannelFactory(ChannelFactory):
 
 
 def _is_tcp(address: str) -> bool:
-    return urlsplit(address).scheme == "tcp"
+    return transport(address) == "tcp"

@@ -7,13 +7,12 @@ import collections
 import contextlib
 import logging
 import time
-from urllib.parse import urlsplit
 
 import zmq
 
 from .._exceptions import TransportError
 from .._protocol import MAX_FRAME, Message, encode
-from ._address import resolve_local
+from ._address import resolve_local, transport
 from ._auth import CurveKeys, CurveServer, SameUserServer
 from ._base import PeerId, SenderChannel, timeout_error
 from ._fdwait import POLLIN, ZmqEnd, deadline_after
@@ -23,6 +22,7 @@ from ._socket_dir import (
     owned_socket_dir,
     remove_owned_socket_dir,
 )
+from ._socket_file import BoundFile, check_free, socket_file
 from ._zmq_options import (
     DROPS_PER_TURN,
     HANDSHAKE_MS,
@@ -56,7 +56,9 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
         address = resolve_local(address)
         self._pids: collections.OrderedDict[PeerId, int] = collections.OrderedDict()
         """By routing id, the pid the kernel gave for the peer's process (Unix sockets)."""
-        unix = urlsplit(address).scheme == "ipc"
+        self._bound_file: BoundFile | None = None
+        """A socket file at a path the user chose, removed at close if still ours."""
+        unix = transport(address) == "ipc"
         same_user = unix and curve is None and not other_users and PEER_CREDENTIALS
         raise_open_files_limit()
         try:
@@ -64,6 +66,9 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
                 check_open_abstract_socket(address)
             self._socket_dir = claim_socket_dir(address)
             """The private directory of the socket, removed with it (see LOCAL_BIND)."""
+            chosen = socket_file(address) if self._socket_dir is None else None
+            if chosen is not None:
+                check_free(chosen)
         except OSError as exc:
             ctx.term()
             raise TransportError(f"cannot bind {address}: {exc}") from None
@@ -100,7 +105,7 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
             # says nothing) is dropped after this long, giving back its descriptor.
             self._sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
             ip_version_for(self._sock, address)
-            if urlsplit(address).scheme == "tcp" and urlsplit(address).port in (None, 0):
+            if transport(address) == "tcp" and address.rpartition(":")[2] == "0":
                 host = address.rsplit(":", 1)[0] if address.count(":") > 1 else address
                 self._sock.bind(f"{host}:*")
             else:
@@ -109,6 +114,9 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
             self.close()
             raise TransportError(f"cannot bind {address}: {exc}") from None
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if chosen is not None:
+            with contextlib.suppress(OSError):
+                self._bound_file = BoundFile(chosen)
 
     async def send_frame(self, peer: PeerId, frame: bytes, *, timeout: float | None) -> None:
         await self._send_frames([peer, frame], timeout)
@@ -192,6 +200,9 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
             self._auth.close()
             stuck = self._auth.stuck
         terminate(self._ctx, wait=not stuck)
+        if self._bound_file is not None:
+            self._bound_file.remove()
+            self._bound_file = None
         if self._socket_dir is not None:
             remove_owned_socket_dir(self._socket_dir)
             self._socket_dir = None

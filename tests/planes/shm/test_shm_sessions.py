@@ -277,13 +277,26 @@ def _ipv6_loopback() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
-async def test_a_sender_bound_on_the_ipv6_loopback_serves_its_workers() -> None:
+@pytest.mark.parametrize(
+    ("bind", "served"),
+    [
+        pytest.param(
+            "tcp://[::1]:0",
+            r"tcp://\[::1\]:\d+",
+            marks=pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here"),
+        ),
+        (f"ipc://@aiowsync-test-{os.getpid()}-[0]", rf"ipc://@aiowsync-test-{os.getpid()}-\[0\]"),
+    ],
+    ids=["ipv6", "ipc name with brackets"],
+)
+async def test_a_sender_bound_on_an_unusual_address_serves_its_workers(
+    bind: str, served: str
+) -> None:
     src, mirror = model(0), model(1)
-    sender = aiowsync.SharedMemWeightSyncScheme(bind="tcp://[::1]:0", heartbeats=SHM_BEATS)
+    sender = aiowsync.SharedMemWeightSyncScheme(bind=bind, heartbeats=SHM_BEATS)
     sender.init_on_sender(model=src, num_workers=1)
     async with sender:
-        assert re.fullmatch(r"tcp://\[::1\]:\d+", sender.address)
+        assert re.fullmatch(served, sender.address)
         r = pickle.loads(pickle.dumps(sender))
         r.init_on_receiver(model=mirror, worker_idx=0)
         async with r:
