@@ -262,3 +262,21 @@ async def test_apply_weights_writes_only_into_a_receiver_that_is_not_switching()
         assert same(mirror, src) and r.version == 0
     r.apply_weights(other.state_dict())  # the session ended: the model is the user's again
     assert same(mirror, other)
+
+
+def test_a_model_too_large_to_describe_in_a_hello_is_refused_at_init(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's hello lists every tensor; one larger than a control message may be would
+    never be read, and both sides would wait until their deadlines. (The cap is lowered here
+    to keep the model small: at 64 MiB it takes some 700,000 tensors.)"""
+    from aiowsync._sending import handshake
+
+    monkeypatch.setattr(handshake, "MAX_FRAME", 256 * 1024)
+    many = {f"layers.{i:05d}.experts.down_projection.weight": torch.zeros(1) for i in range(4000)}
+    message = r"a model of 4000 tensors is described in [0-9.]+ MiB, more than a control message"
+    with pytest.raises(ValueError, match=message):
+        aiowsync.SharedMemWeightSyncScheme().init_on_sender(weights=many, num_workers=1)
+    r = aiowsync.SharedMemWeightSyncScheme(address="ipc://@unused")
+    with pytest.raises(ValueError, match=message):
+        r.init_on_receiver(weights=many, worker_idx=0)

@@ -25,7 +25,7 @@ __all__ = ["MAGIC", "MAX_FRAME", "decode", "encode"]
 _NO_FINGERPRINT: Final = "0" * 64
 
 MAGIC: Final = b"AW"
-MAX_FRAME: Final = 8 * 1024 * 1024
+MAX_FRAME: Final = 64 * 1024 * 1024
 _HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 
 _encoder = msgspec.msgpack.Encoder()

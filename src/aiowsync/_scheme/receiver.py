@@ -24,6 +24,7 @@ from .._planes.base import ReceiverContext
 from .._protocol import PROTOCOL_VERSION, Hello
 from .._receiving.engine import ApplyMode, Hook, ReceiverCore
 from .._receiving.guard import ReadGuard
+from .._sending.handshake import refuse_oversized
 from .._weights.binding import module_targets
 from .._weights.flatten import WeightsLike, flatten_weights
 from .._weights.layout import Layout, refuse_meta
@@ -122,6 +123,7 @@ class ReceiverSession:
         several = models is not None
         model_layout = Layout.from_weights(targets, sectioned=several)
         layout = Layout.from_weights(targets, sectioned=several, wire_dtype=wire_dtype)
+        refuse_oversized(layout)
         plane = options.plane
         if options.apply_mode == "swap" and layout != model_layout:
             cast = next(

@@ -24,7 +24,7 @@ from .._config import Timeouts
 from .._exceptions import TransportError
 from .._planes.base import SenderContext, WeightSource
 from .._sending.engine import PendingSend, SenderCore, SendResult
-from .._sending.handshake import hello_limit
+from .._sending.handshake import hello_limit, refuse_oversized
 from .._sending.source import ModelSource, PartialSource, WeightsSource
 from .._sending.workers import WorkerTable
 from .._weights.flatten import WeightsLike, flatten_weights
@@ -75,6 +75,7 @@ class SenderSession:
         """The layout of the model's own dtypes (what sources are checked against);
         ``layout`` is the one on the wire, the same unless a wire dtype casts."""
         self.layout = Layout.from_weights(flat, sectioned=several, wire_dtype=wire_dtype)
+        refuse_oversized(self.layout)
         self.model, self.weights, self.models, self.context = model, weights, models, context
         self.num_workers = num_workers
         self.pid = os.getpid()

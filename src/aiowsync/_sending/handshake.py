@@ -4,27 +4,44 @@ from __future__ import annotations
 
 from .._channel import SenderChannel
 from .._exceptions import TransportError, WeightSyncError
-from .._protocol import PROTOCOL_VERSION, Heartbeat, Hello, encode
-from .._protocol._messages import MAX_TEXT
+from .._protocol import MAX_FRAME, PROTOCOL_VERSION, Heartbeat, Hello, encode
+from .._protocol._messages import MAX_TENSORS, MAX_TEXT
 from .._util.text import excerpt
 from .._weights.layout import Layout
 from .peers import Peer, PeerTable
 
-__all__ = ["hello_limit", "probe_gone", "refusal"]
+__all__ = ["hello_limit", "probe_gone", "refuse_oversized", "refusal"]
 
 _SHOWN = 50
 """Differences a refusal lists."""
+
+
+def _hello_bytes(layout: Layout) -> int:
+    """The bytes of a hello that describes ``layout``."""
+    return len(encode(Hello(
+        protocol=PROTOCOL_VERSION, model_id="", worker_idx=0, fingerprint="0" * 64,
+        layout=layout.descs(),
+    )))  # fmt: skip
 
 
 def hello_limit(layout: Layout) -> int:
     """The largest message a receiver of ``layout`` sends (its hello), with room for a
     receiver whose model differs somewhat (so that it is refused with the differences rather
     than cut off), in bytes."""
-    rows = len(encode(Hello(
-        protocol=PROTOCOL_VERSION, model_id="", worker_idx=0, fingerprint="0" * 64,
-        layout=layout.descs(),
-    )))  # fmt: skip
-    return 2 * rows + MAX_TEXT + 64 * 1024
+    return 2 * _hello_bytes(layout) + MAX_TEXT + 64 * 1024
+
+
+def refuse_oversized(layout: Layout) -> None:
+    """``ValueError`` if a hello that describes ``layout`` could not travel: the sender would
+    never read it, and the worker would wait for an answer until its deadline."""
+    size = _hello_bytes(layout) + MAX_TEXT
+    if size > MAX_FRAME or len(layout.specs) > MAX_TENSORS:
+        raise ValueError(
+            f"a model of {len(layout.specs)} tensors is described in {size / 2**20:.1f} MiB, "
+            f"more than a control message may hold ({MAX_FRAME >> 20} MiB, {MAX_TENSORS} "
+            "tensors): join tensors "
+            "into fewer (e.g. stack a model's experts), or shorten their names"
+        )
 
 
 def refusal(
