@@ -287,3 +287,13 @@ def test_check_compatible_names_every_difference() -> None:
     assert "decoder.weight: unexpected key (float32[1])" in text
     assert "enc.weight" not in text
     assert mine.differences(theirs) == list(info.value.differences)
+
+
+def test_tensors_that_are_not_dense_are_refused_naming_the_key() -> None:
+    dense = {"a": torch.randn(3, 3), "b": torch.randn(4)}
+    with pytest.raises(TypeError, match=r"a: a sparse_coo tensor; give it dense"):
+        Layout.from_weights({"a": dense["a"].to_sparse(), "b": dense["b"]})
+    layout = Layout.from_weights(dense)
+    layout.check(dense)
+    with pytest.raises(aiowsync.LayoutMismatchError, match=r"a: a sparse_coo tensor; give"):
+        layout.check({"a": dense["a"].to_sparse(), "b": dense["b"]})

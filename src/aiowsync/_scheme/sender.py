@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import anyio
 import torch
@@ -365,12 +366,25 @@ class SenderSession:
     def _targets_of(self, worker_ids: int | Sequence[int] | None) -> list[int]:
         if worker_ids is None:
             return list(range(self.num_workers))
-        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
-        if not ids:
+        given: list[object] = (
+            [worker_ids] if _is_index(worker_ids) else list(cast(Sequence[int], worker_ids))
+        )
+        if not given:
             raise ValueError("worker_ids is empty: name at least one worker, or pass None for all")
-        for w in ids:
-            if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < self.num_workers:
+        ids = []
+        for w in given:
+            # Any integer, a numpy one included (operator.index); not a bool or a float.
+            index = operator.index(w) if _is_index(w) else -1  # type: ignore[arg-type]
+            if not 0 <= index < self.num_workers:
                 raise ValueError(f"worker id {w!r} is not in range(0, {self.num_workers})")
+            ids.append(index)
         if len(set(ids)) != len(ids):
             raise ValueError(f"worker_ids has duplicates: {ids}")
         return sorted(ids)
+
+
+def _is_index(value: object) -> bool:
+    """Whether ``value`` is an integer (``operator.index`` takes it) and not a bool."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return False
+    return not (hasattr(value, "dtype") and str(value.dtype) == "bool")

@@ -102,6 +102,9 @@ class Layout:
         """The layout of a module, a ``TensorDict`` or a state_dict (dotted keys); with
         ``wire_dtype``, floating tensors are laid out in that dtype."""
         flat = flatten_weights(weights)
+        sparse = [f"{k}: {why}" for k, t in flat.items() if (why := _not_dense(t)) is not None]
+        if sparse:
+            raise TypeError("weights must be dense tensors:\n  " + "\n  ".join(sparse))
         layout = cls(
             ((k, wire_of(t.dtype, wire_dtype), tuple(t.shape)) for k, t in flat.items()),
             alignment=alignment,
@@ -272,7 +275,11 @@ class Layout:
             try:
                 values = [tensors[k] for k in self.keys]
                 dtypes, sizes = self._expected
-                if list(map(_get_dtype, values)) == dtypes and list(map(_size, values)) == sizes:
+                if (
+                    list(map(_get_dtype, values)) == dtypes
+                    and list(map(_size, values)) == sizes
+                    and set(map(_get_layout, values)) <= _DENSE
+                ):
                     return
             except (KeyError, TypeError, AttributeError):
                 pass
@@ -282,6 +289,8 @@ class Layout:
             t = tensors.get(spec.key)
             if t is None:
                 problems.append(f"{name(spec.key)}: missing (expected {spec.describe()})")
+            elif (sparse := _not_dense(t)) is not None:
+                problems.append(f"{name(spec.key)}: {sparse}")
             elif t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
                 problems.append(
                     f"{name(spec.key)}: expected {spec.describe()}, got "
@@ -331,6 +340,15 @@ class Layout:
 
 _size = torch.Tensor.size
 _get_dtype = operator.attrgetter("dtype")
+_get_layout = operator.attrgetter("layout")
+_DENSE = {torch.strided}
+
+
+def _not_dense(tensor: torch.Tensor) -> str | None:
+    """What is wrong with a tensor that is not dense (sparse, mkldnn...), or None."""
+    if tensor.layout == torch.strided:
+        return None
+    return f"a {str(tensor.layout).removeprefix('torch.')} tensor; give it dense (.to_dense())"
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -467,3 +467,22 @@ def test_scheme_runs_under_uvloop() -> None:
             assert all(r.version == 3 and same(m, src) for r, m in receivers)
 
     uvloop.run(main())
+
+
+async def test_worker_ids_take_any_integer_and_refuse_the_rest_before_a_version() -> None:
+    import numpy as np
+
+    async with shm_system(3) as (sender, src, receivers):
+        bump(src)
+        result = await sender.send(worker_ids=[np.int64(2), 0], timeout=5)  # numpy's, as well
+        assert result.worker_ids == (0, 2) and receivers[1][0].version == 0
+        for bad, message in (
+            ([], "worker_ids is empty"),
+            ([True], "worker id True is not in range"),
+            ([1.0], "worker id 1.0 is not in range"),
+            ([3], "worker id 3 is not in range"),
+            ([1, np.int32(1)], "worker_ids has duplicates"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                await sender.send(worker_ids=bad, timeout=5)
+        assert sender.version == 1
