@@ -230,6 +230,12 @@ class ReceiverCore:
                     "or the file was removed; a live sender binds it again within a "
                     "heartbeat period)"
                 )
+            elif welcome is None and (size := _hello_size(self.layout)) > _CUT_OFF_BELOW:
+                why = (
+                    f": if the sender's model has far fewer tensors than this worker's "
+                    f"{len(self.layout.specs)} (a hello of about {size >> 10} KiB), the sender "
+                    "cut the hello off unread; check that both sides hold the same model"
+                )
             raise WeightSyncTimeout(
                 f"worker {self.worker_idx}: no answer from the sender at {self.address} "
                 f"within {first if welcome is None else timeout:g} s{why}",
@@ -378,3 +384,13 @@ class ReceiverCore:
             # Otherwise the model still reads the plane's mappings: they stay.
             self._plane.close()
         self.notify()
+
+
+_CUT_OFF_BELOW = 128 * 1024
+"""A sender takes messages of twice its own hello plus this much: a hello smaller than this
+is never cut off."""
+
+
+def _hello_size(layout: Layout) -> int:
+    """About the bytes of a hello that lists ``layout``."""
+    return sum(len(s.key) + 16 for s in layout.specs)

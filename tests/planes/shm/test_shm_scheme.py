@@ -486,3 +486,20 @@ async def test_worker_ids_take_any_integer_and_refuse_the_rest_before_a_version(
             with pytest.raises(ValueError, match=message):
                 await sender.send(worker_ids=bad, timeout=5)
         assert sender.version == 1
+
+
+async def test_a_worker_whose_model_is_far_larger_is_told_its_hello_may_be_cut_off() -> None:
+    """The sender reads no message much larger than its own model's hello (a cap on what
+    any process reaching the socket can make it hold): such a worker hears nothing back."""
+    src = nn.Linear(4, 4)
+    sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=SHM_BEATS)
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        huge = {f"layers.{i:05d}.mixture.experts.weight": torch.zeros(1) for i in range(8000)}
+        r = aiowsync.SharedMemWeightSyncScheme(address=sender.address, heartbeats=SHM_BEATS)
+        r.init_on_receiver(weights=huge, worker_idx=0)
+        async with r:
+            with pytest.raises(aiowsync.WeightSyncTimeout) as info:
+                await r.connect(timeout=2)
+    assert "far fewer tensors than this worker's 8000" in str(info.value)
+    assert "the sender cut the hello off unread" in str(info.value)
