@@ -400,3 +400,27 @@ def test_a_gather_copy_started_early_cuts_by_its_layout(policy: CopyPolicy) -> N
     for spec in lay.specs:
         got = dst[spec.buffer][spec.offset : spec.offset + spec.nbytes].view(torch.float32)
         assert torch.equal(got, few[spec.key])
+
+
+def test_a_plan_whose_sources_moved_in_place_is_not_used_again(policy: CopyPolicy) -> None:
+    """``share_memory_()`` moves a storage under its tensors and frees the old memory, where
+    other tensors may come to lie: a plan kept under the old pointers would copy the moved
+    model for them. The plan must be found stale, by its early start and by its copy."""
+    gather_pool_or_skip(policy)
+    model = torch.full((2_000_000,), 1.0)
+    params = list(model.chunk(4))
+    layout = Layout.from_weights({f"p{i}": p for i, p in enumerate(params)})
+    gather = GatherCopy(layout.places, policy)
+    dst = layout.allocate()
+    key = gather.copy(dst, params, keep=True)
+    assert key is not None and key in gather._plans
+    early = gather.start(layout.allocate(), key)
+    assert early is not None
+    early.job.abandon()
+    model.share_memory_()  # same tensors, memory elsewhere
+    assert tuple(p.data_ptr() for p in params) != key
+    assert gather.start(layout.allocate(), key) is None
+    assert key not in gather._plans and key not in gather._kept
+    model.fill_(3.0)
+    assert gather.copy(dst, params, keep=True)
+    assert all(bool((v == 3.0).all()) for v in layout.views(dst).values())

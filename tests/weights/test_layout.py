@@ -297,3 +297,13 @@ def test_tensors_that_are_not_dense_are_refused_naming_the_key() -> None:
     layout.check(dense)
     with pytest.raises(aiowsync.LayoutMismatchError, match=r"a: a sparse_coo tensor; give"):
         layout.check({"a": dense["a"].to_sparse(), "b": dense["b"]})
+
+
+def test_quantized_tensors_and_colliding_names_are_refused() -> None:
+    quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(TypeError, match="b: a quantized tensor, whose scale and zero point"):
+        Layout.from_weights({"a": torch.randn(2), "b": quantized})
+    # A dotted key beside a nested one of the same name: one tensor would be dropped.
+    td = TensorDict({"a.b": torch.ones(3), "a": {"b": torch.zeros(3)}}, [])
+    with pytest.raises(ValueError, match=r"weights key 'a\.b' appears twice"):
+        flatten_weights(td)

@@ -136,8 +136,9 @@ def test_flattening_a_tensordict_walks_its_entries_and_falls_back_for_other_kind
     inner = TensorDict({"w": torch.randn(3, 2), "deep": {"b": torch.arange(4)}}, [])
     td = TensorDict({"a": inner, "s": torch.tensor(1.5), "p": nn.Parameter(torch.ones(2))}, [])
     walked: dict[str, torch.Tensor] = {}
-    assert _walk_plain(td, "", walked)
-    assert list(walked) == ["a.w", "a.deep.b", "s", "p"]
+    leaves = [0]
+    assert _walk_plain(td, "", walked, leaves)
+    assert list(walked) == ["a.w", "a.deep.b", "s", "p"] and leaves == [4]
     flat = flatten_weights(td)
     assert list(flat) == list(walked)
     assert all(flat[k].data_ptr() == walked[k].data_ptr() for k in flat)
@@ -147,7 +148,7 @@ def test_flattening_a_tensordict_walks_its_entries_and_falls_back_for_other_kind
         [TensorDict({"x": torch.zeros(2)}, []), TensorDict({"x": torch.ones(2)}, [])]
     )
     td["stack"] = stack
-    assert not _walk_plain(td, "", {})
+    assert not _walk_plain(td, "", {}, [0])
     flat = flatten_weights(td)
     assert list(flat) == ["a.w", "a.deep.b", "s", "p", "stack.x"]
     assert torch.equal(flat["stack.x"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))

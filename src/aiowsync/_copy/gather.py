@@ -14,6 +14,8 @@ makes (``Layout.places``): the copy engine stays below the weights package.
 from __future__ import annotations
 
 import collections
+import contextlib
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
@@ -106,7 +108,7 @@ class GatherCopy:
         ``dst``, in helper threads, before the caller has checked that the next sources are
         those tensors. None when there is nothing to start (no plan kept for that set). The
         result must be passed to :meth:`copy` (which finishes or abandons it) or abandoned."""
-        plan = self._plans.get(key)
+        plan = self._kept_plan(key)
         pool = self.policy.gather_pool()
         if plan is None or pool is None:
             return None
@@ -160,11 +162,11 @@ class GatherCopy:
         self._check_buffers(dst)
         key = tuple(map(_data_ptr, src))
         if early is not None and early.key == key and key in self._plans:
-            job = early.job
+            job = early.job  # its plan was found at its pointers when it started
         else:
             if early is not None:
                 early.job.abandon()
-            plan = self._plans.get(key)
+            plan = self._kept_plan(key)
             if plan is None:
                 if not all(t.is_cpu for t in src):
                     return None
@@ -181,6 +183,17 @@ class GatherCopy:
         with serial_torch(pool):
             job.finish()
         return key
+
+    def _kept_plan(self, key: Pointers) -> _Plan | None:
+        """The plan kept for the sources at ``key``, if their memory is still there (a plan
+        whose sources moved is dropped)."""
+        plan = self._plans.get(key)
+        if plan is not None and not plan.still_at(key):
+            del self._plans[key]
+            with contextlib.suppress(ValueError):
+                self._kept.remove(key)
+            return None
+        return plan
 
     def _check_buffers(self, dst: Sequence[torch.Tensor]) -> None:
         if len(dst) != self.places.buffers:
@@ -202,6 +215,7 @@ class GatherCopy:
     def _plan(self, src: Sequence[torch.Tensor], threads: int) -> _Plan:
         # (buffer, start, piece): the bytes of every buffer up to its last tensor, in order.
         segments: list[tuple[int, int, torch.Tensor]] = []
+        sources: list[tuple[int, torch.Tensor]] = []
         ends = [0] * self.places.buffers
         with torch.no_grad():
             for i, ((b, offset, nbytes), t) in enumerate(zip(self.places.spans, src, strict=True)):
@@ -212,9 +226,11 @@ class GatherCopy:
                 end = ends[b]
                 if offset > end:
                     segments.append((b, end, self._zeros[: offset - end]))
-                segments.append((b, offset, byte_view(t)))
+                view = byte_view(t)
+                segments.append((b, offset, view))
+                sources.append((i, view))
                 ends[b] = offset + nbytes
-        return _Plan(segments, sum(ends), threads)
+        return _Plan(segments, sum(ends), threads, sources)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,14 +265,34 @@ class _Plan:
     before it), and their output ranges per destination (by the destination buffers'
     pointers; a sender has a few slots, each met again and again)."""
 
-    def __init__(self, segments: list[tuple[int, int, torch.Tensor]], total: int, threads: int):
+    def __init__(
+        self,
+        segments: list[tuple[int, int, torch.Tensor]],
+        total: int,
+        threads: int,
+        sources: list[tuple[int, torch.Tensor]],
+    ):
         self._segments = segments
         """(buffer, start, piece): the bytes of every buffer up to its last tensor, in order."""
+        self._views = [view for _, view in sources]
+        self._picked = operator.itemgetter(*[i for i, _ in sources]) if sources else None
+        """The pointers of the sources the views are of, picked from a source set's key."""
         self._total = total
         self._threads = threads
         self._cuts: dict[float, tuple[list[list[_Run]], list[list[_Run]]]] = {}
         self._destinations: dict[tuple[float, tuple[int, ...]], _Outputs] = {}
         """Output ranges per (cut, destination pointers)."""
+
+    def still_at(self, key: Pointers) -> bool:
+        """Whether the sources' memory is still where ``key`` (the pointers the plan was kept
+        under) says. A storage can move under its tensors (``share_memory_()``, a storage
+        freed and grown again by ``resize_``): the plan's views follow it, and other tensors
+        may then come to lie at the old pointers, which would find this plan."""
+        if self._picked is None:
+            return True
+        picked = self._picked(key)
+        wanted = list(picked) if isinstance(picked, tuple) else [picked]
+        return list(map(_data_ptr, self._views)) == wanted
 
     def _groups(self, early: float) -> tuple[list[list[_Run]], list[list[_Run]]]:
         found = self._cuts.get(early)

@@ -41,7 +41,11 @@ def _flatten(weights: WeightsLike) -> dict[str, torch.Tensor]:
         # to walk than ``items(include_nested=True)``. TensorDict keys are strings, so the
         # walk does nothing per leaf but name it.
         out: dict[str, Any] = {}
-        if _walk_plain(weights, "", out):
+        leaves = [0]
+        if _walk_plain(weights, "", out, leaves):
+            if len(out) != leaves[0]:  # a dotted key named as a nested one ("a.b", ("a", "b"))
+                out.clear()
+                _flatten_plain(weights.to_dict(), "", out)
             return out
         out.clear()
         _flatten_plain(weights.to_dict(), "", out)
@@ -55,6 +59,8 @@ def _flatten(weights: WeightsLike) -> dict[str, torch.Tensor]:
             name = ".".join(key) if isinstance(key, tuple) else str(key)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"weights entry {name!r} is a {type(value).__name__}, not a tensor")
+            if name in out:
+                raise ValueError(f"weights key {name!r} appears twice after flattening")
             out[name] = value
         return out
     if isinstance(weights, Mapping):
@@ -67,17 +73,20 @@ def _flatten(weights: WeightsLike) -> dict[str, torch.Tensor]:
     )
 
 
-def _walk_plain(td: TensorDict, prefix: str, out: dict[str, Any]) -> bool:
-    """Name every leaf of ``td`` into ``out``; False, part done, if ``td`` holds anything but
-    tensors and plain TensorDicts, or keeps its entries otherwise than tensordict 0.14-0.15."""
+def _walk_plain(td: TensorDict, prefix: str, out: dict[str, Any], leaves: list[int]) -> bool:
+    """Name every leaf of ``td`` into ``out``, counting them in ``leaves[0]`` (once per
+    level, not per leaf); False, part done, if ``td`` holds anything but tensors and plain
+    TensorDicts, or keeps its entries otherwise than tensordict 0.14-0.15."""
     entries = getattr(td, "_tensordict", None)
     if type(entries) is not dict:
         return False
+    leaves[0] += len(entries)
     for key, value in entries.items():
         if isinstance(value, torch.Tensor):
             out[prefix + key] = value
         elif type(value) is TensorDict:
-            if not _walk_plain(value, prefix + key + ".", out):
+            leaves[0] -= 1
+            if not _walk_plain(value, prefix + key + ".", out, leaves):
                 return False
         else:
             return False
@@ -88,6 +97,8 @@ def _flatten_plain(m: dict[str, Any], prefix: str, out: dict[str, Any]) -> None:
     for key, value in m.items():
         if type(value) is dict:
             _flatten_plain(value, prefix + key + ".", out)
+        elif prefix + key in out:
+            raise ValueError(f"weights key {prefix + key!r} appears twice after flattening")
         else:
             out[prefix + key] = value
 

@@ -345,10 +345,16 @@ _DENSE = {torch.strided}
 
 
 def _not_dense(tensor: torch.Tensor) -> str | None:
-    """What is wrong with a tensor that is not dense (sparse, mkldnn...), or None."""
-    if tensor.layout == torch.strided:
-        return None
-    return f"a {str(tensor.layout).removeprefix('torch.')} tensor; give it dense (.to_dense())"
+    """What is wrong with a tensor that is not plain dense memory (sparse, mkldnn, quantized),
+    or None."""
+    if tensor.layout != torch.strided:
+        return f"a {str(tensor.layout).removeprefix('torch.')} tensor; give it dense (.to_dense())"
+    if tensor.is_quantized:
+        return (
+            "a quantized tensor, whose scale and zero point would not travel; give its "
+            ".int_repr() and its quantization apart, or .dequantize() it"
+        )
+    return None
 
 
 def _round_up(n: int, multiple: int) -> int:
