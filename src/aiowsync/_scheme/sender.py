@@ -387,4 +387,4 @@ def _is_index(value: object) -> bool:
     """Whether ``value`` is an integer (``operator.index`` takes it) and not a bool."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         return False
-    return not (hasattr(value, "dtype") and str(value.dtype) == "bool")
+    return str(getattr(value, "dtype", "")) not in ("bool", "torch.bool")
