@@ -266,6 +266,49 @@ async def test_local_connect_before_the_upstream_is_entered_fails_at_once_with_t
             await t.stop_leaf(0)
 
 
+async def test_an_upstream_that_joins_a_restarted_root_is_refused_until_local_starts_again() -> None:
+    """A restarted root numbers from 0 again, while the leaves hold the old root's 3: the
+    relay must not acknowledge versions its leaves never got (they held "3 or later")."""
+    t = Tree(leaves=1)
+    async with t.local:
+        leaf = await t.start_leaf(0)
+        async with t.root, t.upstream:
+            await asyncio.gather(
+                t.root.connect(timeout=20),
+                t.upstream.connect(timeout=20),
+                t.local.connect(timeout=20),
+                leaf.connect(timeout=20),
+            )
+            for _ in range(3):
+                bump(t.src)
+                await t.root.send(timeout=20)
+            assert t.leaves_hold(3)
+        bump(t.src, by=100.0)  # the trainer restarts; its new session starts at version 0
+        async with t.root, t.upstream:
+            joined = await asyncio.gather(
+                t.root.connect(timeout=5), t.upstream.connect(timeout=5), return_exceptions=True
+            )
+            assert isinstance(joined[1], aiowsync.ConnectError)
+            assert "its upstream now receives from another root session" in str(joined[1])
+            assert "leaves run the old one's versions (up to 3)" in str(joined[1])
+            assert leaf.version == 3 and not same(t.leaf_models[0], t.src)
+        await t.stop_leaf(0)
+    # What the error says to do: the relay's local scheme starts again, at the new root's.
+    async with t.local:
+        leaf = await t.start_leaf(0)
+        async with t.root, t.upstream:
+            await asyncio.gather(
+                t.root.connect(timeout=20),
+                t.upstream.connect(timeout=20),
+                t.local.connect(timeout=20),
+                leaf.connect(timeout=20),
+            )
+            bump(t.src)
+            assert (await t.root.send(timeout=20)).version == 1
+            assert t.leaves_hold(1)
+        await t.stop_leaf(0)
+
+
 async def test_a_leaf_that_left_is_named_in_the_roots_error_and_rejoins_at_the_latest() -> None:
     async with tree() as t:
         bump(t.src)

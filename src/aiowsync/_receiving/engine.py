@@ -123,6 +123,12 @@ class ReceiverCore:
         """Which sender :attr:`version` counts in (see :attr:`Applier.generation`)."""
         return self.applier.generation
 
+    @property
+    def sender_proof(self) -> str:
+        """The session of the sender that welcomed this worker (its proof; "" before the
+        welcome): a restarted sender's differs."""
+        return self._state.proof
+
     async def changed(self) -> None:
         """Wait until the version or the sender's state changes (or this engine closes)."""
         await self._state.changed()

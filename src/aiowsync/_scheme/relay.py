@@ -33,7 +33,7 @@ from .._util.text import error_text
 if TYPE_CHECKING:
     from .._receiving.engine import ReceiverCore
 
-__all__ = ["LocalSender", "Relay", "Upstream", "check_pair", "digest_of"]
+__all__ = ["LocalSender", "Relay", "Upstream", "check_pair", "digest_of", "root_of"]
 
 log = logging.getLogger("aiowsync.relay")
 
@@ -57,6 +57,9 @@ class Upstream:
     """The root's digest of ``version``, if the update that brought it carried one."""
     fingerprint: Callable[[], str | None] = lambda: None
     """The fingerprint of the layout the root's bytes travel in (its wire dtype's)."""
+    root: Callable[[], str | None] = lambda: None
+    """Who numbers the versions the upstream receives: its sender's session (its proof),
+    which a restarted root's is not. None before a welcome."""
 
 
 class LocalSender(Protocol):
@@ -116,6 +119,11 @@ def check_pair(ours: object, theirs: object, *, entered: bool, taken: bool, foll
         )
 
 
+def root_of(core: ReceiverCore | None) -> str | None:
+    """The session of the sender ``core`` follows (the proof its welcome gave), or None."""
+    return (core.sender_proof or None) if core is not None else None
+
+
 def digest_of(core: ReceiverCore | None, version: int) -> str | None:
     """The sender's digest of ``version``, if ``core``'s model runs it and its update carried
     one."""
@@ -133,6 +141,8 @@ class Relay:
         self._unfit_logged = False
         self._start_failed: str | None = None
         """Why ``local``'s engine could not start (it is not tried again)."""
+        self._numbered_by: tuple[SenderCore, str | None] | None = None
+        """``local``'s engine and the root session whose numbers it sends under."""
 
     async def start_local(self, at: int | None = None) -> SenderCore | None:
         """``local``'s engine, started if it is not yet; None while it cannot start.
@@ -158,13 +168,17 @@ class Relay:
 
     async def _start_at(self, version: int) -> SenderCore | None:
         # The leaves that join check the first version against the root's digest too.
+        root = self.upstream.root()
         try:
-            return await self.local.start_at(
+            core = await self.local.start_at(
                 version, before=lambda core: self._hand_on_digest(core, version)
             )
         except Exception as exc:
             self._start_failed = error_text(exc)
             raise
+        if core is not None:
+            self._numbered_by = (core, root)
+        return core
 
     async def wait_started(self, timeout: float) -> float:
         """Wait (at most ``timeout`` s) until ``local`` serves; the seconds it took."""
@@ -199,6 +213,18 @@ class Relay:
         if not self.local.entered:
             return  # ``local`` is not entered: it starts at the upstream's version when it is
         core = await self.start_local(at=version)
+        if core is not None and self._numbered_by is not None and self._numbered_by[0] is core:
+            before, now = self._numbered_by[1], self.upstream.root()
+            if before is not None and now is not None and before != now:
+                # The upstream joined a restarted root, whose numbers start again: the leaves
+                # count in the old root's, where this version may already name other bytes.
+                raise WeightSyncError(
+                    f"relay (worker {self.upstream.worker_idx}): its upstream now receives "
+                    f"from another root session (a restarted trainer, at version {version}), "
+                    f"and its leaves run the old one's versions (up to {core.version}); leave "
+                    "and enter the relay's local scheme, then connect the upstream again: "
+                    "the leaves then start at the new root's version"
+                )
         if core is None:
             if self._start_failed is not None:  # the leaves would never get a version
                 raise WeightSyncError(

@@ -24,7 +24,7 @@ from .base import resolve_model
 from .config import SchemeOptions
 from .follow import Rejoin
 from .receiver import ReceiverSession, refuse_forked
-from .relay import Relay, Upstream, check_pair, digest_of
+from .relay import Relay, Upstream, check_pair, digest_of, root_of
 from .running import SchemeRuntime
 from .sender import SenderSession
 
@@ -364,6 +364,7 @@ class WeightSyncScheme(SchemeRuntime):
             entered=lambda: self._exit is not None,
             digest=lambda version: digest_of(upstream.applying, version),
             fingerprint=lambda: upstream.layout.fingerprint,
+            root=lambda: root_of(upstream.applying),
         )
         relay = Relay(feed, leaves)
         upstream.relays_to = relay
