@@ -266,7 +266,7 @@ async def test_local_connect_before_the_upstream_is_entered_fails_at_once_with_t
             await t.stop_leaf(0)
 
 
-async def test_an_upstream_that_joins_a_restarted_root_is_refused_until_local_starts_again() -> None:
+async def test_an_upstream_that_joins_a_restarted_root_is_refused_until_local_restarts() -> None:
     """A restarted root numbers from 0 again, while the leaves hold the old root's 3: the
     relay must not acknowledge versions its leaves never got (they held "3 or later")."""
     t = Tree(leaves=1)
