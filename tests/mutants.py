@@ -234,17 +234,16 @@ MUTANTS = [
         "a vLLM server whose load failed is not resumed",
         "src/aiowsync/vllm/_servers.py",
         "        finally:\n"
-        "            await to_the_end(self._resume(server, started, quiet=failed))\n",
+        "            await to_the_end(self._steps.resume(server, started, quiet=failed))\n",
         "        except BaseException:\n            raise\n        if True:\n"
-        "            await to_the_end(self._resume(server, started, quiet=failed))\n",
+        "            await to_the_end(self._steps.resume(server, started, quiet=failed))\n",
     ),
     Mutant(
         "vllm-no-take-back",
         "together=True: servers that loaded a version the fleet could not keep keep it",
         "src/aiowsync/vllm/_servers.py",
-        "                        s for s, e in zip(servers, loads, strict=True) "
-        'if _may_hold("load", e)\n',
-        "                        s for s, e in zip(servers, loads, strict=True) if False\n",
+        '                        if may_hold("load", e, s.size)\n',
+        "                        if False\n",
     ),
 ]
 VLLM_TESTS = ["tests/integrations/vllm_server/test_vllm_failures.py"]

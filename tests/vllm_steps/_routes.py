@@ -28,10 +28,12 @@ class VLLMRoutes:
         self.pending = False
         self.label: str | None = None
         self.active = False
+        self.world_size = 1
         self.delays: dict[str, float] = {}
         """Seconds the next call of a route takes (once)."""
         self.fail: dict[str, str] = {}
-        """The error the next call of a route answers (once)."""
+        """The error the next call of a route answers (once): the engine's (500) for its
+        routes, which then ran and changed nothing, else a proxy's (503)."""
         self.calls: list[tuple[str, float, float, dict[str, Any]]] = []
         """(route, start, end, body) of each call, in the order they ended."""
         self._engine = threading.Lock()
@@ -44,7 +46,7 @@ class VLLMRoutes:
             def do_GET(self) -> None:
                 route = self.path.split("?")[0].strip("/")
                 answers = {
-                    "get_world_size": {"world_size": 1},
+                    "get_world_size": {"world_size": routes.world_size},
                     "is_paused": {"is_paused": routes.paused},
                     "weight_info": {"weight_version": routes.label},
                 }
@@ -82,11 +84,13 @@ class VLLMRoutes:
                 status, answer = self._engine_call(route, body)
         else:
             time.sleep(self.delays.pop(route, 0.0))
-            if route == "pause":
+            status, answer = 200, {}
+            if route in self.fail:
+                status, answer = 503, {"error": {"message": self.fail.pop(route)}}
+            elif route == "pause":
                 self.paused = True
             elif route == "resume":
                 self.paused = False
-            status, answer = 200, {}
         self.calls.append((route, start, time.monotonic(), body))
         return status, answer
 

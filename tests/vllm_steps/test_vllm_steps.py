@@ -245,3 +245,123 @@ async def test_a_version_left_unlabelled_is_replaced_by_the_next_and_a_failure_g
             assert worker.applied == (0 if labelled_first else None)
         finally:
             worker.close()
+
+
+class TwoWorkers(VLLMRoutes):
+    """A server of two tensor-parallel workers, each with its own weights and update state,
+    as vLLM runs them: each route runs on both, and answers with the first one's error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world_size = 2
+        self.workers: list[dict[str, Any]] = [
+            {"serves": None, "before": None, "pending": False, "active": False} for _ in range(2)
+        ]
+        self.failing: int | None = None
+        """The worker whose next load fails (it then puts its own weights back)."""
+
+    def _engine_call(self, route: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        errors = []
+        for i, w in enumerate(self.workers):
+            if route == "start_weight_update":
+                if w["active"]:
+                    errors.append("a weight update is already active")
+                w["active"] = True
+            elif not w["active"]:
+                errors.append(f"worker {i}: {route} without a matching start")
+            elif route == "update_weights":
+                info = body["update_info"]
+                if info.get("take_back"):
+                    if w["pending"]:
+                        w["serves"], w["pending"] = w["before"], False
+                elif self.failing == i:
+                    self.failing, w["active"] = None, False
+                    errors.append(f"worker {i}: the reload failed")
+                elif not w["pending"]:
+                    w["before"], w["serves"], w["pending"] = w["serves"], info["version"], True
+            else:  # finish_weight_update
+                w["active"] = w["pending"] = False
+                if "weight_version" in body:
+                    self.label = body["weight_version"]
+        if errors:
+            return 500, {"error": {"message": errors[0]}}
+        return 200, {}
+
+
+async def test_a_load_that_fails_on_one_of_a_servers_workers_is_taken_back_on_the_others() -> None:
+    """vLLM answers with the failing worker's error while the others hold the version: they
+    must go back too, or the server generates with two versions at once."""
+    twin = TwoWorkers()
+    servers = VLLMServers([twin.url])
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model=nn.Linear(2, 2), num_workers=2)
+    try:
+        async with scheme, servers.attach(scheme):
+            await servers.finish(1, [0, 1], None)
+            twin.failing = 1
+            with pytest.raises(VLLMServerError, match="worker 1: the reload failed"):
+                await servers.finish(2, [0, 1], None)
+            assert [w["serves"] for w in twin.workers] == [1, 1] and twin.label == "1"
+            assert not any(w["active"] for w in twin.workers) and not twin.paused
+            await servers.finish(3, [0, 1], None)  # the next send starts cleanly
+            assert [w["serves"] for w in twin.workers] == [3, 3] and twin.label == "3"
+    finally:
+        twin.close()
+
+
+class LosesTakeBacks(VLLMRoutes):
+    """A server behind a proxy that loses the next take-back (503; it never reached vLLM)."""
+
+    lose = 0
+
+    def _engine_call(self, route: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if route == "update_weights" and body["update_info"].get("take_back") and self.lose:
+            self.lose -= 1
+            return 503, {"error": {"message": "the proxy lost it"}}
+        return super()._engine_call(route, body)
+
+
+async def test_an_update_left_open_is_taken_back_not_kept_by_the_next_send() -> None:
+    """A take-back that never reached the server leaves version 2 loaded, unlabelled, its
+    update open: the next send must undo it before it starts, not end the update (which
+    keeps version 2 as the one a failed load goes back to)."""
+    twin = LosesTakeBacks()
+    servers = VLLMServers([twin.url])
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model=nn.Linear(2, 2), num_workers=1)
+    try:
+        async with scheme, servers.attach(scheme):
+            await servers.finish(1, [0], None)
+            twin.delays["update_weights"], twin.lose = LOAD_S, 1
+            with pytest.raises(VLLMServerTimeout):
+                await servers.finish(2, [0], time.monotonic() + 0.2)
+            assert state(twin) == (2, "1", False) and twin.active  # left open
+            await servers.finish(3, [0], None)
+            assert state(twin) == (3, "3", False)
+            assert twin.before == 1  # what version 3 replaced: 1, never the unlabelled 2
+    finally:
+        twin.close()
+
+
+async def test_a_resume_that_fails_once_is_tried_again() -> None:
+    async with attached() as (servers, [twin]):
+        twin.fail["resume"] = "the proxy is restarting"
+        await servers.finish(1, [0], None)
+        assert state(twin) == (1, "1", False)
+        assert twin.routes().count("resume") == 2
+
+
+async def test_leaving_attach_under_an_anyio_cancellation_still_detaches_the_servers() -> None:
+    twin = VLLMRoutes()
+    servers = VLLMServers([twin.url])
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model=nn.Linear(2, 2), num_workers=1)
+    try:
+        async with scheme:
+            with anyio.move_on_after(0.3) as scope:
+                async with servers.attach(scheme):
+                    await anyio.sleep(10)
+            assert scope.cancelled_caught
+        assert "shutdown_weight_transfer_engine" in twin.routes()
+    finally:
+        twin.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -21,27 +21,14 @@ from .._scheme.scheme import WeightSyncScheme
 from .._scheme.sender import SenderSession
 from .._util.shield import to_the_end
 from ._describe import describe
-from ._http import KEEPALIVE_S, VLLMServerError, VLLMServerTimeout, first_error, request
+from ._http import KEEPALIVE_S, VLLMServerError, VLLMServerTimeout, first_error
+from ._steps import Server, Steps, may_hold
 
 __all__ = ["PauseMode", "VLLMServerError", "VLLMServerTimeout", "VLLMServers"]
 
 PauseMode = Literal["wait", "keep", "abort"]
 
 log = logging.getLogger("aiowsync.vllm")
-
-
-class _Server:
-    """One server: its URL, its workers' receiver indices, the version it serves."""
-
-    def __init__(self, url: str, first: int, size: int) -> None:
-        self.url = url
-        self.first = first
-        self.size = size
-        self.version: int | None = None
-
-    @property
-    def workers(self) -> range:
-        return range(self.first, self.first + self.size)
 
 
 class VLLMServers:
@@ -88,11 +75,9 @@ class VLLMServers:
         self.pause: PauseMode = pause
         self.together = together
         self.timeout = timeout
-        self._servers: list[_Server] = []
-        self._client: httpx.AsyncClient | None = None
-        self._deadline: float | None = None
-        """The deadline of the send under way (``time.monotonic()``), if it has one."""
-        self.pause_seconds: dict[str, float] = {}
+        self._servers: list[Server] = []
+        self._steps = Steps(timeout)
+        self.pause_seconds: dict[str, float] = self._steps.pause_seconds
         """Per server, how long its last version change kept it from generating (the pause
         call until the resume call returned)."""
 
@@ -119,13 +104,13 @@ class VLLMServers:
             raise ValueError(
                 "a vLLM server takes one model: init_on_sender(model=...), not models="
             )
-        if self._client is not None:
+        if self._steps.client is not None:
             raise RuntimeError("these servers are attached to a scheme already")
         description = describe(scheme)
         limit = self.timeout + scheme.timeouts.handshake
         # vLLM's uvicorn closes a connection idle for 5 s: a call sent on one as it closes
         # fails, so idle connections are let go sooner (a call between sends finds a fresh one).
-        self._client = httpx.AsyncClient(limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
+        self._steps.client = httpx.AsyncClient(limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
         try:
             self._servers = await self._number(sending.num_workers)
             try:
@@ -137,16 +122,22 @@ class VLLMServers:
                     sending.finishers.remove(self)
             finally:
                 # The servers' workers let this trainer go (those that joined, when one could
-                # not); the servers keep what they loaded.
-                await asyncio.gather(
-                    *(self._call(s, "shutdown_weight_transfer_engine") for s in self._servers),
-                    return_exceptions=True,
-                )
+                # not); the servers keep what they loaded. Even when the block was cancelled.
+                await to_the_end(self._detach(self._servers))
         finally:
-            client, self._client = self._client, None
-            await client.aclose()
+            client, self._steps.client = self._steps.client, None
+            await to_the_end(client.aclose())
 
-    async def _number(self, num_workers: int) -> list[_Server]:
+    async def _detach(self, servers: list[Server]) -> None:
+        results = await asyncio.gather(
+            *(self._steps.call(s, "shutdown_weight_transfer_engine", always=True) for s in servers),
+            return_exceptions=True,
+        )
+        for server, result in zip(servers, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("%s: could not detach it from this trainer: %s", server.url, result)
+
+    async def _number(self, num_workers: int) -> list[Server]:
         sizes = await asyncio.gather(*(self._world_size(url) for url in self.urls))
         if sum(sizes) != num_workers:
             each = ", ".join(f"{url}: {n}" for url, n in zip(self.urls, sizes, strict=True))
@@ -156,20 +147,22 @@ class VLLMServers:
             )
         servers, first = [], 0
         for url, size in zip(self.urls, sizes, strict=True):
-            servers.append(_Server(url, first, size))
+            servers.append(Server(url, first, size))
             first += size
         return servers
 
     async def _world_size(self, url: str) -> int:
-        reply = await self._request("GET", url, "get_world_size")
+        reply = await self._steps.request("GET", url, "get_world_size")
         size = reply.get("world_size")
         if not isinstance(size, int) or size < 1:
             raise VLLMServerError(url, "get_world_size", f"unexpected answer {reply!r}")
         return size
 
-    async def _init(self, server: _Server, description: dict[str, Any], limit: float) -> None:
+    async def _init(self, server: Server, description: dict[str, Any], limit: float) -> None:
         info = {"scheme": description, "first_worker": server.first, "server_url": server.url}
-        await self._call(server, "init_weight_transfer_engine", {"init_info": info}, limit=limit)
+        await self._steps.call(
+            server, "init_weight_transfer_engine", {"init_info": info}, limit=limit
+        )
         server.version = None
 
     # -- the second step of a send ------------------------------------------------------------
@@ -185,11 +178,11 @@ class VLLMServers:
                 )
 
     async def finish(self, version: int, worker_ids: Sequence[int], deadline: float | None) -> None:
-        self._deadline = deadline
+        self._steps.deadline = deadline
         try:
             await self._finish(version, worker_ids)
         finally:
-            self._deadline = None
+            self._steps.deadline = None
 
     async def _finish(self, version: int, worker_ids: Sequence[int]) -> None:
         targets = set(worker_ids)
@@ -201,45 +194,49 @@ class VLLMServers:
         else:
             await first_error(self._switch(s, version) for s in servers)
 
-    async def _switch(self, server: _Server, version: int) -> None:
+    async def _switch(self, server: Server, version: int) -> None:
         """Pause, load ``version``, label it, resume. Whatever fails, and also when the send
         is cancelled, the server is resumed with the version it served (see
-        :meth:`_take_back`)."""
+        :meth:`Steps.take_back`)."""
         started = time.perf_counter()
         step, failed = "pause", False
         try:
             # In the block: a pause that fails or times out may still happen on the server.
-            await self._call(server, "pause", params={"mode": self.pause})
+            await self._steps.call(server, "pause", params={"mode": self.pause})
             step = "load"
-            await self._load(server, version)
+            await self._steps.load(server, version)
             step = "label"
-            await self._label(server, version)
+            await self._steps.label(server, version)
         except BaseException as exc:
             failed = True
-            if _may_hold(step, exc):
-                await to_the_end(self._take_back_quietly(server))
+            if may_hold(step, exc, server.size):
+                await to_the_end(self._steps.take_back_quietly(server))
             raise
         finally:
-            await to_the_end(self._resume(server, started, quiet=failed))
+            await to_the_end(self._steps.resume(server, started, quiet=failed))
 
-    async def _switch_together(self, servers: list[_Server], version: int) -> None:
+    async def _switch_together(self, servers: list[Server], version: int) -> None:
         """Every server loads ``version`` before any resumes; if one cannot, the others take
         their previous version back."""
         started, failed = time.perf_counter(), False
         try:
-            await first_error(self._call(s, "pause", params={"mode": self.pause}) for s in servers)
+            await first_error(
+                self._steps.call(s, "pause", params={"mode": self.pause}) for s in servers
+            )
             try:
                 loads = await asyncio.gather(
-                    *(self._load(s, version) for s in servers), return_exceptions=True
+                    *(self._steps.load(s, version) for s in servers), return_exceptions=True
                 )
             except BaseException:  # cancelled: every server may hold the version
-                await to_the_end(self._take_back_all(servers))
+                await to_the_end(self._steps.take_back_all(servers))
                 raise
             errors = [e for e in loads if isinstance(e, BaseException)]
             if errors:
                 await to_the_end(
-                    self._take_back_all(
-                        s for s, e in zip(servers, loads, strict=True) if _may_hold("load", e)
+                    self._steps.take_back_all(
+                        s
+                        for s, e in zip(servers, loads, strict=True)
+                        if may_hold("load", e, s.size)
                     )
                 )
                 raise errors[0]
@@ -247,129 +244,29 @@ class VLLMServers:
             # milliseconds), since a server left out would split the fleet.
             labels = await to_the_end(
                 asyncio.gather(
-                    *(self._label(s, version, always=True) for s in servers),
+                    *(self._steps.label(s, version, always=True) for s in servers),
                     return_exceptions=True,
                 )
             )
             unlabelled = [s for s, e in zip(servers, labels, strict=True) if e is not None]
             if unlabelled:
-                await to_the_end(self._take_back_all(unlabelled))
+                await to_the_end(self._steps.take_back_all(unlabelled))
                 raise next(e for e in labels if e is not None)
         except BaseException:
             failed = True
             raise
         finally:
-            await to_the_end(first_error(self._resume(s, started, quiet=failed) for s in servers))
-
-    async def _load(self, server: _Server, version: int) -> None:
-        try:
-            await self._call(server, "start_weight_update")
-        except VLLMServerError as exc:
-            if "already active" not in str(exc):
-                raise
-            # A trainer died between the two calls of an update: end it, and start again.
-            await self._call(server, "finish_weight_update", {})
-            await self._call(server, "start_weight_update")
-        await self._call(server, "update_weights", {"update_info": {"version": version}})
-
-    async def _label(self, server: _Server, version: int, *, always: bool = False) -> None:
-        await self._call(
-            server, "finish_weight_update", {"weight_version": str(version)}, always=always
-        )
-        server.version = version
-
-    async def _resume(self, server: _Server, started: float, *, quiet: bool) -> None:
-        """Resume ``server`` (whatever the deadline); with ``quiet``, a failure is logged,
-        not raised (the send fails with the error that came first)."""
-        try:
-            await self._call(server, "resume", always=True)
-        except VLLMServerError as exc:
-            if not quiet:
-                raise
-            log.warning("%s: could not resume it: %s", server.url, exc)
-        finally:
-            self.pause_seconds[server.url] = time.perf_counter() - started
-
-    async def _take_back_all(self, servers: Iterable[_Server]) -> None:
-        await asyncio.gather(*(self._take_back_quietly(s) for s in servers))
-
-    async def _take_back_quietly(self, server: _Server) -> None:
-        try:
-            await self._take_back(server)
-        except VLLMServerError as exc:
-            log.warning("%s: could not take its previous version back: %s", server.url, exc)
-
-    async def _take_back(self, server: _Server) -> None:
-        """A server that may hold a version it was not to keep (its load failed, ran past
-        the deadline or was cancelled, or its fleet could not take it): back to what it
-        served. Its workers wait for a load still under way, then undo it (to the version
-        before, or to the weights the server started with); one that holds nothing unlabelled
-        does nothing."""
-        back = -1 if server.version is None else server.version
-        info = {"update_info": {"version": back, "take_back": True}}
-        await self._call(server, "update_weights", info, always=True)
-        await self._call(server, "finish_weight_update", {}, always=True)
+            await to_the_end(
+                first_error(self._steps.resume(s, started, quiet=failed) for s in servers)
+            )
 
     # -- reading the servers ------------------------------------------------------------------
 
     async def weight_versions(self) -> dict[str, str]:
         """Each server's ``weight_version`` (``str(version)`` once attached and sent)."""
         replies = await asyncio.gather(
-            *(self._request("GET", url, "weight_info") for url in self.urls)
+            *(self._steps.request("GET", url, "weight_info") for url in self.urls)
         )
         return {
             url: str(r.get("weight_version")) for url, r in zip(self.urls, replies, strict=True)
         }
-
-    # -- HTTP ---------------------------------------------------------------------------------
-
-    async def _call(
-        self,
-        server: _Server,
-        route: str,
-        body: dict[str, Any] | None = None,
-        *,
-        params: dict[str, str] | None = None,
-        limit: float | None = None,
-        always: bool = False,
-    ) -> dict[str, Any]:
-        """POST ``route``; within the send's deadline unless ``always`` (what puts a server
-        back as it was runs whatever the time)."""
-        if self._deadline is not None and not always:
-            left = self._deadline - time.monotonic()
-            if left <= 0:
-                raise VLLMServerTimeout(server.url, route, "the send's deadline passed first")
-            limit = min(limit or self.timeout, left)
-        try:
-            return await self._request("POST", server.url, route, body, params=params, limit=limit)
-        except VLLMServerError as exc:
-            if self._deadline is not None and not always and time.monotonic() >= self._deadline:
-                raise VLLMServerTimeout(server.url, route, exc.detail, exc.status) from exc
-            raise
-
-    async def _request(
-        self,
-        method: str,
-        url: str,
-        route: str,
-        body: dict[str, Any] | None = None,
-        *,
-        params: dict[str, str] | None = None,
-        limit: float | None = None,
-    ) -> dict[str, Any]:
-        client = self._client
-        if client is None:
-            raise RuntimeError("the servers are not attached (async with servers.attach(scheme))")
-        return await request(
-            client, method, url, route, body, params=params, limit=limit or self.timeout
-        )
-
-
-def _may_hold(step: str, error: BaseException | None) -> bool:
-    """Whether a server whose switch failed at ``step`` with ``error`` may hold the version,
-    unlabelled: once its load was asked for, unless the server answered the load with an
-    error (its workers then put back what they had)."""
-    if error is None or step == "label":
-        return True
-    answered = isinstance(error, VLLMServerError) and error.status is not None
-    return step == "load" and not answered
