@@ -365,3 +365,18 @@ async def test_leaving_attach_under_an_anyio_cancellation_still_detaches_the_ser
         assert "shutdown_weight_transfer_engine" in twin.routes()
     finally:
         twin.close()
+
+
+async def test_the_labels_can_be_read_attached_or_not() -> None:
+    twin = VLLMRoutes()
+    servers = VLLMServers([twin.url])
+    try:
+        assert await servers.weight_versions() == {twin.url: None}  # its own weights: no label
+        scheme = aiowsync.SharedMemWeightSyncScheme()
+        scheme.init_on_sender(model=nn.Linear(2, 2), num_workers=1)
+        async with scheme, servers.attach(scheme):
+            await servers.finish(4, [0], None)
+            assert await servers.weight_versions() == {twin.url: "4"}
+        assert await servers.weight_versions() == {twin.url: "4"}
+    finally:
+        twin.close()

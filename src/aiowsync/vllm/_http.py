@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import anyio
 import httpx
 
 from .._exceptions import WeightSyncError, WeightSyncTimeout
@@ -57,20 +58,26 @@ async def request(
     """Call ``route`` of the server at ``url`` within ``limit`` seconds; its JSON answer (an
     empty dict when it is not a JSON object), or :class:`VLLMServerError`."""
     timeout = httpx.Timeout(limit, connect=min(limit, CONNECT_S))
-    for attempt in (1, 2):
-        try:
-            reply = await client.request(
-                method, f"{url}/{route}", json=body, params=params, timeout=timeout
-            )
-            break
-        except httpx.TransportError as exc:
-            # A server that failed the call before closes its connection after its answer;
-            # the next call on that connection meets the close: try once more on a fresh one
-            # (every call here may be made twice).
-            if attempt == 2 or isinstance(exc, httpx.TimeoutException):
+    reply = None
+    # httpx bounds each phase of a call (connecting, then reading) by its timeout, and the
+    # call may be made twice: the whole is bounded by ``limit`` here.
+    with anyio.move_on_after(limit):
+        for attempt in (1, 2):
+            try:
+                reply = await client.request(
+                    method, f"{url}/{route}", json=body, params=params, timeout=timeout
+                )
+                break
+            except httpx.TransportError as exc:
+                # A server that failed the call before closes its connection after its
+                # answer; the next call on that connection meets the close: try once more on
+                # a fresh one (every call here may be made twice).
+                if attempt == 2 or isinstance(exc, httpx.TimeoutException):
+                    raise VLLMServerError(url, route, f"{type(exc).__name__}: {exc}") from exc
+            except httpx.HTTPError as exc:
                 raise VLLMServerError(url, route, f"{type(exc).__name__}: {exc}") from exc
-        except httpx.HTTPError as exc:
-            raise VLLMServerError(url, route, f"{type(exc).__name__}: {exc}") from exc
+    if reply is None:
+        raise VLLMServerError(url, route, f"no answer within {limit:g} s")
     if reply.status_code >= 400:
         raise VLLMServerError(
             url, route, f"HTTP {reply.status_code}: {_detail(reply)}", reply.status_code

@@ -21,7 +21,7 @@ from .._scheme.scheme import WeightSyncScheme
 from .._scheme.sender import SenderSession
 from .._util.shield import to_the_end
 from ._describe import describe
-from ._http import KEEPALIVE_S, VLLMServerError, VLLMServerTimeout, first_error
+from ._http import KEEPALIVE_S, VLLMServerError, VLLMServerTimeout, first_error, request
 from ._steps import Server, Steps, may_hold
 
 __all__ = ["PauseMode", "VLLMServerError", "VLLMServerTimeout", "VLLMServers"]
@@ -262,11 +262,23 @@ class VLLMServers:
 
     # -- reading the servers ------------------------------------------------------------------
 
-    async def weight_versions(self) -> dict[str, str]:
-        """Each server's ``weight_version`` (``str(version)`` once attached and sent)."""
-        replies = await asyncio.gather(
-            *(self._steps.request("GET", url, "weight_info") for url in self.urls)
-        )
+    async def weight_versions(self) -> dict[str, str | None]:
+        """Each server's ``weight_version`` (``str(version)`` once attached and sent; None
+        where the server has none). Attached or not."""
+        own = self._steps.client is None
+        client = httpx.AsyncClient() if self._steps.client is None else self._steps.client
+        try:
+            replies = await asyncio.gather(
+                *(
+                    request(client, "GET", url, "weight_info", limit=self.timeout)
+                    for url in self.urls
+                )
+            )
+        finally:
+            if own:
+                await to_the_end(client.aclose())
+        labels = [r.get("weight_version") for r in replies]
         return {
-            url: str(r.get("weight_version")) for url, r in zip(self.urls, replies, strict=True)
+            url: None if label is None else str(label)
+            for url, label in zip(self.urls, labels, strict=True)
         }
