@@ -289,8 +289,8 @@ async def test_an_upstream_that_joins_a_restarted_root_is_refused_until_local_re
                 t.root.connect(timeout=5), t.upstream.connect(timeout=5), return_exceptions=True
             )
             assert isinstance(joined[1], aiowsync.ConnectError)
-            assert "its upstream now receives from another root session" in str(joined[1])
-            assert "leaves run the old one's versions (up to 3)" in str(joined[1])
+            assert "its upstream now receives from another sender, at version 0" in str(joined[1])
+            assert "below the 3 its leaves run" in str(joined[1])
             assert leaf.version == 3 and not same(t.leaf_models[0], t.src)
         await t.stop_leaf(0)
     # What the error says to do: the relay's local scheme starts again, at the new root's.
@@ -596,6 +596,30 @@ async def test_relays_of_relays_subset_sends_late_joins_and_shutdown_order() -> 
         bump(src)
         assert (await root.send(timeout=20)).worker_ids == (0, 1)
         assert up2.version == 6 and same(m2, src) and leaf.version == 5
+
+
+async def test_a_relay_below_a_restarted_relay_takes_the_root_numbers_that_go_on() -> None:
+    """Relay 1 restarts (both its schemes leave and enter again); relay 2 below it joins it
+    anew while its own leaf stays up: the numbers are the root's and go on, so relay 2
+    takes them, though its upstream's sender session is a new one."""
+    src = model(0)
+    root = _memory(aiowsync.MemoryChannelFactory())
+    root.init_on_sender(model=src, num_workers=1)
+    up1, local1, _ = _relay_of(root, 0, 1, 2)
+    up2, local2, _ = _relay_of(local1, 0, 1, 3)
+    leaf, leaf_model = _receiver_of(local2, 0, 4)
+    async with root, local2, leaf:
+        for _ in range(2):
+            async with local1, up1, up2:
+                await asyncio.gather(
+                    *(s.connect(timeout=20) for s in (root, up1, local1, up2, local2, leaf))
+                    if leaf.version < 0
+                    else (s.connect(timeout=20) for s in (up1, local1, up2))
+                )
+                bump(src)
+                result = await root.send(timeout=20)
+                assert leaf.version == result.version and same(leaf_model, src)
+        assert result.version == 2 and local2.version == 2
 
 
 async def test_a_leaf_that_never_joins_is_named_before_the_upstreams_hook_limit() -> None:

@@ -213,18 +213,8 @@ class Relay:
         if not self.local.entered:
             return  # ``local`` is not entered: it starts at the upstream's version when it is
         core = await self.start_local(at=version)
-        if core is not None and self._numbered_by is not None and self._numbered_by[0] is core:
-            before, now = self._numbered_by[1], self.upstream.root()
-            if before is not None and now is not None and before != now:
-                # The upstream joined a restarted root, whose numbers start again: the leaves
-                # count in the old root's, where this version may already name other bytes.
-                raise WeightSyncError(
-                    f"relay (worker {self.upstream.worker_idx}): its upstream now receives "
-                    f"from another root session (a restarted trainer, at version {version}), "
-                    f"and its leaves run the old one's versions (up to {core.version}); leave "
-                    "and enter the relay's local scheme, then connect the upstream again: "
-                    "the leaves then start at the new root's version"
-                )
+        if core is not None:
+            self._check_numbering(core, version)
         if core is None:
             if self._start_failed is not None:  # the leaves would never get a version
                 raise WeightSyncError(
@@ -259,6 +249,27 @@ class Relay:
         missing = await self._leaves_short_of(core, version, end - time.monotonic())
         if missing or failure:
             raise WeightSyncError(self._explain(version, missing, failure))
+
+    def _check_numbering(self, core: SenderCore, version: int) -> None:
+        """Refuse ``version`` from a sender session other than the one ``local``'s numbers
+        follow, when it is below the version the leaves hold: a restarted root numbers from
+        0 again, and its versions would count as held. (A restarted relay above this one
+        sends under the root's numbers: they go on, and are taken.)"""
+        numbered = self._numbered_by
+        if numbered is None or numbered[0] is not core:
+            return
+        now = self.upstream.root()
+        if numbered[1] is None or now is None or numbered[1] == now:
+            return
+        if version < core.version:
+            raise WeightSyncError(
+                f"relay (worker {self.upstream.worker_idx}): its upstream now receives from "
+                f"another sender, at version {version}, below the {core.version} its leaves "
+                "run (a restarted trainer numbers from 0 again); leave and enter the relay's "
+                "local scheme, then connect the upstream again: the leaves then start at the "
+                "new trainer's version"
+            )
+        self._numbered_by = (core, now)  # a restarted relay above: the numbers go on
 
     def _hand_on_digest(self, core: SenderCore, version: int) -> None:
         """The leaves check ``version`` against the root's digest, when the root sent one:
