@@ -299,6 +299,7 @@ def test_tensors_that_are_not_dense_are_refused_naming_the_key() -> None:
         layout.check({"a": dense["a"].to_sparse(), "b": dense["b"]})
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated
 def test_quantized_tensors_and_colliding_names_are_refused() -> None:
     quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
     with pytest.raises(TypeError, match="b: a quantized tensor, whose scale and zero point"):
