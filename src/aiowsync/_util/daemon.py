@@ -13,16 +13,20 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["in_daemon_thread"]
+__all__ = ["ThreadNotStarted", "in_daemon_thread"]
 
 T = TypeVar("T")
+
+
+class ThreadNotStarted(RuntimeError):
+    """No thread could be started (the process is at its limit): ``fn`` never ran."""
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, name: str) -> T:
     """``fn(*args)`` in a new daemon thread called ``name``: its result, or its error.
 
     Cancelling the caller abandons the wait, not the work, which ends by itself (its result
-    is dropped). Raises ``RuntimeError`` when no thread can be started.
+    is dropped). Raises :class:`ThreadNotStarted` when no thread can be started.
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
@@ -46,5 +50,8 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, name: str) -> T:
             loop.call_soon_threadsafe(settle, error, value)
         del error, value
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        threading.Thread(target=run, name=name, daemon=True).start()
+    except RuntimeError as exc:
+        raise ThreadNotStarted(str(exc)) from None
     return await future

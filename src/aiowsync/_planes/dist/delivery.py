@@ -3,8 +3,6 @@ retries on fresh groups for the members whose receive failed."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import threading
@@ -16,6 +14,7 @@ from typing import Any, Protocol
 import anyio
 
 from aiowsync._exceptions import TransportError, WeightSyncError
+from aiowsync._util.daemon import ThreadNotStarted, in_daemon_thread
 
 from ..base import Delivery, Member, Params, Retries
 from .groups import Group
@@ -67,8 +66,10 @@ class TransferChain:
                     ).start()
 
         try:
-            await in_thread(run)
-        except _NotStarted as exc:
+            # Cancelling the caller abandons the wait, not the transfer: one that started runs
+            # to its end (each of its waits has a deadline), so collectives never go half-done.
+            await in_daemon_thread(run, name="aiowsync-transfer")
+        except ThreadNotStarted as exc:
             mine.set()  # never ran: the next transfer must not wait for it
             release()
             raise TransportError(f"could not start a transfer thread: {exc}") from None
@@ -134,12 +135,13 @@ class DistDelivery(Delivery):
             # Bringing one worker up to date: one attempt, not chained after the sends.
             try:
                 with anyio.move_on_after(max(0.0, self._deadline - time.monotonic()) + OVERRUN_S):
-                    await in_thread(
+                    await in_daemon_thread(
                         functools.partial(
                             plane.transfer, version, route, self._deadline, moved=self._moved
-                        )
+                        ),
+                        name="aiowsync-transfer",
                     )
-            except _NotStarted as exc:
+            except ThreadNotStarted as exc:
                 plane.give_back(version, route)
                 raise TransportError(f"could not start a transfer thread: {exc}") from None
             return
@@ -224,40 +226,3 @@ class DistDelivery(Delivery):
 def _set_after(previous: threading.Event, mine: threading.Event, limit: float) -> None:
     previous.wait(limit)
     mine.set()
-
-
-async def in_thread(fn: Callable[..., None], *args: Any) -> None:
-    """Run ``fn`` in a new thread, started before this returns to the loop.
-
-    Cancelling the caller abandons the wait, not the work: a transfer that started always
-    runs to its end (each of its waits has a deadline), so collectives never go half-done.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[None] = loop.create_future()
-
-    def settle(error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-
-    def run() -> None:
-        error: BaseException | None = None
-        try:
-            fn(*args)
-        except BaseException as exc:  # handed to the waiting task
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-            loop.call_soon_threadsafe(settle, error)
-
-    try:
-        threading.Thread(target=run, name="aiowsync-transfer", daemon=True).start()
-    except RuntimeError as exc:  # no thread could be started
-        raise _NotStarted(str(exc)) from None
-    await future
-
-
-class _NotStarted(RuntimeError):
-    pass
