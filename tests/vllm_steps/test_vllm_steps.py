@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -31,12 +31,13 @@ LOAD_S = 1.0
 
 @asynccontextmanager
 async def attached(
-    n: int = 1, **options: Any
-) -> AsyncIterator[tuple[VLLMServers, list[VLLMRoutes]]]:
-    twins = [VLLMRoutes() for _ in range(n)]
+    n: int = 1, *, twin: Callable[[], Any] = VLLMRoutes, **options: Any
+) -> AsyncIterator[tuple[VLLMServers, list[Any]]]:
+    """``n`` twins made by ``twin``, attached to a sender of their workers."""
+    twins = [twin() for _ in range(n)]
     servers = VLLMServers([t.url for t in twins], **options)
     scheme = aiowsync.SharedMemWeightSyncScheme()
-    scheme.init_on_sender(model=nn.Linear(2, 2), num_workers=n)
+    scheme.init_on_sender(model=nn.Linear(2, 2), num_workers=sum(t.world_size for t in twins))
     try:
         async with scheme, servers.attach(scheme):
             yield servers, twins
@@ -291,22 +292,15 @@ class TwoWorkers(VLLMRoutes):
 async def test_a_load_that_fails_on_one_of_a_servers_workers_is_taken_back_on_the_others() -> None:
     """vLLM answers with the failing worker's error while the others hold the version: they
     must go back too, or the server generates with two versions at once."""
-    twin = TwoWorkers()
-    servers = VLLMServers([twin.url])
-    scheme = aiowsync.SharedMemWeightSyncScheme()
-    scheme.init_on_sender(model=nn.Linear(2, 2), num_workers=2)
-    try:
-        async with scheme, servers.attach(scheme):
-            await servers.finish(1, [0, 1], None)
-            twin.failing = 1
-            with pytest.raises(VLLMServerError, match="worker 1: the reload failed"):
-                await servers.finish(2, [0, 1], None)
-            assert [w["serves"] for w in twin.workers] == [1, 1] and twin.label == "1"
-            assert not any(w["active"] for w in twin.workers) and not twin.paused
-            await servers.finish(3, [0, 1], None)  # the next send starts cleanly
-            assert [w["serves"] for w in twin.workers] == [3, 3] and twin.label == "3"
-    finally:
-        twin.close()
+    async with attached(twin=TwoWorkers) as (servers, [twin]):
+        await servers.finish(1, [0, 1], None)
+        twin.failing = 1
+        with pytest.raises(VLLMServerError, match="worker 1: the reload failed"):
+            await servers.finish(2, [0, 1], None)
+        assert [w["serves"] for w in twin.workers] == [1, 1] and twin.label == "1"
+        assert not any(w["active"] for w in twin.workers) and not twin.paused
+        await servers.finish(3, [0, 1], None)  # the next send starts cleanly
+        assert [w["serves"] for w in twin.workers] == [3, 3] and twin.label == "3"
 
 
 class LosesTakeBacks(VLLMRoutes):
@@ -325,22 +319,15 @@ async def test_an_update_left_open_is_taken_back_not_kept_by_the_next_send() -> 
     """A take-back that never reached the server leaves version 2 loaded, unlabelled, its
     update open: the next send must undo it before it starts, not end the update (which
     keeps version 2 as the one a failed load goes back to)."""
-    twin = LosesTakeBacks()
-    servers = VLLMServers([twin.url])
-    scheme = aiowsync.SharedMemWeightSyncScheme()
-    scheme.init_on_sender(model=nn.Linear(2, 2), num_workers=1)
-    try:
-        async with scheme, servers.attach(scheme):
-            await servers.finish(1, [0], None)
-            twin.delays["update_weights"], twin.lose = LOAD_S, 1
-            with pytest.raises(VLLMServerTimeout):
-                await servers.finish(2, [0], time.monotonic() + 0.2)
-            assert state(twin) == (2, "1", False) and twin.active  # left open
-            await servers.finish(3, [0], None)
-            assert state(twin) == (3, "3", False)
-            assert twin.before == 1  # what version 3 replaced: 1, never the unlabelled 2
-    finally:
-        twin.close()
+    async with attached(twin=LosesTakeBacks) as (servers, [twin]):
+        await servers.finish(1, [0], None)
+        twin.delays["update_weights"], twin.lose = LOAD_S, 1
+        with pytest.raises(VLLMServerTimeout):
+            await servers.finish(2, [0], time.monotonic() + 0.2)
+        assert state(twin) == (2, "1", False) and twin.active  # left open
+        await servers.finish(3, [0], None)
+        assert state(twin) == (3, "3", False)
+        assert twin.before == 1  # what version 3 replaced: 1, never the unlabelled 2
 
 
 async def test_a_resume_that_fails_once_is_tried_again() -> None:
