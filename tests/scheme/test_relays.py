@@ -74,6 +74,15 @@ class Tree:
         await stack.aclose()
         self.leaves[i] = self.leaf_stacks[i] = None
 
+    async def connect(self) -> None:
+        """Connect the root, both sides of the relay and the leaves started (all entered)."""
+        await asyncio.gather(
+            self.root.connect(timeout=20),
+            self.upstream.connect(timeout=20),
+            self.local.connect(timeout=20),
+            *(leaf.connect(timeout=20) for leaf in self.leaves if leaf is not None),
+        )
+
     def leaves_hold(self, version: int) -> bool:
         return all(
             leaf is not None and leaf.version == version and same(m, self.src)
@@ -91,12 +100,7 @@ async def tree(leaves: int = 2, *, local_first: bool = True, **kw: Any) -> Async
             await t.stack.enter_async_context(scheme)
         for i in range(leaves):
             await t.start_leaf(i)
-        await asyncio.gather(
-            t.root.connect(timeout=20),
-            t.upstream.connect(timeout=20),
-            t.local.connect(timeout=20),
-            *(leaf.connect(timeout=20) for leaf in t.leaves if leaf is not None),
-        )
+        await t.connect()
         try:
             yield t
         finally:
@@ -273,12 +277,7 @@ async def test_an_upstream_that_joins_a_restarted_root_is_refused_until_local_re
     async with t.local:
         leaf = await t.start_leaf(0)
         async with t.root, t.upstream:
-            await asyncio.gather(
-                t.root.connect(timeout=20),
-                t.upstream.connect(timeout=20),
-                t.local.connect(timeout=20),
-                leaf.connect(timeout=20),
-            )
+            await t.connect()
             for _ in range(3):
                 bump(t.src)
                 await t.root.send(timeout=20)
@@ -297,12 +296,7 @@ async def test_an_upstream_that_joins_a_restarted_root_is_refused_until_local_re
     async with t.local:
         leaf = await t.start_leaf(0)
         async with t.root, t.upstream:
-            await asyncio.gather(
-                t.root.connect(timeout=20),
-                t.upstream.connect(timeout=20),
-                t.local.connect(timeout=20),
-                leaf.connect(timeout=20),
-            )
+            await t.connect()
             bump(t.src)
             assert (await t.root.send(timeout=20)).version == 1
             assert t.leaves_hold(1)
