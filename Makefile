@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 
-.PHONY: setup test test-setup-torchrl test-setup-vllm lint demo package docs bench bench-quick bench-setup clean
+.PHONY: setup test test-setup-torchrl test-setup-vllm test-torchrl test-vllm lint demo package docs bench bench-quick bench-setup clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,11 +30,17 @@ $(VENV)/.installed-test: $(BIN)/python pyproject.toml setup.py
 test: setup test-setup-torchrl test-setup-vllm
 	@echo "== $$(date -u +%T) the suite"
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_EXTRAS=1 $(BIN)/python -m pytest -q --durations=25
-	@echo "== $$(date -u +%T) the torchrl tests"
+	@echo "== $$(date -u +%T) the torchrl and the vLLM tests, side by side"
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-torchrl test-vllm
+
+# Most of their time is spent waiting on servers and collectors, so the two run side by side
+# (each one's output printed whole when it ends).
+test-torchrl: test-setup-torchrl
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_TORCHRL=1 $(BENCH_BIN)/python -m pytest -q -rs \
 		-p no:cacheprovider tests/integrations/test_torchrl_adapter.py \
 		tests/integrations/test_torchrl_dropin.py tests/tools/test_bench.py -k torchrl
-	@echo "== $$(date -u +%T) the vLLM tests"
+
+test-vllm: test-setup-vllm
 	OMP_WAIT_POLICY=PASSIVE AIOWSYNC_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -rs \
 		-p no:cacheprovider tests/integrations/vllm_server
 
