@@ -7,9 +7,11 @@ import asyncio
 import itertools
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -343,6 +345,33 @@ def test_a_slot_name_that_is_a_link_or_someone_elses_file_is_refused() -> None:
             open_slot(str(name), 64)
     finally:
         os.close(fd)
+        os.unlink(name)
+
+
+@pytest.mark.parametrize("writable", [False, True], ids=["read only", "read-write"])
+def test_a_fifo_under_a_slot_name_is_refused_without_a_wait(writable: bool) -> None:
+    # Before: a worker's read-only open of a FIFO (put there by a process that took its
+    # sender's address) waited until someone wrote to it, its event loop stopped for good.
+    name = SHM_DIR / f"aiowsync-{os.getpid()}-{secrets.token_hex(8)}-0"
+    os.mkfifo(name, 0o600)
+    outcome: list[BaseException | int] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(open_slot(str(name), 64, writable=writable))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    opener = threading.Thread(target=attempt, daemon=True)
+    opener.start()
+    opener.join(30)
+    try:
+        assert outcome, "the open of a FIFO waited for a writer"
+        assert isinstance(outcome[0], aiowsync.TransportError)
+        assert "not a slot file of this user" in str(outcome[0])
+    finally:
+        if opener.is_alive():  # free the waiting open
+            os.close(os.open(name, os.O_WRONLY | os.O_NONBLOCK))
         os.unlink(name)
 
 

@@ -11,9 +11,9 @@ import importlib.util
 import multiprocessing
 import os
 import pickle
+import signal
 import statistics
 import subprocess
-import signal
 import sys
 import time
 from typing import Any

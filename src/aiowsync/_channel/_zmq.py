@@ -239,7 +239,9 @@ class ZmqChannelFactory(ChannelFactory):
         allow_insecure_bind: no authentication on tcp: any process that reaches the port
             can join (and receivers connect without keys). Only for a network you trust.
         allow_other_users: without ``curve``, let processes of any user connect to a sender
-            bound to a Unix socket.
+            bound to a Unix socket: an abstract one (``ipc://@name``), or a path in a
+            directory they may enter. The default ``ipc://*`` lies in a directory of mode
+            ``0700``, which keeps them out all the same.
     """
 
     _own_keys = False

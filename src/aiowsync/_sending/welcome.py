@@ -48,6 +48,12 @@ class Greeter:
         reason, told = refused if refused is not None else (None, None)
         if hello.problem and 0 <= hello.worker_idx < self._state.num_workers:
             reason = told = f"it could not start its receiver: {hello.problem}"
+        # Where the kernel names the peer's process (a Unix socket), liveness follows that
+        # pid, not the one the hello gives (a peer could name a process that never ends).
+        kernel_pid = channel.peer_pid(routing)
+        pid = hello.pid if kernel_pid is None else kernel_pid
+        if reason is None and self._state.plane.process_gone(pid):
+            reason = told = _unseen_process(pid, hello.pid)
         if reason is None:
             old = self._state.peers.get(hello.worker_idx)
             gone = old is None or old.lost
@@ -76,9 +82,6 @@ class Greeter:
                     timeout=self._state.timeouts.control,
                 )
             return
-        # Where the kernel names the peer's process (a Unix socket), liveness follows that
-        # pid, not the one the hello gives (a peer could name a process that never ends).
-        pid = channel.peer_pid(routing) or hello.pid
         self._state.peers.replace(hello.worker_idx)
         conn = wire.Connection(wire.Role.SENDER, hello.worker_idx)
         conn.receive(hello)
@@ -155,3 +158,18 @@ def _answer_in(protocol: int) -> int:
     """The version a refusal goes back in: the hello's own, which a peer of another version
     reads, unless no frame header can carry it (a hello that names an impossible one)."""
     return protocol if 0 <= protocol <= 255 else wire.PROTOCOL_VERSION
+
+
+def _unseen_process(pid: int, claimed: int) -> str:
+    """Why a worker whose process this sender cannot see is refused: its pins would be
+    dropped at once, as if its process had ended, and its slots written while it reads."""
+    whose = (
+        "the kernel cannot name its process here"
+        if pid == 0
+        else f"its process (pid {pid}{'' if pid == claimed else f', {claimed} by its word'})"
+        " does not exist here"
+    )
+    return (
+        f"{whose}: it runs in another pid namespace (another container) or on another host, "
+        "and shared memory needs the sender and its workers on one host in one pid namespace"
+    )

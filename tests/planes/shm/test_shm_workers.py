@@ -8,6 +8,7 @@ Real ZeroMQ sockets and real /dev/shm slots, receivers on the test's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -91,12 +92,17 @@ async def test_an_update_out_of_order_disconnects_the_worker_and_keeps_its_weigh
         assert all(torch.equal(v, held[k]) for k, v in m.state_dict().items())
 
 
+@pytest.mark.parametrize("then", ["nothing", "a file", "a link"])
 async def test_a_sender_whose_slot_files_were_removed_goes_on_and_workers_join_again(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, tmp_path: Any, then: str
 ) -> None:
     # Before: once the slot files were removed under a running sender (logind's RemoveIPC
     # at logout, a tidy-up rm), every send failed with a wrong "raise --shm-size" hint and
-    # no worker could join again.
+    # no worker could join again. And where another process then put a file under a removed
+    # name, the slot was never made anew (every send failed); where it put a link, the
+    # sender allocated the slot's size in the file the link named.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not a slot\n")
     src, mirror = model(0), model(1)
     sender = aiowsync.SharedMemWeightSyncScheme(heartbeats=SHM_BEATS)
     sender.init_on_sender(model=src, num_workers=2)
@@ -112,6 +118,11 @@ async def test_a_sender_whose_slot_files_were_removed_goes_on_and_workers_join_a
             assert mine
             for name in mine:
                 os.unlink(f"/dev/shm/{name}")
+                if then == "a file":
+                    with open(f"/dev/shm/{name}", "w") as squat:
+                        squat.write("squatted")
+                elif then == "a link":
+                    os.symlink(victim, f"/dev/shm/{name}")
             with caplog.at_level(logging.WARNING, logger="aiowsync.shm"):
                 for _ in range(3):
                     bump(src)
@@ -127,6 +138,10 @@ async def test_a_sender_whose_slot_files_were_removed_goes_on_and_workers_join_a
                 await joiner.connect(timeout=20)
                 assert joiner.version == sender.version and same(late, src)
             assert "was removed by another process; made anew" in caplog.text
+            assert victim.read_bytes() == b"not a slot\n"
+            for name in mine:  # what the test put there (a sender's sweep leaves them)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"/dev/shm/{name}")
 
 
 _WRITER = """
@@ -247,3 +262,50 @@ async def test_a_worker_that_writes_its_swap_mode_model_changes_only_its_own() -
                 assert not torch.equal(writer[0].weight, sent["0.weight"])
                 # ... and changes nothing of the sender's or of the other worker.
                 assert same(models[1], sent), version
+
+
+# -- a sender that cannot see its workers' processes ---------------------------------------------
+
+_IN_OWN_PID_NAMESPACE = """
+import asyncio, sys
+import torch
+import aiowsync
+async def main():
+    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(model=torch.nn.Linear(4, 2), num_workers=1)
+    async with scheme:
+        print(scheme.address, flush=True)
+        try:
+            await scheme.connect(timeout=60)
+        except aiowsync.ConnectFailedError as exc:
+            print("refused:", str(exc).replace("\\n", " "), flush=True)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a pid namespace of its own needs root")
+async def test_a_worker_whose_process_the_sender_cannot_see_is_refused() -> None:
+    # Before: the kernel names a process of another pid namespace as pid 0, the sender fell
+    # back to the pid the hello gave, which in its namespace is nobody's: the live worker was
+    # judged gone at once, and its slot overwritten while its model ran on it.
+    cmd = ["unshare", "--pid", "--fork", sys.executable, "-c", _IN_OWN_PID_NAMESPACE]
+    try:
+        trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        pytest.skip("unshare is not installed")
+    try:
+        address = await asyncio.wait_for(asyncio.to_thread(trainer.stdout.readline), 60)  # type: ignore[union-attr]
+        if not address:
+            pytest.skip("unshare --pid --fork could not start the trainer")
+        worker = aiowsync.SharedMemWeightSyncScheme(address=address.strip())
+        worker.init_on_receiver(model=nn.Linear(4, 2), worker_idx=0)
+        async with worker:
+            with pytest.raises(aiowsync.ConnectError, match="another pid namespace") as info:
+                await worker.connect(timeout=30)
+        assert "one host in one pid namespace" in str(info.value)
+        told = await asyncio.wait_for(asyncio.to_thread(trainer.stdout.readline), 60)  # type: ignore[union-attr]
+        assert told.startswith("refused:") and "another pid namespace" in told
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+        trainer.stdout.close()  # type: ignore[union-attr]

@@ -339,7 +339,9 @@ def _renew_removed(table: SlotTable[_File], pinned: set[int]) -> None:
         if slot.busy or (slot.version is not None and slot.version in pinned):
             continue
         path = slot.value.file.path
-        if not os.path.exists(path):
+        if not slot.value.file.name_is_ours():
+            # Removed, or (once removed) replaced by another user's file or link: either
+            # way no worker could open this slot by its name any more.
             log.warning("shared-memory slot %s was removed by another process; made anew", path)
             slot.value.file.release()
             table.renew(index)

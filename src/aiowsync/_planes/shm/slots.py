@@ -95,11 +95,13 @@ def open_slot(path: str, nbytes: int, *, writable: bool = True) -> int:
     first.
 
     Slot paths come from the control channel, so only a regular file of ours (this user's,
-    not a link) of at least ``nbytes`` bytes is opened.
+    not a link) of at least ``nbytes`` bytes is opened. The open itself does not wait: a
+    FIFO put under a slot's name would hold a read-only open until someone writes to it.
     """
     check_slot_path(path)
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
+        fd = os.open(path, flags)
     except OSError as exc:
         raise TransportError(f"cannot open shared-memory slot {path}: {exc}") from None
     try:
@@ -158,6 +160,14 @@ def _tensor_of(mm: mmap.mmap, nbytes: int) -> torch.Tensor:
         return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
 
 
+def _identity(fd: int | None) -> tuple[int, int] | None:
+    """The device and inode of the file open as ``fd`` (None: no descriptor)."""
+    if fd is None:
+        return None
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
 def _free_bytes(directory: str) -> int | str:
     try:
         st = os.statvfs(directory)
@@ -178,6 +188,7 @@ class SlotFile:
         self.owner = owner
         self._lock = lock
         self._backed = not owner
+        self._identity = _identity(lock)
 
     def back(self) -> None:
         """Give every page of the file its memory now (once; blocking, so from a thread).
@@ -189,13 +200,11 @@ class SlotFile:
         if self._backed:
             return
         fallocate = getattr(os, "posix_fallocate", None)
-        if fallocate is not None:
+        if fallocate is not None and self._lock is not None:
+            # Through the descriptor the file was created with, never by name: the name may
+            # have been removed, and another user's file or link put in its place.
             try:
-                fd = os.open(self.path, os.O_RDWR)
-                try:
-                    fallocate(fd, 0, max(self.nbytes, 1))
-                finally:
-                    os.close(fd)
+                fallocate(self._lock, 0, max(self.nbytes, 1))
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     free = _free_bytes(os.path.dirname(self.path))
@@ -230,6 +239,15 @@ class SlotFile:
         except OSError as exc:
             raise TransportError(f"cannot map shared-memory slot {path}: {exc}") from None
         return cls(path, nbytes, _tensor_of(mm, nbytes), owner=False, lock=None)
+
+    def name_is_ours(self) -> bool:
+        """Whether this slot's name still names the file this process created (not removed,
+        and not replaced by another file or a link)."""
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return False
+        return self._identity is not None and (st.st_dev, st.st_ino) == self._identity
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid until their last view goes)."""
