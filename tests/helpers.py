@@ -278,14 +278,17 @@ class Kind:
         }.get(name)
         self.late = LATE[name]
 
-    def plane(self, *, inline_bytes: int | None = None, bucket_bytes: int = BUCKET) -> Any:
+    def plane(
+        self, *, inline_bytes: int | None = None, bucket_bytes: int = BUCKET, **kw: Any
+    ) -> Any:
+        """This kind's plane; ``kw`` are options every plane takes (``max_slots``)."""
         if self.name == "memory":
             return aiowsync.MemoryPlane(
-                **({} if inline_bytes is None else {"inline_bytes": inline_bytes})
+                **({} if inline_bytes is None else {"inline_bytes": inline_bytes}), **kw
             )
         if self.name == "shm":
-            return aiowsync.SharedMemPlane()
-        return aiowsync.DistributedPlane(backend="gloo", bucket_bytes=bucket_bytes)
+            return aiowsync.SharedMemPlane(**kw)
+        return aiowsync.DistributedPlane(backend="gloo", bucket_bytes=bucket_bytes, **kw)
 
     def scheme(
         self, address: str | None = None, *, plane: Any = None, **kw: Any

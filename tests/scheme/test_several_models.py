@@ -413,6 +413,45 @@ async def test_models_that_share_a_trunk_connect_and_follow_every_version(name: 
             assert mine["policy"][0].weight is mine["value"][0].weight
 
 
+@pytest.mark.parametrize("max_slots", [None, 2])
+async def test_models_sent_one_at_a_time_round_and_round_never_use_up_the_slots(
+    kind: Kind, max_slots: int | None
+) -> None:
+    """Four models, each sent alone in turn (then all): every worker holds each model's latest
+    bytes, and a send never finds the slots full."""
+    # Before, on torch.distributed: a version's models stayed in the slots of the sends that
+    # wrote them, so after a send of each model alone the latest version lay in four slots,
+    # all there are by default (two with max_slots=2 and two models), and every send after
+    # that, full ones too, raised SlotsFull.
+
+    def four(seed: int) -> dict[str, nn.Module]:
+        torch.manual_seed(seed)
+        return {f"m{i}": nn.Linear(3, 3) for i in range(4 if max_slots is None else 2)}
+
+    extra = {} if max_slots is None else {"max_slots": max_slots}
+    models = four(0)
+    sender = kind.scheme(integrity=True, plane=kind.plane(**extra))
+    sender.init_on_sender(models=models, num_workers=1)
+    async with serving(sender):
+        mine = four(1)
+        r = kind.scheme(sender.address, plane=sender.plane, integrity=True)
+        r.init_on_receiver(models=mine, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=CONNECT), r.connect(timeout=CONNECT))
+            step = 0
+            for _ in range(3):
+                for name in models:
+                    step += 1
+                    fill(models[name], float(step))
+                    result = await sender.send(weights={name: models[name]}, timeout=CONNECT)
+                    assert result.version == step
+                    assert all(same(mine[k], frozen(models[k])) for k in models), step
+            for k in models:
+                fill(models[k], -1.0)
+            assert (await sender.send(timeout=CONNECT)).version == step + 1
+            assert all(same(mine[k], frozen(models[k])) for k in models)
+
+
 async def test_a_scheme_of_many_models_connects_and_more_than_it_holds_are_refused() -> None:
     """Each model has a slot file of its own, named in every update: 40 models, more than
     the 64 entries an update's parameters once held, connect and follow a send."""

@@ -173,7 +173,8 @@ class Packer:
         self.layout = layout
         self.device = device
         self._policy = policy
-        self.buckets = Buckets(layout.total_bytes, bucket_bytes, section_spans(layout))
+        self._spans = section_spans(layout)
+        self.buckets = Buckets(layout.total_bytes, bucket_bytes, self._spans)
         self.chunks = Chunks(layout, self.buckets.ranges)
         starts = [0]
         for size in layout.buffer_sizes[:-1]:
@@ -211,6 +212,13 @@ class Packer:
             image.source = image.source_refs = image.source_pointers = None
             image.packed = len(self.buckets.ranges)
             image.complete.set()
+
+    def copy_models(self, image: Image, sources: Mapping[int, Image]) -> None:
+        """Copy into ``image`` the bytes of models (by number) from the images that hold
+        them (a version that carries them takes a copy instead of pointing at those)."""
+        for number, source in sources.items():
+            lo, hi = self._spans[number]
+            image.flat[lo:hi].copy_(source.flat[lo:hi])
 
     def pack(self, image: Image, index: int) -> None:
         """Pack buckets up to ``index`` (a no-op for those already packed)."""

@@ -116,11 +116,16 @@ class DistSenderPlane(SenderPlane):
         self._groups = SenderGroups(backend=backend, host=host, form_timeout=form_timeout)
         self._closed = False
         self._held: dict[int, dict[str, int]] = {}
-        """By published version (the latest few), the version whose slot holds each model's
-        bytes: itself for the models it wrote, an earlier one for those it carried."""
+        """By published version (the latest few), the version that last wrote each model:
+        itself for the models it wrote, an earlier one for those it carried."""
+        self._homes: dict[int, dict[str, int]] = {}
+        """By published version, the version whose slot holds each model's bytes: as
+        :attr:`_held`, but itself for the carried models it took a copy of."""
         self._latest: int | None = None
         self._writes: dict[int, frozenset[str]] = {}
         """By slot being staged, the models it writes."""
+        self._copied: dict[int, frozenset[str]] = {}
+        """By slot being staged, the carried models it holds a copy of."""
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -170,19 +175,41 @@ class DistSenderPlane(SenderPlane):
         snapshot = source.snapshot()
         everything = frozenset(self.layout.sections)
         self._writes[slot] = everything - snapshot.carry
+        carried = self._carried_copies(snapshot.carry)
+        self._copied[slot] = frozenset(name for name in snapshot.carry if carried)
         if snapshot.carry or snapshot.cast:
             # Some models (the others stay in the slots that hold them, and travel from
             # there), or a cast to the wire dtype: packed now, tensor by tensor (the copy runs
             # to its end even if cancelled).
-            await to_the_end(anyio.to_thread.run_sync(self._packer.fill, image, snapshot))
+            def fill() -> None:
+                self._packer.copy_models(image, carried)
+                self._packer.fill(image, snapshot)
+
+            await to_the_end(anyio.to_thread.run_sync(fill))
         else:
             # Only checked here: packing happens during the transfer, bucket by bucket,
             # overlapping the wire.
             self._packer.start(image, snapshot)
 
+    def _carried_copies(self, carry: frozenset[str]) -> dict[int, Image]:
+        """The carried models a version staged now takes a copy of (by number, each with the
+        image it is copied from): none while the latest version's bytes lie in few slots,
+        all where carrying them from where they lie would leave the next send no slot (each
+        model sent alone spreads a version over a slot per model)."""
+        if not carry or self._latest is None:
+            return {}
+        homes = self._homes[self._latest]
+        if len({homes[name] for name in carry}) + 1 <= max(0, self.max_slots - 2):
+            return {}
+        return {
+            number: self._slot_of(homes[name]).value.image
+            for number, name in enumerate(self.layout.sections)
+            if name in carry
+        }
+
     def _holders(self, version: int) -> set[int]:
         """The versions whose slots hold ``version``'s models."""
-        return set(self._held[version].values())
+        return set(self._homes[version].values())
 
     def moved(self, version: int, since: int | None) -> list[int]:
         """The models (by their number in the layout) a delivery of ``version`` moves to
@@ -200,20 +227,22 @@ class DistSenderPlane(SenderPlane):
         if self._closed:
             raise WeightSyncError("the distributed plane is closed")
         written = self._writes.pop(slot, frozenset(self.layout.sections))
-        before = self._held.get(self._latest) if self._latest is not None else None
-        held = {}
+        copied = self._copied.pop(slot, frozenset())
+        latest = self._latest
+        held, homes = {}, {}
         for name in self.layout.sections:
             if name in written:
-                held[name] = version
+                held[name] = homes[name] = version
             else:
-                assert before is not None, "a version of some models needs one before it"
-                held[name] = before[name]
+                assert latest is not None, "a version of some models needs one before it"
+                held[name] = self._held[latest][name]
+                homes[name] = version if name in copied else self._homes[latest][name]
         with self._lock:
             self._slots.publish(slot, version)
-            self._held[version] = held
+            self._held[version], self._homes[version] = held, homes
             self._latest = version
             for old in sorted(self._held)[:-HELD_VERSIONS]:
-                del self._held[old]
+                del self._held[old], self._homes[old]
 
     def digest_after(self, version: int, *, given: str | None, hashed: bool) -> None:
         self._trailers.set(version, given=given, hashed=hashed)
@@ -223,6 +252,7 @@ class DistSenderPlane(SenderPlane):
 
     def release(self, slot: int) -> None:
         self._writes.pop(slot, None)
+        self._copied.pop(slot, None)
         self._slots.release(slot).value.image.source = None
 
     def deliver(
@@ -339,7 +369,7 @@ class DistSenderPlane(SenderPlane):
             if after is not None and not after.wait(max(0.0, deadline - time.monotonic())):
                 raise TransportError("an earlier transfer did not finish in time")
             images = [
-                self._slot_of(self._held[version][name]).value.image
+                self._slot_of(self._homes[version][name]).value.image
                 for name in self.layout.sections
             ]
             numbers = range(len(images)) if moved is None else moved
