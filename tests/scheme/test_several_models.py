@@ -411,6 +411,15 @@ async def test_models_that_share_a_trunk_connect_and_follow_every_version(name: 
                 for model_id in models:
                     assert same(mine[model_id], frozen(models[model_id]))
             assert mine["policy"][0].weight is mine["value"][0].weight
+            # A send of one of them would leave the other's trunk behind, and the worker
+            # holds one trunk. Before, it ran the new head on the old trunk, without a word.
+            fill(models["policy"], 3.0)
+            with pytest.raises(ValueError, match="'policy' and 'value' share tensors"):
+                await sender.send(weights={"policy": models["policy"]}, timeout=CONNECT)
+            assert sender.version == 2
+            both = {k: m.state_dict() for k, m in models.items()}
+            assert (await sender.send(weights=both, timeout=CONNECT)).version == 3
+            assert all(same(mine[k], frozen(models[k])) for k in models)
 
 
 @pytest.mark.parametrize("max_slots", [None, 2])

@@ -119,4 +119,28 @@ def split_send(
     if unknown:
         known = ", ".join(repr(k) for k in models)
         raise ValueError(f"unknown model id(s) {unknown}: this scheme holds {known}")
-    return named, set(named) == set(models)
+    every = set(named) == set(models)
+    if not every:
+        _refuse_split_sharing(named, models)
+    return named, every
+
+
+def _refuse_split_sharing(named: Mapping[str, Any], models: Mapping[str, WeightsLike]) -> None:
+    """Refuse a send of some models that leaves out one sharing a tensor with them (an actor
+    and a critic on one trunk): a worker holds the shared tensor once, so it could not keep
+    the new trunk for one model and the old one for the other."""
+    owned = {name: {id(t) for t in _tensors_of(model)} for name, model in models.items()}
+    for name in named:
+        for other, theirs in owned.items():
+            if other not in named and owned[name] & theirs:
+                raise ValueError(
+                    f"models {name!r} and {other!r} share tensors (one trunk, say), and a "
+                    f"worker holds them once: send {name!r} together with {other!r} "
+                    "(weights={...} naming both), or send() every model"
+                )
+
+
+def _tensors_of(model: WeightsLike) -> list[torch.Tensor]:
+    if isinstance(model, nn.Module):
+        return [*model.parameters(), *model.buffers()]
+    return list(flatten_weights(model, detach=False).values())
