@@ -4,6 +4,7 @@ in-process twins, real shared memory, real gloo), in this process."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -459,6 +460,16 @@ async def test_models_sent_one_at_a_time_round_and_round_never_use_up_the_slots(
                 fill(models[k], -1.0)
             assert (await sender.send(timeout=CONNECT)).version == step + 1
             assert all(same(mine[k], frozen(models[k])) for k in models)
+            # Pairs in turn: a distributed receiver keeps a few of the combinations of its
+            # halves built, not every one it ever ran (up to 2**models of them).
+            names = list(models)
+            for first, second in itertools.combinations(names, 2):
+                fill(models[first], 7.0)
+                pair = {first: models[first], second: models[second]}
+                await sender.send(weights=pair, timeout=CONNECT)
+                assert all(same(mine[k], frozen(models[k])) for k in models)
+            combined = getattr(r._receiver._plane, "_combined", {})
+            assert len(combined) <= 4
 
 
 async def test_a_scheme_of_many_models_connects_and_more_than_it_holds_are_refused() -> None:

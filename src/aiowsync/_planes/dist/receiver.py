@@ -9,6 +9,7 @@ of the version arrived.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -35,6 +36,9 @@ from .groups import ReceiverGroups, host_of, local_ip_towards
 __all__ = ["DistReceiverPlane"]
 
 log = logging.getLogger("aiowsync.dist")
+
+_COMBINED_KEPT = 4
+"""Combinations of halves kept built (the one running, the one arriving, a few before)."""
 
 
 class DistReceiverPlane(ReceiverPlane):
@@ -92,8 +96,11 @@ class DistReceiverPlane(ReceiverPlane):
         other one still, or, in copy mode, none)."""
         self._hashes: list[list[dict[int, int]]] = [[{}, {}] for _ in names]
         """Per model and half, the digest buckets hashed as they arrived."""
-        self._combined: dict[tuple[int, ...], Staged] = {}
-        """A version as the model runs it: one half of each model, by the halves' indices."""
+        self._combined: collections.OrderedDict[tuple[int, ...], Staged] = (
+            collections.OrderedDict()
+        )
+        """A version as the model runs it: one half of each model, by the halves' indices
+        (the few latest; models sent in changing subsets make up to 2**models of them)."""
         self._port = port
 
     async def fetch(self, params: Mapping[str, ParamValue]) -> Staged:
@@ -254,6 +261,9 @@ class DistReceiverPlane(ReceiverPlane):
             views = {k: v for half in halves for k, v in half.views.items()}
             staged = Staged(parts, views, ",".join(map(str, choice)))
             self._combined[choice] = staged
+            while len(self._combined) > _COMBINED_KEPT:
+                self._combined.popitem(last=False)
+        self._combined.move_to_end(choice)
         return staged
 
     def _receive(
