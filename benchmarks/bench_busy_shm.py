@@ -80,7 +80,9 @@ def worker_main(scheme: Any, idx: int, name: str, conn: Any) -> None:
 async def _worker(scheme: Any, idx: int, name: str, conn: Any) -> None:
     model = build(name)
     scheme.init_on_receiver(model=model, worker_idx=idx)
-    tensors = list(model.state_dict().values())  # the same objects across switches
+    # The module's own tensors, which a switch re-points (state_dict() would give detached
+    # ones, left on the bytes of the version before the first switch).
+    tensors = [*model.parameters(), *model.buffers()]
     reads = 0
 
     async def tick() -> None:

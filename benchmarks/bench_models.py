@@ -127,7 +127,8 @@ async def _worker(scheme: Any, idx: int, name: str, dtype: str, conn: Any, reade
         scheme.init_on_receiver(models=models, worker_idx=idx)
     else:
         scheme.init_on_receiver(model=models["model"], worker_idx=idx)
-    tensors = [t for m in models.values() for t in m.state_dict().values()]
+    # The modules' own tensors, which a switch re-points (not state_dict()'s detached ones).
+    tensors = [t for m in models.values() for t in (*m.parameters(), *m.buffers())]
     if reader == "light":  # eight tensors spread over the model(s)
         tensors = tensors[:: max(1, len(tensors) // 8)][:8]
 

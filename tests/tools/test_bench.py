@@ -135,7 +135,10 @@ def test_arguments() -> None:
     options = _parse(["--quick", "--rehome", "--bucket-mib", "8"])
     assert options.rehome and options.bucket_mib == 8
     for bad in (["--models", "2GiB"], ["--workers", "x"], ["--workers", "0"],
-                ["--transports", "nccl"], ["--samples", "0"], ["--bucket-mib", "0"]):  # fmt: skip
+                ["--transports", "nccl"], ["--samples", "0"], ["--bucket-mib", "0"],
+                # An unset variable in a script (an empty value) is no default: refused.
+                ["--models", ""], ["--workers", ""], ["--transports", ""], ["--gates", ","],
+                ["--timeout", "0"], ["--timeout", "-5"], ["--timeout", "nan"]):  # fmt: skip
         with pytest.raises(SystemExit) as info:
             _parse(bad)
         assert info.value.code == 2
@@ -507,6 +510,54 @@ async def test_rounds_shuffle_who_goes_after_whom() -> None:
     await rounds(paired, 3, _run.Progress(1), "1MiB x4 shm", paired=True)
     assert all(c.samples_lead == [0.0, 2.0, 4.0] and c.samples == [1.0, 3.0, 5.0] for c in paired)
     assert all(len(c.quiet) == 3 for c in paired)
+
+
+async def test_a_torchrl_tree_that_fails_to_start_leaves_the_others_their_samples(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, one try covered opening the trees and the rounds: a tree that could not start
+    # (TorchRL's distributed tree refuses a host name that resolves to a LAN address) took
+    # every sample of aiowsync and of the limits with it, and the run exited 0.
+    from aiowsync._tools.bench import _run
+    from aiowsync._tools.bench._contenders import RawCopy
+    from aiowsync._tools.bench._torchrl import TorchRLError, TorchRLTree
+
+    async def refuse(self: TorchRLTree) -> dict[str, Any]:
+        raise TorchRLError(f"{self.scheme}: host name resolves to 10.1.2.3, not loopback")
+
+    closed: list[str] = []
+
+    async def close(self: TorchRLTree) -> None:
+        closed.append(self.scheme)
+
+    monkeypatch.setattr(TorchRLTree, "open", refuse)
+    monkeypatch.setattr(TorchRLTree, "close", close)
+    settings = _parse(["--quick", "--gates", "busy"])
+    copy = RawCopy(MIB)
+    out: dict[str, Any] = {"errors": []}
+    theirs = await _run._batch(
+        ["distributed"], "1MiB", 2, [copy], 3, settings, out, _run.Progress(1), "1MiB x2 dist"
+    )
+    copy.close()
+    assert theirs == [] and closed == ["distributed"]
+    assert len(copy.busy) == 3  # the standing contender's rounds ran
+    assert out["errors"] == [
+        {"batch": ["distributed"], "error": "distributed: host name resolves to 10.1.2.3, "
+         "not loopback"}
+    ]  # fmt: skip
+
+
+def test_a_run_with_a_failed_torchrl_tree_or_an_empty_row_exits_non_zero(tmp_path: Path) -> None:
+    from aiowsync._tools.bench import _write
+
+    report = _report(ours_ms=36.0, theirs_ms=120.0, their_mixed=0)
+    report["run"]["cells"] = [c for c in report["run"]["cells"] if "failed" not in c]
+    assert _write(json.loads(json.dumps(report)), str(tmp_path / "whole")) == 0
+    report["run"]["cells"][0]["errors"].append({"batch": ["mp"], "error": "no answer"})
+    assert _write(json.loads(json.dumps(report)), str(tmp_path / "error")) == 1
+    report["run"]["cells"][0]["errors"].clear()
+    report["run"]["cells"][0]["contenders"][0]["samples_s"] = []
+    assert _write(json.loads(json.dumps(report)), str(tmp_path / "empty")) == 1
 
 
 async def test_each_round_takes_a_quiet_then_a_busy_sample_of_every_contender() -> None:

@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -121,6 +122,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--from-json", metavar="FILE", help="measure nothing: write the report of an earlier run"
     )
     args = p.parse_args(argv)
+    options = ("models", "workers", "transports", "topologies", "control_auth", "profiles", "gates")
+    for option in options:
+        value = getattr(args, option, None)
+        if value is not None and "" in value.split(","):
+            p.error(f"--{option.replace('_', '-')} has an empty entry: {value!r}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     models = tuple(args.models.split(",")) if args.models else ALL_MODELS
     bad = [m for m in models if m not in ALL_MODELS]
     if bad:
@@ -278,4 +286,13 @@ def _write(report: dict[str, Any], out: str) -> int:
         f.write(text)
     print(text)
     print(f"wrote {', '.join(paths.values())}", file=sys.stderr)
-    return 1 if any("failed" in c for c in report["run"]["cells"]) else 0
+    return 1 if any(_incomplete(c) for c in report["run"]["cells"]) else 0
+
+
+def _incomplete(cell: dict[str, Any]) -> bool:
+    """Whether a cell failed, or some of it did (a TorchRL tree, a row without samples)."""
+    if "failed" in cell or cell.get("errors"):
+        return True
+    return any(
+        not (row["samples_s"] or row.get("busy_samples_s")) for row in cell.get("contenders", [])
+    )

@@ -236,8 +236,8 @@ def markdown(report: dict[str, Any]) -> str:
         for s in cell["skipped"]:
             lines.append(f"{head} {s['contender']}: skipped, {s['reason']}{rest}")
         for e in cell["errors"]:
-            last = e["error"].strip().splitlines()[-1] if e["error"].strip() else "?"
-            lines.append(f"{head} TorchRL {'+'.join(e['batch'])}: failed ({last}){rest}")
+            first = e["error"].strip().splitlines()[0] if e["error"].strip() else "?"
+            lines.append(f"{head} TorchRL {'+'.join(e['batch'])}: failed ({first}){rest}")
     lines += _policy_lines(report)
     lead_lines = [
         f"| {cell['model']}{variant_text(cell)} | {cell['workers']} | {profile_of(cell)} "
@@ -266,8 +266,10 @@ def markdown(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: str) -> str | None:
     """Send latency against model size, one line per contender, one panel per worker count,
-    of the cells of the headline profile (see :func:`headline_profile`), quiet gate where
-    measured. Returns why no plot was drawn (matplotlib missing, nothing measured), or None."""
+    of the cells of the headline profile (see :func:`headline_profile`) with the default
+    topology and control-channel authentication (other variants of a cell are in the table),
+    quiet gate where measured. Returns why no plot was drawn (matplotlib missing, nothing
+    measured), or None."""
     try:
         import matplotlib
 
@@ -276,7 +278,11 @@ def plot(report: dict[str, Any], path: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install 'aiowsync[bench]'): no plot"
     profile = headline_profile(report)
-    cells = [c for c in cells_of(report) if c["contenders"] and profile_of(c) == profile]
+    cells = [
+        c
+        for c in cells_of(report)
+        if c["contenders"] and profile_of(c) == profile and not variant_text(c)
+    ]
     workers = sorted({c["workers"] for c in cells})
     if not workers:
         return "no cell measured anything: no plot"

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 import traceback
 from typing import Any
+
+from aiowsync._util.text import first_line
 
 from ._checks import INTEGRITY_MODE, variant_text
 from ._contenders import Contender, RawCopy, RawGloo, RawZmq, TorchRLContender
@@ -192,16 +195,16 @@ async def _cell(
         out["policy_reads"] = await session.policy_reads()
         if transport == "shm":  # after many versions were applied: what a worker kept
             out["worker_memory"] = await session.memory()
-    finally:
+    except BaseException:
+        # The cell's own failure (or a Ctrl-C) is what the report and the caller see: closing
+        # after it may fail too (its workers may be gone), and that is only told.
         try:
-            for floor in floors:
-                await floor.close()
-            if isinstance(limit, RawGloo):
-                await limit.close()
-            else:
-                limit.close()
-        finally:
-            await session.close()
+            await _close_cell(session, limit, floors)
+        except Exception as exc:
+            progress.say(f"{label}: closing after the failure failed too: {first_line(exc)}")
+        raise
+    else:
+        await _close_cell(session, limit, floors)
     for c in (*ours, other_integrity):
         if isinstance(c, AiowsyncSend):
             c.info = {"integrity": session.integrity(c.mode)}
@@ -209,6 +212,20 @@ async def _cell(
                 c.info["whole_send_s"] = session.totals
     out["contenders"] = [_row(c) for c in (*ours, other_integrity, limit, *floors, *theirs)]
     return out
+
+
+async def _close_cell(
+    session: AiowsyncSession, limit: RawCopy | RawGloo, floors: list[RawZmq]
+) -> None:
+    try:
+        for floor in floors:
+            await floor.close()
+        if isinstance(limit, RawGloo):
+            await limit.close()
+        else:
+            limit.close()
+    finally:
+        await session.close()
 
 
 def raw_gloo_rounds(samples: int, paired: bool, batches: int, settings: Settings) -> int:
@@ -245,7 +262,11 @@ async def _batch(
             progress.say(f"{label}: starting TorchRL {name} with {n} workers")
             tree = TorchRLTree(name, model, n, settings.timeout)
             trees.append(tree)
-            info = await tree.open()
+            try:
+                info = await tree.open()
+            except TorchRLError as exc:  # the others, aiowsync's included, still run
+                _torchrl_failed(out, progress, label, [name], exc)
+                continue
             for mode in TORCHRL_MODES[name]:
                 contender = TorchRLContender(tree, mode)
                 contender.info = info
@@ -260,13 +281,18 @@ async def _batch(
             await _measure_gap(contender, settings, progress, label)
             await contender.measure_tear(settings.tear_sends, settings.tear_max_s)
     except TorchRLError as exc:
-        text = str(exc)
-        out["errors"].append({"batch": batch, "error": text})
-        progress.say(f"{label}: TorchRL {batch} failed: {text.splitlines()[-1] if text else ''}")
+        _torchrl_failed(out, progress, label, batch, exc)
     finally:
         for tree in trees:
             await tree.close()
     return theirs
+
+
+def _torchrl_failed(
+    out: dict[str, Any], progress: Progress, label: str, batch: list[str], exc: TorchRLError
+) -> None:
+    out["errors"].append({"batch": batch, "error": str(exc)})
+    progress.say(f"{label}: TorchRL {'+'.join(batch)} failed: {first_line(exc)}")
 
 
 GAP_STEAL_MS = 20.0
@@ -328,6 +354,9 @@ async def run(settings: Settings) -> dict[str, Any]:
         for v in variants(t, settings)
         for p in settings.profiles
     ]
+    task = asyncio.current_task()
+    if task is not None:  # SIGTERM (a CI job's time limit) closes everything, as Ctrl-C does
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     progress = Progress(len(plan))
     progress.say(f"starting {most} worker processes")
     pool = WorkerPool(most, name="aiowsync-bench-worker")
@@ -346,6 +375,9 @@ async def run(settings: Settings) -> dict[str, Any]:
                     )
                 )
             except Exception:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # stopped (Ctrl-C): no more cells
                 text = traceback.format_exc()
                 progress.say(
                     f"{model} x{n} {transport} {variant or ''} [{profile}] FAILED:\n{text}"
@@ -360,10 +392,11 @@ async def run(settings: Settings) -> dict[str, Any]:
                 if variant is not None:
                     failed["topology"], failed["control_auth"] = variant
                 results.append(failed)
-                # A failed session may leave workers in it: start from a fresh pool.
-                await pool.close()
-                pool = WorkerPool(most, name="aiowsync-bench-worker")
-                await pool.start()
+                if progress.cell < len(plan):
+                    # A failed session may leave workers in it: go on with a fresh pool.
+                    await pool.close()
+                    pool = WorkerPool(most, name="aiowsync-bench-worker")
+                    await pool.start()
     finally:
         await pool.close()
     return {
@@ -376,4 +409,7 @@ async def run(settings: Settings) -> dict[str, Any]:
 
 
 def run_sync(settings: Settings) -> dict[str, Any]:
-    return asyncio.run(run(settings))
+    try:
+        return asyncio.run(run(settings))
+    except asyncio.CancelledError:  # by SIGTERM, once every process and file is closed
+        raise SystemExit(128 + signal.SIGTERM) from None
