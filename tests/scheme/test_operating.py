@@ -281,6 +281,29 @@ async def test_a_worker_forked_from_the_trainer_is_told_to_spawn_and_the_trainer
         )
 
 
+async def test_a_worker_that_cannot_apply_its_first_version_is_named_with_why() -> None:
+    # Before, the trainer's connect() error and the worker table said only "its connection
+    # is closed": the reason the worker gave (a hook that failed) was in the log alone.
+    sender = aiowsync.SharedMemWeightSyncScheme()
+    sender.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    worker = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+
+    def hook(version: int) -> None:
+        raise RuntimeError("the KV cache could not be reset")
+
+    worker.register_hook(hook)
+    worker.init_on_receiver(model=nn.Linear(4, 4), worker_idx=0)
+    async with sender, worker:
+        told, failed = await asyncio.gather(
+            sender.connect(timeout=20), worker.connect(timeout=20), return_exceptions=True
+        )
+    assert isinstance(failed, aiowsync.ConnectError)
+    assert isinstance(told, aiowsync.ConnectFailedError)
+    why = "it could not apply version 0: RuntimeError: the KV cache could not be reset"
+    assert why in str(told)
+    assert why in (sender.workers[0].note or "")
+
+
 @pytest.mark.parametrize(
     ("address", "problem"),
     [

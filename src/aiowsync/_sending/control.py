@@ -270,6 +270,9 @@ class ControlLoop:
     ) -> None:
         PeerTable.answered(peer, version, ok=error is None, running=running)
         peer.warned_slow = False
+        peer.failed = (
+            "" if error is None else f"it could not apply version {version}: {excerpt(error)}"
+        )
         if retryable:
             self._state.plane.receive_failed(peer.worker_idx)
         self._state.notify()  # its version, its pins, and perhaps its readiness changed

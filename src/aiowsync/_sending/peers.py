@@ -56,6 +56,9 @@ class Peer:
     """A send's warning named it as holding the send up, and it has not answered since."""
     announcing: bool = False
     """The deferred version is on its way to it (its socket had no room at once)."""
+    failed: str = ""
+    """Why it could not apply the last version it answered ('' when it applied it): told
+    with its loss, which often follows (a worker that cannot apply its first one leaves)."""
 
 
 class PeerTable:
@@ -145,7 +148,9 @@ class PeerTable:
         if not peer.lost:
             log.log(level, "worker %d lost: %s", peer.worker_idx, excerpt(why))
             if self.by_index.get(peer.worker_idx) is peer:
-                self.notes[peer.worker_idx] = why
+                self.notes[peer.worker_idx] = why + (
+                    f", after {peer.failed}" if peer.failed else ""
+                )
         peer.lost = True
         peer.deferred = None
         self._plane.forget(peer.worker_idx)
