@@ -3,7 +3,7 @@
 May import: aiowsync._exceptions, aiowsync._config, aiowsync._util, aiowsync._protocol.
 """
 
-from ._address import LOCAL_BIND, is_loopback_address, resolve_local
+from ._address import LOCAL_BIND, is_loopback_address, reachable, resolve_local
 from ._base import ChannelFactory, PeerId, ReceiverChannel, SenderChannel
 from ._memory import MemoryChannelFactory
 from ._socket_dir import missing_socket
@@ -19,5 +19,6 @@ __all__ = [
     "ZmqChannelFactory",
     "is_loopback_address",
     "missing_socket",
+    "reachable",
     "resolve_local",
 ]

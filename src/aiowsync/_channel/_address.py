@@ -17,6 +17,7 @@ __all__ = [
     "LOCAL_BIND",
     "check_zmq_address",
     "is_loopback_address",
+    "reachable",
     "resolve_local",
 ]
 
@@ -64,6 +65,24 @@ def is_loopback_address(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def reachable(address: str, host: str | None) -> str:
+    """The address a receiver connects to, for a sender bound to ``address``: one bound on
+    every interface (``tcp://0.0.0.0:PORT``, ``tcp://[::]:PORT``) is reached at ``host``
+    (the sender's data host, where it has one), or on this host's loopback."""
+    if transport(address) != "tcp":
+        return address
+    bound, _, port = address[len("tcp://") :].rpartition(":")
+    try:
+        wildcard = bound == "*" or ipaddress.ip_address(bound.strip("[]")).is_unspecified
+    except ValueError:
+        return address
+    if not wildcard:
+        return address
+    if host is None:
+        host = "::1" if ":" in bound else "127.0.0.1"
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 ACCEPTED = (

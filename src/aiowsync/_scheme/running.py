@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._channel import reachable
 from .._receiving.engine import Hook
 from .._receiving.guard import ReadGuard
 from .._sending.outcome import PendingSend, SendResult
@@ -60,7 +61,9 @@ class SchemeRuntime(SchemeConfig):
 
     def _pickled_address(self) -> str | None:
         if isinstance(self._session, SenderSession):
-            return self._session.address  # binds now if nothing is bound yet
+            # Bound now if nothing is bound yet; a copy must connect to a host, not to the
+            # wildcard a sender may listen on.
+            return reachable(self._session.address, getattr(self.plane, "data_host", None))
         return self._address
 
     # -- the two sessions ---------------------------------------------------------------------

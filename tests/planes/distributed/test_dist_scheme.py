@@ -432,6 +432,46 @@ async def test_a_wildcard_bind_needs_a_data_host() -> None:
             pass
 
 
+async def test_a_sender_on_every_interface_is_pickled_with_its_data_host() -> None:
+    # Before, the copy handed to workers (Ray actors on other nodes) said tcp://0.0.0.0:PORT,
+    # which each worker took for its own host: no connect() ever got an answer.
+    factory = aiowsync.ZmqChannelFactory(allow_insecure_bind=True)
+    src = dist_model(0)
+    sender = aiowsync.DistributedWeightSyncScheme(
+        bind="tcp://0.0.0.0:0", data_host="127.0.0.1", channels=factory, heartbeats=BEATS
+    )
+    sender.init_on_sender(model=src, num_workers=1)
+    async with sender:
+        port = sender.address.rpartition(":")[2]
+        assert sender.address == f"tcp://0.0.0.0:{port}"  # what it listens on
+        r = pickle.loads(pickle.dumps(sender))
+        assert r.address == f"tcp://127.0.0.1:{port}"  # where a worker reaches it
+        mirror = dist_model(1)
+        r.init_on_receiver(model=mirror, worker_idx=0)
+        async with r:
+            await asyncio.gather(sender.connect(timeout=30), r.connect(timeout=30))
+            bump(src)
+            assert (await sender.send(timeout=20)).worker_ids == (0,)
+            assert same(mirror, src)
+
+
+@pytest.mark.parametrize(
+    ("bound", "host", "reached"),
+    [
+        ("tcp://0.0.0.0:5555", "10.1.2.3", "tcp://10.1.2.3:5555"),
+        ("tcp://0.0.0.0:5555", None, "tcp://127.0.0.1:5555"),
+        ("tcp://[::]:5555", "fd00::7", "tcp://[fd00::7]:5555"),
+        ("tcp://[::]:5555", None, "tcp://[::1]:5555"),
+        ("tcp://10.0.0.4:5555", "10.1.2.3", "tcp://10.0.0.4:5555"),
+        ("ipc:///tmp/x/control", "10.1.2.3", "ipc:///tmp/x/control"),
+    ],
+)
+def test_the_address_workers_reach_a_sender_on(bound: str, host: str | None, reached: str) -> None:
+    from aiowsync._channel import reachable
+
+    assert reachable(bound, host) == reached
+
+
 async def test_an_ipc_control_socket_needs_a_data_host_and_works_with_one() -> None:
     scheme = aiowsync.DistributedWeightSyncScheme(bind="ipc://@*")
     scheme.init_on_sender(model=dist_model(), num_workers=1)
