@@ -11,6 +11,7 @@ import asyncio
 import pickle
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -173,6 +174,31 @@ async def test_a_sender_leaving_while_a_send_waits_names_the_workers_not_yet_ans
         # Released, worker 1 either switches to the version it had fetched or stays: never a mix.
         assert await eventually(lambda: not r1.read_guard()._idle_waiters, within=CONNECT)
         assert (r1.version == 1 and values(m1) == {1.0}) or (r1.version == 0 and same(m1, before))
+
+
+async def test_a_connect_still_waiting_when_its_scheme_closes_ends_and_leaves_nothing(
+    tmp_path: Any,
+) -> None:
+    # Before: a worker's connect() outlived its `async with` (Ctrl-C in a blocking facade,
+    # a task left running), joined a trainer started later and kept beating, counted ready
+    # by it for ever; a trainer's connect() waited out its whole timeout after its close.
+    address = f"ipc://{tmp_path}/control"
+    worker = aiowsync.SharedMemWeightSyncScheme(address=address)
+    worker.init_on_receiver(model=model(1), worker_idx=0)
+    async with worker:  # no trainer there yet: the handshake waits
+        pending = asyncio.create_task(worker.connect(timeout=60))
+        await asyncio.sleep(0.2)
+    with pytest.raises(aiowsync.NotConnectedError, match="ended while connect"):
+        await asyncio.wait_for(pending, CONNECT)
+    assert not worker.connected
+    sender = aiowsync.SharedMemWeightSyncScheme(bind=address)
+    sender.init_on_sender(model=model(0), num_workers=1)
+    async with sender:
+        trainer = asyncio.create_task(sender.connect(timeout=60))
+        await asyncio.sleep(1.0)  # a worker left beating would have joined by now
+        assert sender.workers[0].state == "never connected"
+    with pytest.raises(aiowsync.NotConnectedError, match="sender closed while connect"):
+        await asyncio.wait_for(trainer, CONNECT)
 
 
 async def test_a_receiver_built_from_the_pickled_sender_works(kind: Kind) -> None:

@@ -223,6 +223,8 @@ class ReceiverSession:
             self._target = self._follower.target  # the next `async with` starts there
         if self.core is not None:
             await self.core.close()
+        if self._connecting is not None:  # a connect() still waiting: it ends, and says why
+            await self._connecting.close()
 
     def _apply_mode(self) -> ApplyMode:
         if self.options.apply_mode != "auto":
@@ -245,8 +247,17 @@ class ReceiverSession:
         core = self._connecting = self._make_core(self._target)
         try:
             await core.connect(timeout)
+        except Exception:
+            if self._tasks is not tasks:
+                raise _ended_while_connecting() from None
+            raise
         finally:
             self._connecting = None
+        if self._tasks is not tasks:
+            # The session ended while the handshake went on: this engine must not outlive it
+            # (its heartbeats would keep it counted as a ready worker by the sender).
+            await core.close()
+            raise _ended_while_connecting()
         self._core = core
         self.connected = True
         if not options.background:
@@ -319,3 +330,9 @@ class ReceiverSession:
                 f"after {timeout:g} s"
                 + ("" if core.connected else " (waiting for a sender to rejoin)")
             ) from None
+
+
+def _ended_while_connecting() -> NotConnectedError:
+    return NotConnectedError(
+        "the receiver's `async with` ended while connect() waited: nothing is connected"
+    )

@@ -18,6 +18,7 @@ from .._channel import SenderChannel
 from .._config import Heartbeats, Timeouts
 from .._exceptions import (
     ConnectFailedError,
+    NotConnectedError,
     WeightSyncError,
     WeightSyncTimeout,
     WorkerLostError,
@@ -173,6 +174,10 @@ class SenderCore:
         try:
             with anyio.fail_after(timeout):
                 while missing := everyone - self.ready_workers():
+                    if self.state.channel is None:
+                        raise NotConnectedError(
+                            f"the sender closed while connect() waited for workers {sorted(missing)}"
+                        )
                     settles = hopeless(peers, missing, lost_before)
                     if settles is not None and settles <= 0:
                         # Refused or lost, each of them: the deadline would only say so later.

@@ -79,6 +79,7 @@ class SenderState:
             pending.waiting.clear()
             pending.done.set()
             pending.changed.notify()
+        self.notify()  # and a connect() that waits for workers
 
     def _on_lost(self, peer: Peer) -> None:
         for pending in self.pending.values():
