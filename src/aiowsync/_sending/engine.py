@@ -175,8 +175,9 @@ class SenderCore:
             with anyio.fail_after(timeout):
                 while missing := everyone - self.ready_workers():
                     if self.state.channel is None:
+                        ids = sorted(missing)
                         raise NotConnectedError(
-                            f"the sender closed while connect() waited for workers {sorted(missing)}"
+                            f"the sender closed while connect() waited for workers {ids}"
                         )
                     settles = hopeless(peers, missing, lost_before)
                     if settles is not None and settles <= 0:
