@@ -281,6 +281,32 @@ async def test_a_worker_forked_from_the_trainer_is_told_to_spawn_and_the_trainer
         )
 
 
+async def test_workers_numbered_from_one_are_named_in_the_trainers_error() -> None:
+    # Before, the trainer's timeout said only "worker 0: never said hello": why worker 2
+    # was refused (its index is out of range) was in the log alone.
+    sender = aiowsync.SharedMemWeightSyncScheme()
+    sender.init_on_sender(model=nn.Linear(4, 4), num_workers=2)
+    async with sender:
+        one = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        one.init_on_receiver(model=nn.Linear(4, 4), worker_idx=1)
+        two = aiowsync.SharedMemWeightSyncScheme(address=sender.address)
+        two.init_on_receiver(model=nn.Linear(4, 4), worker_idx=2)
+        async with one, two:
+            told, _, refused = await asyncio.gather(
+                sender.connect(timeout=3),
+                one.connect(timeout=20),
+                two.connect(timeout=20),
+                return_exceptions=True,
+            )
+    assert isinstance(refused, aiowsync.RefusedError)
+    assert "indices run from 0 to num_workers - 1" in str(refused)
+    assert isinstance(told, aiowsync.WeightSyncTimeout) and told.worker_ids == (0,)
+    assert str(told).endswith(
+        "worker 0: never said hello\n  also refused: a worker that named index 2 (worker "
+        "index 2 is out of range(0, 2): indices run from 0 to num_workers - 1)"
+    )
+
+
 async def test_a_worker_that_cannot_apply_its_first_version_is_named_with_why() -> None:
     # Before, the trainer's connect() error and the worker table said only "its connection
     # is closed": the reason the worker gave (a hook that failed) was in the log alone.

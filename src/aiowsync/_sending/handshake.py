@@ -68,7 +68,10 @@ def _refusal(
     if hello.model_id != model_id:
         return f"this sender serves model {model_id!r}, not {hello.model_id!r}"
     if not 0 <= hello.worker_idx < num_workers:
-        return f"worker index {hello.worker_idx} is out of range(0, {num_workers})"
+        return (
+            f"worker index {hello.worker_idx} is out of range(0, {num_workers}): "
+            "indices run from 0 to num_workers - 1"
+        )
     if hello.fingerprint != layout.fingerprint:
         ours, theirs_count = len(layout.specs), len(hello.layout)
         if theirs_count > 2 * ours + 64:

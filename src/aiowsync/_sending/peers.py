@@ -82,6 +82,9 @@ class PeerTable:
         self.notes: dict[int, str] = {}
         """By worker index, the last thing known that explains its state (a refusal, a
         loss, a goodbye), for the worker table and the sender's errors."""
+        self.strays: dict[int, str] = {}
+        """Indices out of the sender's range that hellos named (the latest few), with why
+        they were refused: a worker numbered from 1 is often why another never came."""
 
     def get(self, worker: int) -> Peer | None:
         return self.by_index.get(worker)

@@ -26,6 +26,8 @@ log = logging.getLogger("aiowsync.sender")
 
 REFUSAL_CHARS = 60000
 """The longest refusal text sent (a layout mismatch lists its differences)."""
+STRAYS_KEPT = 8
+"""Out-of-range indices remembered for ``connect()``'s error."""
 NOTE_CHARS = 4000
 """The longest refusal text kept for the worker table and ``connect()``'s error."""
 
@@ -136,6 +138,10 @@ class Greeter:
         says nothing about it)."""
         peers = self._state.peers
         if not 0 <= worker < self._state.num_workers:
+            peers.strays.pop(worker, None)
+            peers.strays[worker] = reason[:NOTE_CHARS]
+            while len(peers.strays) > STRAYS_KEPT:
+                del peers.strays[next(iter(peers.strays))]
             return
         holder = peers.get(worker)
         if holder is None or holder.lost:

@@ -122,6 +122,8 @@ def explain_missing(peers: PeerTable, workers: list[int]) -> str:
         else:
             what = f"{s.state}: {s.note or 'no reason known'}"
         lines.append(f"worker {worker}: {what}".replace("\n", "\n  "))
+    for stray, why in peers.strays.items():
+        lines.append(f"also refused: a worker that named index {stray} ({why})")
     return "\n  ".join(lines)
 
 
