@@ -28,6 +28,7 @@ import os
 # inherited environment, in the spawned workers.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import argparse
 import asyncio
 import hashlib
 import multiprocessing as mp
@@ -228,6 +229,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # No options: --help says what the example does, and anything else is refused.
+    argparse.ArgumentParser(description=__doc__).parse_args()
     try:
         main()
     except queue.Empty:

@@ -22,6 +22,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: small machines
 
+import argparse
 import asyncio
 import hashlib
 import multiprocessing as mp
@@ -142,4 +143,6 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
+    # No options: --help says what the example does, and anything else is refused.
+    argparse.ArgumentParser(description=__doc__).parse_args()
     sys.exit(asyncio.run(main()))

@@ -281,6 +281,35 @@ async def test_a_worker_forked_from_the_trainer_is_told_to_spawn_and_the_trainer
         )
 
 
+@pytest.mark.parametrize(
+    ("given", "told"),
+    [
+        ({"timeouts": 5}, "timeouts must be aiowsync.Timeouts(...), got 5"),
+        ({"heartbeats": 0.5}, "heartbeats must be aiowsync.Heartbeats(...), got 0.5"),
+        ({"background": "false"}, "background must be True or False, got 'false'"),
+        ({"channels": "zmq"}, "channels must be a ChannelFactory, got str"),
+    ],
+)
+def test_options_of_the_wrong_type_are_refused_when_the_scheme_is_built(
+    given: dict[str, object], told: str
+) -> None:
+    # Before, each was taken: timeouts=5 failed at connect() with an AttributeError, and
+    # background="false" counted as true.
+    with pytest.raises(TypeError) as info:
+        aiowsync.SharedMemWeightSyncScheme(**given)  # type: ignore[arg-type]
+    assert str(info.value) == told
+
+
+def test_a_copy_pickled_before_its_sender_had_an_address_says_so() -> None:
+    import pickle
+
+    early = pickle.loads(pickle.dumps(aiowsync.SharedMemWeightSyncScheme()))
+    with pytest.raises(ValueError, match="pickled before its sender had an address"):
+        early.init_on_receiver(model=nn.Linear(2, 2), worker_idx=0)
+    with pytest.raises(ValueError, match="pass address= or unpickle it"):
+        aiowsync.SharedMemWeightSyncScheme().init_on_receiver(model=nn.Linear(2, 2), worker_idx=0)
+
+
 async def test_workers_numbered_from_one_are_named_in_the_trainers_error() -> None:
     # Before, the trainer's timeout said only "worker 0: never said hello": why worker 2
     # was refused (its index is out of range) was in the log alone.

@@ -116,6 +116,37 @@ def test_doctor_in_a_container_sized_shared_memory_says_what_to_raise() -> None:
     ) in done.stdout
 
 
+@pytest.mark.parametrize(("soft", "hard"), [(1024, 8192), (2048, 2048)])
+def test_doctors_open_files_fix_raises_the_limit_that_holds_it(soft: int, hard: int) -> None:
+    # Before, with the hard limit at 2048 the fix printed was `ulimit -n 2048`: the limit
+    # the shell already had, which followed changed nothing.
+    code = (
+        "import resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
+        "from aiowsync.__main__ import main\n"
+        "sys.exit(main(['doctor', '--model-bytes', '1MiB', '--workers', '8']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if "open files" in line)
+    assert lines[at].startswith("[WARN] open files: this shell may open")
+    fix = lines[at + 1]
+    if soft < hard:
+        assert fix == (
+            f"       fix: `ulimit -n {hard}` before starting the trainer, or LimitNOFILE= in its "
+            "systemd unit"
+        )
+    else:
+        assert fix.startswith("       fix: raise the hard limit to 65536 (as root `ulimit -Hn")
+
+
+@pytest.mark.parametrize("bad", [["--workers", "0"], ["--workers", "-3"], ["--slots", "1"]])
+def test_doctor_refuses_counts_no_scheme_can_have(bad: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["doctor", *bad])
+    assert info.value.code == 2
+
+
 def test_clean_removes_slots_of_dead_senders_only(capsys: pytest.CaptureFixture[str]) -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

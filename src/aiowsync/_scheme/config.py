@@ -83,6 +83,14 @@ class SchemeConfig:
             raise ValueError(f"apply_mode must be 'auto', 'swap' or 'copy', got {apply_mode!r}")
         if not isinstance(plane, DataPlane):
             raise TypeError(f"plane must be a DataPlane, got {type(plane).__name__}")
+        if timeouts is not None and not isinstance(timeouts, Timeouts):
+            raise TypeError(f"timeouts must be aiowsync.Timeouts(...), got {timeouts!r}")
+        if heartbeats is not None and not isinstance(heartbeats, Heartbeats):
+            raise TypeError(f"heartbeats must be aiowsync.Heartbeats(...), got {heartbeats!r}")
+        if not isinstance(background, bool):
+            raise TypeError(f"background must be True or False, got {background!r}")
+        if channels is not None and not isinstance(channels, ChannelFactory):
+            raise TypeError(f"channels must be a ChannelFactory, got {type(channels).__name__}")
         if not isinstance(model_id, str) or not model_id:
             raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
         channels = channels or ZmqChannelFactory()
@@ -129,9 +137,13 @@ class SchemeConfig:
         state["_address"] = self._pickled_address()
         return state
 
+    _unpickled = False
+    """Made by unpickling (a copy for a worker)."""
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         strategy = state.pop("_strategy")
         self.__dict__.update(state)
+        self._unpickled = True
         self._strategy = WeightStrategy(strategy)
         self._reset_runtime()
 

@@ -286,6 +286,11 @@ class WeightSyncScheme(SchemeRuntime):
         if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
             raise ValueError(f"worker_idx must be a non-negative integer, got {worker_idx!r}")
         if self._address is None:
+            if self._unpickled:
+                raise ValueError(
+                    "this copy of the scheme was pickled before its sender had an address: "
+                    "hand it to workers after init_on_sender(), or pass address="
+                )
             raise ValueError("a receiver needs the sender's address: pass address= or unpickle it")
         self.channels.check_receiver(self._address)
         self._session = ReceiverSession(

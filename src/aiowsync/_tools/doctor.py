@@ -99,12 +99,21 @@ def _open_files(workers: int) -> Finding:
     advised = max(FD_ADVISED, 64 * workers)
     if soft == resource.RLIM_INFINITY or soft >= advised:
         return Finding("ok", "open files", detail)
+    wanted = max(advised, 65536)
+    if hard != resource.RLIM_INFINITY and hard < advised:
+        # The soft limit cannot rise past the hard one: that one must be raised first.
+        fix = (
+            f"raise the hard limit to {wanted} (as root `ulimit -Hn {wanted}`, "
+            f"`docker run --ulimit nofile={wanted}:{wanted}`, or LimitNOFILE={wanted} in the "
+            f"trainer's systemd unit), then `ulimit -n {wanted}`"
+        )
+    else:
+        limit = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+        fix = (
+            f"`ulimit -n {limit}` before starting the trainer, or LimitNOFILE= in its systemd unit"
+        )
     return Finding(
-        "warn",
-        "open files",
-        f"{detail}; {advised} or more is advised for {workers} workers",
-        f"`ulimit -n {min(hard, max(advised, 65536)) if hard != resource.RLIM_INFINITY else 65536}`"
-        " before starting the trainer, or LimitNOFILE= in its systemd unit",
+        "warn", "open files", f"{detail}; {advised} or more is advised for {workers} workers", fix
     )
 
 
@@ -189,6 +198,10 @@ def doctor_main(argv: list[str]) -> int:
         "--slots", type=int, default=2, help="shared-memory slots (num_slots of the plane)"
     )
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    if args.slots < 2:
+        parser.error(f"--slots must be at least 2 (a scheme needs two), got {args.slots}")
     worst = 0
     marks = {"ok": "ok  ", "info": "info", "warn": "WARN", "fail": "FAIL"}
     for f in findings(args.model_bytes, args.workers, args.slots):
