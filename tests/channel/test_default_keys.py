@@ -157,6 +157,20 @@ def test_the_vllm_description_carries_the_keys_a_worker_presents() -> None:
     rebuild(opted_out).init_on_receiver(model=dist_model(1), worker_idx=0)  # no keys asked
 
 
+def test_the_vllm_description_names_the_data_host_of_a_sender_on_every_interface() -> None:
+    # Before, it gave the servers' workers tcp://0.0.0.0:PORT, their own host.
+    sender = aiowsync.DistributedWeightSyncScheme(
+        backend="gloo", bind="tcp://0.0.0.0:0", data_host="192.0.2.2", heartbeats=BEATS
+    )
+    sender.init_on_sender(model=dist_model(0), num_workers=1)
+    port = sender.address.rpartition(":")[2]
+    description = describe(sender)
+    assert description["address"] == f"tcp://192.0.2.2:{port}"
+    worker = rebuild(json.loads(json.dumps(description)))
+    assert isinstance(worker.channels, ZmqChannelFactory)
+    assert worker.channels.receiver_keys(description["address"]) is not None
+
+
 def test_the_vllm_engines_init_info_keeps_the_description_out_of_its_repr() -> None:
     pytest.importorskip("vllm")
     from aiowsync.vllm._engine import AiowsyncInitInfo

@@ -472,6 +472,22 @@ async def test_models_sent_one_at_a_time_round_and_round_never_use_up_the_slots(
             assert len(combined) <= 4
 
 
+def test_sharing_is_judged_by_the_bytes_models_hold_not_their_tensor_objects() -> None:
+    from aiowsync._weights.models import split_send
+
+    trunk = nn.Linear(4, 8)
+    policy, value = nn.Sequential(trunk, nn.Linear(8, 2)), nn.Sequential(trunk, nn.Linear(8, 1))
+    # state_dict() gives new tensor objects over the modules' memory at every call.
+    given = {"policy": policy.state_dict(), "value": value.state_dict()}
+    with pytest.raises(ValueError, match="'policy' and 'value' share tensors"):
+        split_send({"policy": policy.state_dict()}, given)
+    # Models whose tensors lie side by side in one allocation share no bytes.
+    flat = torch.zeros(20)
+    apart = {"a": {"w": flat[:10]}, "b": {"w": flat[10:]}}
+    named, every = split_send({"a": {"w": torch.ones(10)}}, apart)
+    assert list(named) == ["a"] and not every
+
+
 async def test_a_scheme_of_many_models_connects_and_more_than_it_holds_are_refused() -> None:
     """Each model has a slot file of its own, named in every update: 40 models, more than
     the 64 entries an update's parameters once held, connect and follow a send."""

@@ -547,6 +547,17 @@ async def test_a_torchrl_tree_that_fails_to_start_leaves_the_others_their_sample
     ]  # fmt: skip
 
 
+def test_a_run_of_chains_alone_is_plotted(tmp_path: Path) -> None:
+    # The plot draws one variant per line: the default's, or the first one run; a run of
+    # chains alone drew nothing and said that nothing was measured.
+    pytest.importorskip("matplotlib")
+    report = _report(ours_ms=36.0, theirs_ms=120.0, their_mixed=0)
+    for cell in report["run"]["cells"]:
+        cell["topology"] = "chain"
+    assert plot(report, str(tmp_path / "chains.png")) is None
+    assert (tmp_path / "chains.png").stat().st_size > 0
+
+
 def test_a_run_with_a_failed_torchrl_tree_or_an_empty_row_exits_non_zero(tmp_path: Path) -> None:
     from aiowsync._tools.bench import _write
 

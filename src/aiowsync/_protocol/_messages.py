@@ -28,11 +28,11 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION: Final = 6
+PROTOCOL_VERSION: Final = 7
 """Raised whenever a message changes incompatibly (2: Hello lost transport and credential,
 Welcome lost missed_beats; 3: Hello gained host and problem; 4: Ack, Nack and Heartbeat
 gained leased; Welcome gained proof, which the sender's updates and beats carry; 5: the
-distributed plane's welcome gained store_key, its store's secret)."""
+distributed plane's welcome gained store_key, its store's secret; 7: Hello gained pid_ns)."""
 SENDER_INDEX: Final = -1
 """The ``worker_idx`` the sender uses in messages it originates (heartbeats)."""
 
@@ -87,6 +87,10 @@ class Hello(_Base, frozen=True, tag="hello"):
     pid: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
     host: Name = ""
     """The receiver's host name, as the sender reports it in its worker table."""
+    pid_ns: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    """The receiver's pid namespace (see :func:`aiowsync._util.pids.pid_namespace`; 0 when
+    unknown): a sender that watches its receivers' processes refuses one whose ``pid`` it
+    cannot read as its own."""
     problem: Text = ""
     """Not empty: the receiver cannot start, and says why (the sender refuses it and keeps
     the text for its worker table and its errors)."""

@@ -10,6 +10,7 @@ from .._channel import ReceiverChannel
 from .._exceptions import ProtocolError, RefusedError
 from .._protocol import PROTOCOL_VERSION, Heartbeat, Hello, Refuse, Welcome
 from .._util.libc import libc
+from .._util.pids import pid_namespace
 from .._weights.layout import Layout
 from .state import ReceiverState
 
@@ -41,6 +42,7 @@ async def handshake(
         layout=layout.descs(),
         pid=os.getpid(),
         host=_HOST,
+        pid_ns=pid_namespace(),
     )
     state.conn.send(hello)
     await channel.send(hello, timeout=timeout)

@@ -14,6 +14,7 @@ from .. import _protocol as wire
 from .._channel import PeerId
 from .._exceptions import TransportError, WeightSyncError
 from .._planes.base import Delivery
+from .._util.pids import pid_namespace
 from .._util.text import excerpt, worth_logging
 from .handshake import probe_gone, refusal
 from .peers import Peer
@@ -54,8 +55,11 @@ class Greeter:
         # pid, not the one the hello gives (a peer could name a process that never ends).
         kernel_pid = channel.peer_pid(routing)
         pid = hello.pid if kernel_pid is None else kernel_pid
-        if reason is None and self._state.plane.process_gone(pid):
-            reason = told = _unseen_process(pid, hello.pid)
+        if reason is None and self._state.plane.process_gone(pid) is not None:
+            # The plane watches its receivers' processes: their pids must be this sender's.
+            foreign = kernel_pid is None and hello.pid_ns not in (0, pid_namespace())
+            if foreign or self._state.plane.process_gone(pid):
+                reason = told = _unseen_process(pid, hello.pid, foreign=foreign)
         if reason is None:
             old = self._state.peers.get(hello.worker_idx)
             gone = old is None or old.lost
@@ -166,15 +170,16 @@ def _answer_in(protocol: int) -> int:
     return protocol if 0 <= protocol <= 255 else wire.PROTOCOL_VERSION
 
 
-def _unseen_process(pid: int, claimed: int) -> str:
-    """Why a worker whose process this sender cannot see is refused: its pins would be
-    dropped at once, as if its process had ended, and its slots written while it reads."""
-    whose = (
-        "the kernel cannot name its process here"
-        if pid == 0
-        else f"its process (pid {pid}{'' if pid == claimed else f', {claimed} by its word'})"
-        " does not exist here"
-    )
+def _unseen_process(pid: int, claimed: int, *, foreign: bool) -> str:
+    """Why a worker whose process this sender cannot see is refused: its pins would follow
+    another process (or none: dropped at once), and its slots be written while it reads."""
+    if foreign:
+        whose = f"its process (pid {pid} where it runs) is not in this sender's pid namespace"
+    elif pid == 0:
+        whose = "the kernel cannot name its process here"
+    else:
+        alias = "" if pid == claimed else f", {claimed} by its word"
+        whose = f"its process (pid {pid}{alias}) does not exist here"
     return (
         f"{whose}: it runs in another pid namespace (another container) or on another host, "
         "and shared memory needs the sender and its workers on one host in one pid namespace"

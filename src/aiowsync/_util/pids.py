@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["PID_MAX", "pid_alive"]
+__all__ = ["PID_MAX", "pid_alive", "pid_namespace"]
 
 PID_MAX = 2**31 - 1
 """The largest pid a process can have (Linux's limit is lower; ``kill`` takes a C int)."""
@@ -23,3 +23,13 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def pid_namespace() -> int:
+    """The identity of this process's pid namespace (the inode of ``/proc/self/ns/pid``); 0
+    where the system does not say."""
+    try:
+        inode = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+    return inode if inode < 2**63 else 0

@@ -129,18 +129,33 @@ def _refuse_split_sharing(named: Mapping[str, Any], models: Mapping[str, Weights
     """Refuse a send of some models that leaves out one sharing a tensor with them (an actor
     and a critic on one trunk): a worker holds the shared tensor once, so it could not keep
     the new trunk for one model and the old one for the other."""
-    owned = {name: {id(t) for t in _tensors_of(model)} for name, model in models.items()}
-    for name in named:
-        for other, theirs in owned.items():
-            if other not in named and owned[name] & theirs:
-                raise ValueError(
-                    f"models {name!r} and {other!r} share tensors (one trunk, say), and a "
-                    f"worker holds them once: send {name!r} together with {other!r} "
-                    "(weights={...} naming both), or send() every model"
-                )
+    # By the bytes they hold, not the objects: a state_dict() gives new tensor objects over
+    # the module's memory at each call. Models that merely live in one allocation (a flat
+    # buffer of the trainer's) share no bytes.
+    spans = sorted((lo, hi, name) for name, model in models.items() for lo, hi in _spans_of(model))
+    reach, holder = 0, ""
+    for lo, hi, name in spans:
+        if lo < reach and name != holder and (name in named) != (holder in named):
+            sent, kept = (name, holder) if name in named else (holder, name)
+            raise ValueError(
+                f"models {sent!r} and {kept!r} share tensors (one trunk, say), and a "
+                f"worker holds them once: send {sent!r} together with {kept!r} "
+                "(weights={...} naming both), or send() every model"
+            )
+        if hi > reach:
+            reach, holder = hi, name
 
 
-def _tensors_of(model: WeightsLike) -> list[torch.Tensor]:
+def _spans_of(model: WeightsLike) -> list[tuple[int, int]]:
+    """The address range of each of ``model``'s tensors (empty and meta ones left out)."""
     if isinstance(model, nn.Module):
-        return [*model.parameters(), *model.buffers()]
-    return list(flatten_weights(model, detach=False).values())
+        tensors = [*model.parameters(), *model.buffers()]
+    else:
+        tensors = list(flatten_weights(model, detach=False).values())
+    spans = []
+    for t in tensors:
+        if t.is_meta or t.numel() == 0:
+            continue
+        extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+        spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size()))
+    return spans

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._channel import ZmqChannelFactory
+from .._channel import ZmqChannelFactory, reachable
 from .._channel._auth import CurveKeys
 from .._config import Heartbeats, Timeouts
 from .._exceptions import LayoutMismatchError
@@ -88,7 +88,7 @@ def describe(scheme: WeightSyncScheme) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "kind": kind,
-        "address": address,
+        "address": reachable(address, getattr(scheme, "data_host", None)),
         "model_id": scheme.model_id,
         "plane": plane,
         "integrity": scheme.integrity,

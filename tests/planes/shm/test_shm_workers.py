@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,9 +140,26 @@ async def test_a_sender_whose_slot_files_were_removed_goes_on_and_workers_join_a
                 assert joiner.version == sender.version and same(late, src)
             assert "was removed by another process; made anew" in caplog.text
             assert victim.read_bytes() == b"not a slot\n"
-            for name in mine:  # what the test put there (a sender's sweep leaves them)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"/dev/shm/{name}")
+            # Once more, with no send after it: the sender closes with the names taken.
+            again = [n for n in os.listdir("/dev/shm") if n.startswith(prefix) and n not in mine]
+            for name in again:
+                os.unlink(f"/dev/shm/{name}")
+                if then == "a file":
+                    with open(f"/dev/shm/{name}", "w") as squat:
+                        squat.write("squatted")
+                elif then == "a link":
+                    os.symlink(victim, f"/dev/shm/{name}")
+            mine += again
+    # Closing, the sender removed its own files only: what another put under their old
+    # names is not its to remove.
+    try:
+        left = {n for n in mine if os.path.lexists(f"/dev/shm/{n}")}
+        assert left == (set() if then == "nothing" else set(mine))
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix) and n not in mine]
+    finally:
+        for name in mine:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
 
 
 _WRITER = """
@@ -266,46 +284,77 @@ async def test_a_worker_that_writes_its_swap_mode_model_changes_only_its_own() -
 
 # -- a sender that cannot see its workers' processes ---------------------------------------------
 
-_IN_OWN_PID_NAMESPACE = """
+_TRAINER_IN_OWN_PID_NAMESPACE = """
 import asyncio, sys
 import torch
 import aiowsync
 async def main():
-    scheme = aiowsync.SharedMemWeightSyncScheme()
+    # Without keys: a worker started apart has none (a test of pids, not of keys).
+    channels = aiowsync.ZmqChannelFactory(allow_insecure_bind=True)
+    scheme = aiowsync.SharedMemWeightSyncScheme(bind=sys.argv[1], channels=channels)
     scheme.init_on_sender(model=torch.nn.Linear(4, 2), num_workers=1)
     async with scheme:
         print(scheme.address, flush=True)
         try:
             await scheme.connect(timeout=60)
+            print("connected", flush=True)
         except aiowsync.ConnectFailedError as exc:
+            print("refused:", str(exc).replace("\\n", " "), flush=True)
+asyncio.run(main())
+"""
+_WORKER_IN_OWN_PID_NAMESPACE = """
+import asyncio, os, sys
+import torch
+import aiowsync
+async def main():
+    channels = aiowsync.ZmqChannelFactory(allow_insecure_bind=True)
+    scheme = aiowsync.SharedMemWeightSyncScheme(address=sys.argv[1], channels=channels)
+    scheme.init_on_receiver(model=torch.nn.Linear(4, 2), worker_idx=0)
+    async with scheme:
+        try:
+            await scheme.connect(timeout=30)
+            print("connected as pid", os.getpid(), flush=True)
+        except aiowsync.ConnectError as exc:
             print("refused:", str(exc).replace("\\n", " "), flush=True)
 asyncio.run(main())
 """
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a pid namespace of its own needs root")
-async def test_a_worker_whose_process_the_sender_cannot_see_is_refused() -> None:
-    # Before: the kernel names a process of another pid namespace as pid 0, the sender fell
-    # back to the pid the hello gave, which in its namespace is nobody's: the live worker was
-    # judged gone at once, and its slot overwritten while its model ran on it.
-    cmd = ["unshare", "--pid", "--fork", sys.executable, "-c", _IN_OWN_PID_NAMESPACE]
-    try:
-        trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    except FileNotFoundError:
+@pytest.mark.parametrize("bind", ["ipc://*", "tcp://127.0.0.1:0"])
+async def test_a_worker_whose_process_the_sender_cannot_see_is_refused(bind: str) -> None:
+    # Two containers that share /dev/shm but not their pid namespace: the trainer and the
+    # worker are each pid 1 of a namespace of its own. Before, over a Unix socket, the kernel
+    # named the worker pid 0, the sender fell back to the pid the hello gave (nobody's there)
+    # and judged the live worker gone at once, its slot overwritten while its model ran on it;
+    # over tcp, the hello's pid 1 named the trainer itself, whose liveness the worker's pins
+    # then followed.
+    def start(script: str, arg: str) -> subprocess.Popen[str]:
+        cmd = ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", script, arg]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+    async def line(proc: subprocess.Popen[str]) -> str:
+        return await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)  # type: ignore[union-attr]
+
+    if shutil.which("unshare") is None:
         pytest.skip("unshare is not installed")
+    trainer = start(_TRAINER_IN_OWN_PID_NAMESPACE, bind)
+    worker = None
     try:
-        address = await asyncio.wait_for(asyncio.to_thread(trainer.stdout.readline), 60)  # type: ignore[union-attr]
+        address = await line(trainer)
         if not address:
             pytest.skip("unshare --pid --fork could not start the trainer")
-        worker = aiowsync.SharedMemWeightSyncScheme(address=address.strip())
-        worker.init_on_receiver(model=nn.Linear(4, 2), worker_idx=0)
-        async with worker:
-            with pytest.raises(aiowsync.ConnectError, match="another pid namespace") as info:
-                await worker.connect(timeout=30)
-        assert "one host in one pid namespace" in str(info.value)
-        told = await asyncio.wait_for(asyncio.to_thread(trainer.stdout.readline), 60)  # type: ignore[union-attr]
-        assert told.startswith("refused:") and "another pid namespace" in told
+        worker = start(_WORKER_IN_OWN_PID_NAMESPACE, address.strip())
+        heard = await line(worker)
+        assert (heard.startswith("refused:") and "not in this sender's pid namespace" in heard) or (
+            "the kernel cannot name its process here" in heard
+        ), heard
+        assert "one host in one pid namespace" in heard
+        told = await line(trainer)
+        assert told.startswith("refused:") and "another pid namespace" in told, told
     finally:
-        trainer.kill()
-        trainer.wait(10)
-        trainer.stdout.close()  # type: ignore[union-attr]
+        for proc in (trainer, worker):
+            if proc is not None:
+                proc.kill()
+                proc.wait(10)
+                proc.stdout.close()  # type: ignore[union-attr]

@@ -251,7 +251,7 @@ class SlotFile:
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid until their last view goes)."""
-        if self.owner:
+        if self.owner and self.name_is_ours():  # not another's file put under its name
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         self.release()

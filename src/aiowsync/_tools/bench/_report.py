@@ -267,7 +267,8 @@ def markdown(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], path: str) -> str | None:
     """Send latency against model size, one line per contender, one panel per worker count,
     of the cells of the headline profile (see :func:`headline_profile`) with the default
-    topology and control-channel authentication (other variants of a cell are in the table),
+    topology and control-channel authentication, or in a run without those the first variant
+    run (the other variants of a cell are in the table),
     quiet gate where measured. Returns why no plot was drawn (matplotlib missing, nothing
     measured), or None."""
     try:
@@ -278,11 +279,12 @@ def plot(report: dict[str, Any], path: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install 'aiowsync[bench]'): no plot"
     profile = headline_profile(report)
-    cells = [
-        c
-        for c in cells_of(report)
-        if c["contenders"] and profile_of(c) == profile and not variant_text(c)
-    ]
+    measured = [c for c in cells_of(report) if c["contenders"] and profile_of(c) == profile]
+    # One variant per line: the default's, or (a run of chains alone) the first one run.
+    variant = "" if any(not variant_text(c) for c in measured) else None
+    if variant is None and measured:
+        variant = variant_text(measured[0])
+    cells = [c for c in measured if variant_text(c) == variant]
     workers = sorted({c["workers"] for c in cells})
     if not workers:
         return "no cell measured anything: no plot"
