@@ -39,6 +39,21 @@ class TwiceMarked(Marked):
         return action, both
 
 
+class TiedMarked(nn.Module):
+    """A policy whose two layers share one weight (as tied embeddings do); outputs that
+    weight's first value, read through the second layer, per frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 2, bias=False)
+        self.b = nn.Linear(4, 2, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        action = nn.functional.one_hot(self.a(obs).argmax(-1), 2)
+        return action, self.b.weight[0, 0].expand(obs.shape[:-1]).unsqueeze(-1).clone()
+
+
 def make_env():  # type: ignore[no-untyped-def]
     from torchrl.envs import GymEnv
 

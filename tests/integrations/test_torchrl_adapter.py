@@ -260,6 +260,59 @@ def test_workers_whose_collector_moved_the_policy_run_every_version(kind: str) -
 
 
 @needs_torchrl
+def test_a_policy_with_tied_weights_is_sent_as_the_trainer_holds_it() -> None:
+    # Before, TorchRL's workers got the policy with its tied weights apart, and the
+    # collector could not start ("module.b.weight: unexpected key"); a TensorDict of the
+    # policy, which lists both names, was refused too.
+    from _torchrl_policy import TiedMarked
+    from tensordict import TensorDict
+    from tensordict.nn import TensorDictModule
+    from torchrl.collectors import MultiSyncCollector
+
+    import aiowsync.torchrl
+
+    policy = TensorDictModule(TiedMarked(), in_keys=["observation"], out_keys=["action", "marker"])
+    scheme = aiowsync.torchrl.SharedMemWeightSyncScheme(send_timeout=60, connect_timeout=120)
+    collector = _collector(MultiSyncCollector, policy, scheme)
+    try:
+        batches = iter(collector)
+        next(batches)
+        with torch.no_grad():
+            policy.module.a.weight.fill_(7.0)
+        collector.update_policy_weights_()
+        assert set(next(batches)["marker"].flatten().tolist()) == {7.0}
+        given = TensorDict.from_module(policy).clone()
+        assert ("module", "b", "weight") in given.keys(True, True)
+        given["module", "a", "weight"].fill_(9.0)
+        collector.update_policy_weights_(given)
+        assert set(next(batches)["marker"].flatten().tolist()) == {9.0}
+        # Bad calls say so: no worker named, or a scheme shut down.
+        with pytest.raises(ValueError, match="worker_ids is empty"):
+            collector.update_policy_weights_(worker_ids=[])
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    with pytest.raises(RuntimeError, match="this scheme is shut down"):
+        scheme.send()
+    assert _segments() == set()
+
+
+@needs_torchrl
+def test_weights_with_a_meta_tensor_leave_a_single_process_collectors_policy_untouched() -> None:
+    # Before, the tensors before the meta one were copied into the policy the collector
+    # runs, then torch's NotImplementedError came.
+    from aiowsync.torchrl._trainer import apply_locally
+
+    local = _policy()
+    before = {k: v.clone() for k, v in local.state_dict().items()}
+    given = {k: torch.full_like(v, 5.0) for k, v in local.state_dict().items()}
+    given["module.net.bias"] = torch.empty(2, device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        apply_locally(local, given, None)
+    assert all(torch.equal(v, before[k]) for k, v in local.state_dict().items())
+
+
+@needs_torchrl
 def test_a_worker_that_cannot_build_its_environment_fails_the_start_at_once() -> None:
     """Not at the connect deadline, as a worker that never came: the error names it."""
     from _torchrl_policy import failing_env, make_env

@@ -27,7 +27,7 @@ from .._scheme.scheme import WeightSyncScheme as _Scheme
 from .._sending.outcome import SendResult
 from ._plan import Plan, plan_sender
 from ._trainer import apply_locally, connect, jobs, named_as, raise_failed
-from ._worker import guard_forwards, is_meta, pass_on
+from ._worker import guard_forwards, is_meta, pass_on, retie, ties_of, without_aliases
 
 __all__ = ["CONNECT_TIMEOUT_S", "Adapter"]
 
@@ -46,6 +46,7 @@ _RUNTIME = (
     "_last_seen",
     "_unsettled",
     "_bound",
+    "_shut",
 )
 """What an adapter holds only in the process that made it (never pickled)."""
 
@@ -88,6 +89,8 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
         workers."""
         self._bound: weakref.ReferenceType[nn.Module] | None = None
         """Receiver: the module the worker's receiver copies each version into."""
+        self._shut = False
+        """shutdown() was called: nothing is sent any more."""
 
     def _make(self, **options: Any) -> _Scheme:
         raise NotImplementedError
@@ -129,6 +132,10 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
             per_worker=self.per_worker_weights,
         )
         self._plan = plan
+        self._shut = False
+        self._ties = ties_of(
+            plan.local if plan.local is not None or not plan.sources else plan.sources[0]
+        )
         if plan.local is not None:
             return
         self.per_worker_weights = plan.per_worker
@@ -170,12 +177,23 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
         plan = self._plan
         if plan is None:
             raise RuntimeError("send() needs init_on_sender() first")
+        if self._shut:
+            raise RuntimeError(
+                "this scheme is shut down: a collector's weights are updated before "
+                "scheme.shutdown() (collector.shutdown() leaves it to the collector)"
+            )
         if isinstance(weights, str):
             weights = self._resolve(weights)
+        ties = getattr(self, "_ties", [])
         if plan.local is not None:
-            apply_locally(plan.local, weights, getattr(self, "context", None))
+            apply_locally(
+                plan.local, without_aliases(weights, ties), getattr(self, "context", None)
+            )
             return None
-        parts = jobs(weights, worker_ids, self._route)
+        parts = [
+            (k, without_aliases(w, ties), ids)
+            for k, w, ids in jobs(weights, worker_ids, self._route)
+        ]
         names = self._names()
         self._raise_unsettled()
         if not self.sync:
@@ -247,10 +265,11 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
             )
         if not 0 <= worker_idx < len(self._route):
             raise ValueError(f"worker_idx {worker_idx}: the trainer set up {len(self._route)}")
+        # TorchRL ships the policy to its workers with its tied weights apart (and without
+        # memory: it gets some, which the first version fills before connect() returns).
         if is_meta(model):
-            # TorchRL ships the policy to its workers without memory: give it some, which the
-            # first version fills before connect() returns.
-            model.to_empty(device="cpu")
+            model.to_empty(device="cpu")  # which unties what was tied: tied again below
+        retie(model, getattr(self, "_ties", []))
         k, local = self._route[worker_idx]
         inner = self._inners[k]
         inner.init_on_receiver(model=model, worker_idx=local)
@@ -341,6 +360,7 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
         """Leave the scheme: the sender's shared-memory files are removed, a receiver's model
         keeps its last version. Idempotent."""
         with self._closing:
+            self._shut = True
             unsettled, self._unsettled = self._unsettled, []
             faces = [f for f in [self._face, *self._faces] if f is not None]
             self._face, self._faces = None, []

@@ -18,6 +18,7 @@ from .._scheme.blocking import BlockingScheme
 from .._sending.outcome import SendResult
 from .._weights.flatten import flatten_weights
 from .._weights.layout import Layout
+from .._weights.specs import refuse_meta
 
 __all__ = [
     "LOOK_S",
@@ -166,6 +167,10 @@ def worker_ids(given: Any, workers: int) -> list[int]:
     outside = sorted(w for w in ids if not 0 <= w < workers)
     if outside:
         raise ValueError(f"worker_ids {outside}: there are {workers} workers")
+    if not ids:
+        raise ValueError("worker_ids is empty: name at least one worker, or pass None for all")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"worker_ids {list(ids)} names a worker twice")
     return list(ids)
 
 
@@ -179,6 +184,7 @@ def apply_locally(local: nn.Module, weights: Any, context: Any) -> None:
         return
     given = flatten_weights(weights)
     Layout.from_weights(local).check(given)
+    refuse_meta(given, "they hold no values to copy")  # checked whole before a byte moves
     with torch.no_grad():
         for key, tensor in flatten_weights(local).items():
             tensor.copy_(given[key])

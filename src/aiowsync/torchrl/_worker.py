@@ -3,6 +3,7 @@ read guard, and versions passed on to the copy of the policy its collector runs.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch import nn
 from .. import ReadGuard
 from .._weights.flatten import flatten_weights
 
-__all__ = ["guard_forwards", "is_meta", "pass_on"]
+__all__ = ["guard_forwards", "is_meta", "pass_on", "retie", "ties_of", "without_aliases"]
 
 
 def guard_forwards(model: nn.Module, guard: ReadGuard) -> list[Any]:
@@ -61,3 +62,52 @@ def pass_on(bound: nn.Module, runs: nn.Module, guard: ReadGuard, limit: float) -
 
 def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def ties_of(model: Any) -> list[list[str]]:
+    """The names under which ``model`` (a module) holds one tensor more than once (tied
+    weights), each group in the module's order; [] for anything else."""
+    if not isinstance(model, nn.Module):
+        return []
+    named = itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    groups: dict[int, list[str]] = {}
+    for name, tensor in named:
+        groups.setdefault(id(tensor), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def retie(model: nn.Module, ties: list[list[str]]) -> None:
+    """Tie ``model``'s tensors as the trainer's are (``ties``, see :func:`ties_of`): TorchRL
+    hands its workers a policy without memory, whose tied weights came apart on the way."""
+    # The worker's module may wrap the trainer's (TorchRL's TensorDictModule): the names
+    # are looked up under each of its submodules, the module itself first.
+    prefixes = [""] + [f"{name}." for name, _ in model.named_modules() if name]
+    for first, *aliases in ties:
+        for prefix in prefixes:
+            try:
+                holder, _, leaf = (prefix + first).rpartition(".")
+                tensor = getattr(model.get_submodule(holder), leaf)
+                for alias in aliases:
+                    parent, _, name = (prefix + alias).rpartition(".")
+                    setattr(model.get_submodule(parent), name, tensor)
+            except AttributeError:
+                continue
+            break
+
+
+def without_aliases(weights: Any, ties: list[list[str]]) -> Any:
+    """``weights`` without the second and later names of tied tensors, which a TensorDict
+    or a state_dict of the module lists (the scheme knows each tensor once)."""
+    if not ties or weights is None or isinstance(weights, nn.Module):
+        return weights
+    aliases = tuple(alias for _, *rest in ties for alias in rest)
+    flat = flatten_weights(weights, detach=False)
+
+    def alias(key: str) -> bool:  # under a wrapper's prefix too
+        return any(key == a or key.endswith(f".{a}") for a in aliases)
+
+    if not any(map(alias, flat)):
+        return weights
+    return {k: v for k, v in flat.items() if not alias(k)}
