@@ -390,6 +390,20 @@ def test_a_dead_worker_and_wrong_weights_raise_from_the_update(per_worker: bool)
             collector.update_policy_weights_()
         assert isinstance(info.value, (aiowsync.WorkerLostError, aiowsync.WeightSyncTimeout))
         assert info.value.worker_ids == (1,)  # type: ignore[attr-defined]
+        # Both gone: each is told. Before, with a scheme per worker, the first failure was
+        # raised and the other's dropped.
+        collector.procs[0].kill()
+        collector.procs[0].join(10)
+        first = scheme._faces[0].scheme  # the collector's worker 0 is its worker 0
+        deadline = time.monotonic() + 60
+        while first.workers[0].state == "ready" and time.monotonic() < deadline:
+            time.sleep(0.05)  # its loss seen by the trainer
+        with pytest.raises(aiowsync.WeightSyncError) as both:
+            collector.update_policy_weights_()
+        named = set(both.value.worker_ids)  # type: ignore[attr-defined]
+        notes = "\n".join(getattr(both.value, "__notes__", []))
+        told = named == {0} and "the collector's workers [1]" in notes
+        assert named == {0, 1} or told, (named, notes)
     finally:
         collector.shutdown()
         scheme.shutdown()

@@ -211,11 +211,12 @@ class Adapter(_TorchRLScheme):  # type: ignore[misc]  # torchrl ships no type in
         # Workers with senders of their own are sent to side by side; each send has its
         # deadline (send_timeout, or the scheme's Timeouts).
         futures = [self._faces[k].send_soon(w, ids, self.send_timeout) for k, w, ids in parts]
-        results = []
-        for (k, _, _), future in zip(parts, futures, strict=True):
-            with named_as(names[k]):
-                results.append(future.result())
-        return results
+        concurrent.futures.wait(futures)
+        # Every failure is told (the first raised, with the others noted), each naming the
+        # collector's workers: the others' outcomes say who runs which version.
+        outcomes = [(f, names[k]) for (k, _, _), f in zip(parts, futures, strict=True)]
+        raise_failed(outcomes, others="the send to another worker's scheme failed too")
+        return [f.result() for f in futures]
 
     def _names(self) -> list[list[int]]:
         """By sender, the collector's index of each of its workers (in its own order)."""

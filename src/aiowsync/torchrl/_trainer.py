@@ -192,9 +192,11 @@ def apply_locally(local: nn.Module, weights: Any, context: Any) -> None:
 
 def raise_failed(
     sends: Sequence[tuple[concurrent.futures.Future[SendResult], Sequence[int]]],
+    *,
+    others: str = "a later send made with sync=False failed too",
 ) -> None:
     """Raise the error of the first of ``sends`` (ended, each with the collector's indices of
-    its scheme's workers) that failed, noting the others."""
+    its scheme's workers) that failed, noting the others (``others``: how)."""
     errors = []
     for future, workers in sends:
         if future.cancelled() or (error := future.exception()) is None:
@@ -204,5 +206,7 @@ def raise_failed(
         errors.append(error)
     if errors:
         for other in errors[1:]:
-            errors[0].add_note(f"a later send made with sync=False failed too: {other}")
+            ids = getattr(other, "worker_ids", None)
+            whose = f" (the collector's workers {list(ids)})" if ids else ""
+            errors[0].add_note(f"{others}{whose}: {other}")
         raise errors[0]
