@@ -352,9 +352,14 @@ async def test_a_worker_whose_process_the_sender_cannot_see_is_refused(bind: str
         assert "one host in one pid namespace" in heard
         told = await line(trainer)
         assert told.startswith("refused:") and "another pid namespace" in told, told
+        # Each ends on its own, its files removed (they are named after pid 1, which
+        # exists in every namespace: no later sender would sweep them).
+        for proc in (trainer, worker):
+            assert await asyncio.to_thread(proc.wait, 60) == 0
     finally:
         for proc in (trainer, worker):
             if proc is not None:
-                proc.kill()
+                if proc.poll() is None:
+                    proc.kill()
                 proc.wait(10)
                 proc.stdout.close()  # type: ignore[union-attr]
