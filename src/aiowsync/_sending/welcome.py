@@ -55,10 +55,11 @@ class Greeter:
         # pid, not the one the hello gives (a peer could name a process that never ends).
         kernel_pid = channel.peer_pid(routing)
         pid = hello.pid if kernel_pid is None else kernel_pid
-        if reason is None and self._state.plane.process_gone(pid) is not None:
+        gone = self._state.plane.process_gone(pid)
+        if reason is None and gone is not None:
             # The plane watches its receivers' processes: their pids must be this sender's.
             foreign = kernel_pid is None and hello.pid_ns not in (0, pid_namespace())
-            if foreign or self._state.plane.process_gone(pid):
+            if foreign or gone:
                 reason = told = _unseen_process(pid, hello.pid, foreign=foreign)
         if reason is None:
             old = self._state.peers.get(hello.worker_idx)

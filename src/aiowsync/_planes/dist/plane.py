@@ -176,7 +176,7 @@ class DistSenderPlane(SenderPlane):
         everything = frozenset(self.layout.sections)
         self._writes[slot] = everything - snapshot.carry
         carried = self._carried_copies(snapshot.carry)
-        self._copied[slot] = frozenset(name for name in snapshot.carry if carried)
+        self._copied[slot] = snapshot.carry if carried else frozenset()
         if snapshot.carry or snapshot.cast:
             # Some models (the others stay in the slots that hold them, and travel from
             # there), or a cast to the wire dtype: packed now, tensor by tensor (the copy runs
