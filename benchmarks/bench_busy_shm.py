@@ -161,7 +161,7 @@ async def one_run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     nbytes = sum(t.nbytes for t in model.state_dict().values())
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    scheme = aiowsync.SharedMemWeightSyncScheme()
+    scheme = aiowsync.SharedMemWeightSyncScheme(switch=args.switch)
     scheme.init_on_sender(model=model, num_workers=args.workers)
     sends: list[float] = []
     stages: list[float] = []
@@ -235,6 +235,9 @@ if __name__ == "__main__":
     parser.add_argument("--runs", type=int, default=2, help="sessions per model")
     parser.add_argument("--samples", type=int, default=24, help="sends (and raw copies) a run")
     parser.add_argument("--warmup", type=int, default=3, help="sends before the samples")
+    parser.add_argument(
+        "--switch", default="auto", choices=("auto", "rebind", "remap"), help="the scheme's switch"
+    )
     parser.add_argument("--json", default=None, help="write every run here")
     args = parser.parse_args()
     rows = asyncio.run(main(args))
