@@ -10,11 +10,11 @@ Reported per case (medians):
   receiver's event loop inside it, and is what differs between the modes;
 * ``read``: reading every weight once after the switch (``tensor.sum()`` over the state dict).
 
-The point: remapping a window is nearly free while nobody reads the model, which is what a
-latency benchmark with idle workers sees, but a worker that reads its model between updates
-pays at the switch for the pages it read (their mappings are torn down, on the event loop)
-and again at its next read (the pages fault in). Re-binding costs about a microsecond per
-tensor whatever was read, and the pages of each slot stay mapped.
+The point: a switch must not cost a worker that reads its model between updates more than
+one that does not. Re-binding costs about a microsecond per tensor whatever was read, and
+the pages of each slot stay mapped. The window moves each slot's mapping in and out with its
+page tables; where it cannot (kernels before 5.13), it maps each version anew, and every page
+read is then torn down at the switch and faulted in again at the next read.
 
 Only public names of aiowsync are used. Models: ``1000t-64MiB`` (1000 tensors of varied sizes,
 64 MiB; the default) or ``<n>MiB`` (four float32 tensors of that many MiB in all).
