@@ -172,3 +172,27 @@ async def test_on_an_event_loop_written_pages_are_found_after_the_switch_or_befo
         fill(a, 4.0)
         w.show(a.path)
         assert torch.equal(flat, torch.full_like(flat, 4.0))
+
+
+def test_a_mapping_shown_while_the_process_took_no_page_fault_is_not_looked_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A written page is made in a page fault: with the process's count unchanged since a
+    mapping came in, nothing in it can be the worker's, and its pagemap is not read."""
+    from aiowsync._planes.shm import window as module
+
+    count = [100]
+    monkeypatch.setattr(module, "_faults", lambda: count[0])
+    with slots(2) as (a, b), window() as w:
+        if w._written is None:
+            pytest.skip("no pagemap here: every switch maps anew")
+        w.show(a.path)
+        w.show(b.path)
+        assert w._unchecked == set()  # no fault while a was shown: no look
+        count[0] += 1  # a fault while b is shown (a read, a write: all alike)
+        looked: list[int] = []
+        monkeypatch.setattr(w._written, "any", lambda addr: looked.append(addr) or False)
+        w.show(a.path)  # no event loop here: b's home is looked through at once
+        assert looked == [w._homes[b.path]] and w._unchecked == set()
+        w.show(a.path)  # the same file again, no fault since: no look
+        assert looked == [w._homes[b.path]]

@@ -23,6 +23,7 @@ import ctypes
 import logging
 import mmap
 import os
+import resource
 import weakref
 
 import torch
@@ -39,6 +40,14 @@ log = logging.getLogger("aiowsync.shm")
 _KEPT_FILES = 32
 _SHOWN = mmap.PROT_READ | mmap.PROT_WRITE
 _PRIVATE_FILE = mmap.MAP_PRIVATE | MAP_NORESERVE | MAP_FIXED
+
+
+def _faults() -> int:
+    """Page faults taken by this process's threads so far. A page written into a private
+    mapping becomes a private copy in a fault, counted here, so a mapping shown while this
+    count stayed put holds none (and its page tables need no look)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def windows_supported() -> bool:
@@ -59,6 +68,8 @@ class SlotWindow:
         self._unchecked: set[str] = set()
         """Homes whose pages the worker may have written while the window showed them."""
         self._check_pending = False
+        self._faults_at_show: int | None = None
+        """This process's page faults just before the mapping shown now came in."""
         self.addr = calls.reserve(self._size)
         array = (ctypes.c_uint8 * self._size).from_address(self.addr)
         self.tensor = torch.frombuffer(array, dtype=torch.uint8)[:nbytes]
@@ -116,8 +127,10 @@ class SlotWindow:
         """Move the mapping of ``path`` into the window, and the one shown to its home."""
         assert calls is not None and self._written is not None
         if path == self.showing:
-            if self._written.any(self.addr):
+            now = _faults()
+            if now != self._faults_at_show and self._written.any(self.addr):
                 calls.map(self.addr, self._size, _SHOWN, _PRIVATE_FILE, fd)
+            self._faults_at_show = now
             return
         home = self._homes.get(path)
         if home is None:
@@ -131,10 +144,14 @@ class SlotWindow:
             # The window keeps a mapping of the same file without pages until the move below
             # replaces it: a reader meanwhile faults the shown version's bytes back in.
             calls.move(self.addr, shown, self._size)
+        # Read after the move out: a write into the mapping before it is counted.
+        now = _faults()
+        if shown is not None and now != self._faults_at_show:
             assert self.showing is not None
             self._unchecked.add(self.showing)
             self._check_soon()
         calls.move(self._homes[path], self.addr, self._size)
+        self._faults_at_show = now
 
     def _check_soon(self) -> None:
         """Check the homes just filled once the switch is over (after the ack), or now when
