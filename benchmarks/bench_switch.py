@@ -1,14 +1,17 @@
 """What a swap-mode switch costs a receiver, by ``switch`` mode, with and without reads.
 
 A sender and one receiver run in this process (real ZeroMQ sockets, real slot files). For each
-``switch`` mode ("rebind", "remap") the sender sends back to back; after each send the
-receiver either leaves its model alone or reads every weight once, as a forward pass would.
+``switch`` mode ("rebind", "remap") the sender sends back to back; after a send the receiver
+may read every weight once, as a forward pass would.
 Reported per case (medians):
 
 * ``send``: ``await sender.send()``, which returns once the receiver switched to the new
   version and acknowledged it: the step that points the model at the new version runs on the
   receiver's event loop inside it, and is what differs between the modes;
 * ``read``: reading every weight once after the switch (``tensor.sum()`` over the state dict).
+
+Reads: ``no`` (never), ``once`` (after the first send only: a worker that read its model at
+some point, say at start, and then only takes versions), ``every`` (after every send).
 
 The point: a switch must not cost a worker that reads its model between updates more than
 one that does not. Re-binding costs about a microsecond per tensor whatever was read, and
@@ -67,7 +70,7 @@ def build_model(name: str) -> nn.Module:
     return nn.ParameterList(nn.Parameter(torch.empty(n).uniform_(-1.0, 1.0)) for n in sizes)
 
 
-async def one_case(model: str, switch: str, read: bool, sends: int) -> dict[str, Any]:
+async def one_case(model: str, switch: str, read: str, sends: int) -> dict[str, Any]:
     src, dst = build_model(model), build_model(model)
     send_s: list[float] = []
     read_s: list[float] = []
@@ -81,11 +84,11 @@ async def one_case(model: str, switch: str, read: bool, sends: int) -> dict[str,
         receiver.init_on_receiver(model=dst, worker_idx=0)
         async with receiver:
             await asyncio.gather(sender.connect(timeout=60), receiver.connect(timeout=60))
-            for _ in range(sends):
+            for k in range(sends):
                 t0 = time.perf_counter()
                 await sender.send(timeout=60)
                 send_s.append(time.perf_counter() - t0)
-                if read:
+                if read == "every" or (read == "once" and k == 0):
                     t0 = time.perf_counter()
                     with torch.no_grad():
                         for t in dst.state_dict().values():
@@ -108,7 +111,7 @@ async def one_case(model: str, switch: str, read: bool, sends: int) -> dict[str,
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for _ in range(args.rounds):
-        for read in (False, True):
+        for read in ("no", "once", "every"):
             for switch in ("rebind", "remap"):
                 rows.append(await one_case(args.model, switch, read, args.sends))
     return rows
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         read = "-" if r["read_ms_p50"] is None else f"{r['read_ms_p50']:.2f}"
         print(
-            f"{r['model']:<13}{r['switch']:<8}{'yes' if r['read_between'] else 'no':<7}"
+            f"{r['model']:<13}{r['switch']:<8}{r['read_between']:<7}"
             f"{r['send_ms_p50']:>10.3f}{read:>10}"
         )
     if args.json:
