@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import os
 import resource
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from aiowsync._exceptions import TransportError
+from aiowsync._planes.shm import homes as homes_module
 from aiowsync._planes.shm import mapping
+from aiowsync._planes.shm import window as window_module
 from aiowsync._planes.shm.slots import SlotFile
 from aiowsync._planes.shm.window import SlotWindow, windows_supported
 
@@ -68,7 +73,7 @@ def test_a_version_read_before_is_not_faulted_in_again_and_shows_the_new_bytes()
         before = page_faults()
         assert read(w).item() == 3.0 * NBYTES / 4
         faults = page_faults() - before
-        if w._written is not None:  # moves work here: a's pages came back with their tables
+        if w._homes is not None:  # moves work here: a's pages came back with their tables
             assert faults < 16, faults
         else:  # mapped anew: 2048 pages faulted in, some 16 at a time
             assert faults >= 2048 // 16
@@ -76,8 +81,8 @@ def test_a_version_read_before_is_not_faulted_in_again_and_shows_the_new_bytes()
 
 def test_pages_a_worker_wrote_are_dropped_at_the_switch_away_from_them() -> None:
     with slots(2) as (a, b), window() as w:
-        if w._written is None:
-            pytest.skip("no pagemap here: every switch maps anew")
+        if w._homes is None:
+            pytest.skip("no moves here: every switch maps anew")
         fill(a, 1.0)
         fill(b, 2.0)
         w.show(a.path)
@@ -127,7 +132,7 @@ def test_a_kernel_that_cannot_move_mappings_maps_each_version_anew(
         w.show(a.path)
         flat = w.tensor.view(torch.float32)
         assert torch.equal(flat, torch.full_like(flat, 1.0))
-        assert w._written is None and w._homes == {}  # gave up moving, and its homes
+        assert w._homes is None  # gave up moving, and its homes
         flat[0] = 7.0
         w.show(b.path)
         fill(a, 3.0)
@@ -141,28 +146,29 @@ def test_release_gives_back_every_home_and_shows_zeros() -> None:
             fill(f, float(i + 1))
             w.show(f.path)
             read(w)
-        homes = dict(w._homes)
+        assert w._homes is not None
+        homes = [w._homes.at(f.path) for f in files[:-1]]
         w.release()
-        assert w._homes == {} and w.showing is None
+        assert w._homes is None and w.showing is None
         assert w.tensor.count_nonzero().item() == 0
         with open("/proc/self/maps") as maps:
             starts = {int(line.split("-", 1)[0], 16) for line in maps}
-        assert not starts & set(homes.values())
+        assert not starts & set(homes)
 
 
 async def test_on_an_event_loop_written_pages_are_found_after_the_switch_or_before_a_show() -> None:
     with slots(2) as (a, b), window() as w:
-        if w._written is None:
-            pytest.skip("no pagemap here: every switch maps anew")
+        if w._homes is None:
+            pytest.skip("no moves here: every switch maps anew")
         fill(a, 1.0)
         fill(b, 2.0)
         flat = w.tensor.view(torch.float32)
         w.show(a.path)
         flat[100] = -1.0
         w.show(b.path)  # the switch itself looks at nothing: a's home is checked afterwards
-        assert w._unchecked == {a.path}
+        assert w._homes.unsure() == [a.path]
         await asyncio.sleep(0)
-        assert w._unchecked == set()
+        assert w._homes.unsure() == []
         fill(a, 3.0)
         w.show(a.path)
         assert torch.equal(flat, torch.full_like(flat, 3.0))
@@ -179,20 +185,125 @@ def test_a_mapping_shown_while_the_process_took_no_page_fault_is_not_looked_thro
 ) -> None:
     """A written page is made in a page fault: with the process's count unchanged since a
     mapping came in, nothing in it can be the worker's, and its pagemap is not read."""
-    from aiowsync._planes.shm import window as module
-
     count = [100]
-    monkeypatch.setattr(module, "_faults", lambda: count[0])
+    monkeypatch.setattr(homes_module, "faults", lambda: count[0])
+    monkeypatch.setattr(window_module, "faults", lambda: count[0])
     with slots(2) as (a, b), window() as w:
-        if w._written is None:
-            pytest.skip("no pagemap here: every switch maps anew")
+        homes = w._homes
+        if homes is None:
+            pytest.skip("no moves here: every switch maps anew")
         w.show(a.path)
         w.show(b.path)
-        assert w._unchecked == set()  # no fault while a was shown: no look
+        assert homes.unsure() == []  # no fault while a was shown: no look
         count[0] += 1  # a fault while b is shown (a read, a write: all alike)
         looked: list[int] = []
-        monkeypatch.setattr(w._written, "any", lambda addr: looked.append(addr) or False)
-        w.show(a.path)  # no event loop here: b's home is looked through at once
-        assert looked == [w._homes[b.path]] and w._unchecked == set()
-        w.show(a.path)  # the same file again, no fault since: no look
-        assert looked == [w._homes[b.path]]
+        monkeypatch.setattr(homes._written, "any", lambda addr: looked.append(addr) or False)
+        w.show(a.path)
+        # No event loop here: b's home is looked through at once. And a's, which waited at its
+        # home while the fault happened (mlock fills homes too), before it is shown.
+        assert looked == [homes.at(b.path), homes.at(a.path)] and homes.unsure() == []
+        w.show(a.path)  # no fault since: no look, for the same file or another
+        w.show(b.path)
+        w.show(a.path)
+        assert len(looked) == 2
+
+
+_LOCKED_WORKER = """
+import ctypes, sys, torch
+from aiowsync._planes.shm.slots import SlotFile
+from aiowsync._planes.shm.window import SlotWindow
+libc = ctypes.CDLL(None, use_errno=True)
+a, b = (SlotFile.create(i, 1 << 20) for i in range(2))
+try:
+    w = SlotWindow(1 << 20)
+    flat = w.tensor.view(torch.float32)
+    seen = []
+    def show(slot, value):
+        slot.tensor.view(torch.float32).fill_(value)  # the sender's version
+        w.show(slot.path)
+        seen.append(sorted(set(flat.tolist())))
+    if sys.argv[1] == "future":
+        assert libc.mlockall(2) == 0  # MCL_FUTURE: every mapping made from now on is filled
+        show(a, 1.0); show(b, 2.0); show(a, 3.0); show(b, 4.0)
+    else:
+        show(a, 1.0); show(b, 2.0)
+        assert libc.mlockall(1) == 0  # MCL_CURRENT, while a's mapping waits at its home
+        show(a, 3.0); show(b, 4.0)
+    libc.munlockall()
+    w.release()
+    print(seen)
+finally:
+    a.unlink(); b.unlink()
+"""
+
+
+@pytest.mark.parametrize("when", ["future", "current"])
+def test_a_worker_that_locks_its_memory_sees_every_version(when: str) -> None:
+    """mlock fills a private mapping with copies of the file as it is at that moment; a home
+    filled so before the sender wrote the next version into its file must not show it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _LOCKED_WORKER, when], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[[1.0], [2.0], [3.0], [4.0]]"
+
+
+async def test_a_home_that_cannot_be_mapped_anew_falls_back_and_shows_the_right_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with slots(2) as (a, b), window() as w:
+        homes = w._homes
+        if homes is None:
+            pytest.skip("no moves here: every switch maps anew")
+        fill(a, 1.0)
+        fill(b, 2.0)
+        flat = w.tensor.view(torch.float32)
+        w.show(a.path)
+        w.show(b.path)
+        flat[5] = -1.0  # written: b's home must be mapped anew before it is shown again
+        w.show(a.path)  # on a loop: the look at b's home waits for the switch to end
+        assert homes.unsure() == [b.path]
+        real, b_home = homes._calls.map, homes.at(b.path)
+
+        def refuse(addr: int, size: int, prot: int, flags: int, fd: int) -> int:
+            if addr == b_home:
+                raise TransportError("mmap failed: Cannot allocate memory")
+            return real(addr, size, prot, flags, fd)
+
+        monkeypatch.setattr(homes._calls, "map", refuse)
+        fill(b, 4.0)
+        w.show(b.path)  # before the loop ran the look: b's home is looked at, and fails
+        assert torch.equal(flat, torch.full_like(flat, 4.0))
+        assert w._homes is None  # moves given up; the window maps each version anew
+        await asyncio.sleep(0)  # the look scheduled before finds nothing left to do
+        fill(a, 5.0)
+        w.show(a.path)
+        assert torch.equal(flat, torch.full_like(flat, 5.0))
+
+
+def test_a_window_dropped_without_release_leaves_no_home_nor_descriptor() -> None:
+    with slots(3) as files:
+        gc.collect()  # windows of tests before
+        held = open_files()
+        w = SlotWindow(NBYTES)
+        for f in files:
+            w.show(f.path)
+        assert w._homes is not None
+        homes = [w._homes.at(f.path) for f in files[:-1]]
+        del w
+        gc.collect()
+        with open("/proc/self/maps") as maps:
+            starts = {int(line.split("-", 1)[0], 16) for line in maps}
+        assert not starts & set(homes)
+        assert open_files() == held  # the slot files' descriptors and the pagemap's
+
+
+def open_files() -> list[str]:
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sorted(n for n in names if "aiowsync-" in n or n.endswith("/pagemap"))

@@ -10,9 +10,10 @@ shows another file. A switch moves the shown mapping home and the next file's ma
 the window with their page tables, so a model read after every version does not fault its
 pages in again: mapped anew, 64 MiB of 4 KiB pages cost a reader some 7 ms of page faults and
 unmapping at each version. A page the worker wrote is a private copy (what a worker writes
-stays its own): once the switch is over, a home whose mapping holds one is mapped anew, so a
-later version in that file shows the file's bytes. Where the kernel cannot move file mappings
-(before Linux 5.13) or hides ``/proc/self/pagemap``, each switch maps the file anew.
+stays its own), which must not come back at a later version of its file: a home that may hold
+one is looked through and mapped anew (see :mod:`.homes`). Where the kernel cannot move file
+mappings (before Linux 5.13), hides ``/proc/self/pagemap``, or commits memory strictly
+(``vm.overcommit_memory=2``), each switch maps the file anew.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import ctypes
 import logging
 import mmap
 import os
-import resource
 import weakref
 
 import torch
 
 from aiowsync._exceptions import TransportError
 
-from .mapping import MAP_FIXED, MAP_NORESERVE, WrittenPages, calls
+from .homes import PRIVATE_FILE, SHOWN, Homes, faults, moves_allowed
+from .mapping import MAP_FIXED, MAP_NORESERVE, calls
 from .slots import open_slot
 
 __all__ = ["SlotWindow", "windows_supported"]
@@ -38,16 +39,6 @@ __all__ = ["SlotWindow", "windows_supported"]
 log = logging.getLogger("aiowsync.shm")
 
 _KEPT_FILES = 32
-_SHOWN = mmap.PROT_READ | mmap.PROT_WRITE
-_PRIVATE_FILE = mmap.MAP_PRIVATE | MAP_NORESERVE | MAP_FIXED
-
-
-def _faults() -> int:
-    """Page faults taken by this process's threads so far. A page written into a private
-    mapping becomes a private copy in a fault, counted here, so a mapping shown while this
-    count stayed put holds none (and its page tables need no look)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_minflt + usage.ru_majflt
 
 
 def windows_supported() -> bool:
@@ -63,13 +54,6 @@ class SlotWindow:
         self.nbytes = nbytes
         self._size = max(nbytes, 1)
         self._fds: dict[str, int] = {}
-        self._homes: dict[str, int] = {}
-        """Where each slot file's mapping waits while the window shows another."""
-        self._unchecked: set[str] = set()
-        """Homes whose pages the worker may have written while the window showed them."""
-        self._check_pending = False
-        self._faults_at_show: int | None = None
-        """This process's page faults just before the mapping shown now came in."""
         self.addr = calls.reserve(self._size)
         array = (ctypes.c_uint8 * self._size).from_address(self.addr)
         self.tensor = torch.frombuffer(array, dtype=torch.uint8)[:nbytes]
@@ -81,12 +65,18 @@ class SlotWindow:
         # still be read.
         self._array = array
         weakref.finalize(array, calls.unmap, self.addr, self._size).atexit = False
+        weakref.finalize(self, _close_all, self._fds)
         self.showing: str | None = None
-        try:
-            self._written: WrittenPages | None = WrittenPages(self._size)
-        except OSError as exc:
-            log.info("no pagemap (%s): each switch maps the slot file anew", exc)
-            self._written = None
+        self._faults_at_show = 0
+        """This process's page faults just before the mapping shown now came in."""
+        self._check_pending = False
+        self._homes: Homes | None = None
+        """None where mappings are not moved: each switch maps the slot file anew."""
+        if moves_allowed():
+            try:
+                self._homes = Homes(calls, self._size)
+            except OSError as exc:
+                log.info("no pagemap (%s): each switch maps the slot file anew", exc)
 
     def open(self, path: str) -> int:
         """A descriptor of slot file ``path`` (checked and opened on first use, then kept)."""
@@ -97,7 +87,8 @@ class SlotWindow:
             while len(self._fds) >= _KEPT_FILES:
                 old = next(p for p in self._fds if p != self.showing)
                 os.close(self._fds.pop(old))
-                self._unhome(old)
+                if self._homes is not None:
+                    self._homes.drop(old)
             self._fds[path] = fd
         return fd
 
@@ -110,52 +101,48 @@ class SlotWindow:
                 "e.g. by share_memory_()); switch='rebind' works with such models"
             )
         fd = self.open(path)
-        if self._written is not None:
+        if self._homes is not None:
             try:
-                self._move_in(path, fd)
+                self._move_in(self._homes, path, fd)
             except (OSError, TransportError) as exc:
+                # Moves fail for good on kernels before 5.13; address space or mappings
+                # running out are taken as lasting too.
                 log.info("slot mappings cannot be moved (%s): each switch maps anew", exc)
                 self._stop_moving()
             else:
                 self.showing = path
                 return
         # Private: what the model writes stays its own and goes with the next switch.
-        calls.map(self.addr, self._size, _SHOWN, _PRIVATE_FILE, fd)
+        calls.map(self.addr, self._size, SHOWN, PRIVATE_FILE, fd)
         self.showing = path
 
-    def _move_in(self, path: str, fd: int) -> None:
+    def _move_in(self, homes: Homes, path: str, fd: int) -> None:
         """Move the mapping of ``path`` into the window, and the one shown to its home."""
-        assert calls is not None and self._written is not None
-        if path == self.showing:
-            now = _faults()
-            if now != self._faults_at_show and self._written.any(self.addr):
-                calls.map(self.addr, self._size, _SHOWN, _PRIVATE_FILE, fd)
+        assert calls is not None
+        shown = self.showing
+        if path == shown:
+            now = faults()
+            if now != self._faults_at_show and homes.written(self.addr):
+                calls.map(self.addr, self._size, SHOWN, PRIVATE_FILE, fd)
             self._faults_at_show = now
             return
-        home = self._homes.get(path)
-        if home is None:
-            home = calls.reserve(self._size)
-            self._homes[path] = home
-            calls.map(home, self._size, _SHOWN, _PRIVATE_FILE, fd)
-        elif path in self._unchecked:
-            self._check(path)  # not checked since it was shown last (no loop ran the check)
-        shown = self._homes.get(self.showing) if self.showing is not None else None
-        if shown is not None:
+        if shown is not None and shown in homes:
             # The window keeps a mapping of the same file without pages until the move below
             # replaces it: a reader meanwhile faults the shown version's bytes back in.
-            calls.move(self.addr, shown, self._size)
-        # Read after the move out: a write into the mapping before it is counted.
-        now = _faults()
-        if shown is not None and now != self._faults_at_show:
-            assert self.showing is not None
-            self._unchecked.add(self.showing)
-            self._check_soon()
-        calls.move(self._homes[path], self.addr, self._size)
-        self._faults_at_show = now
+            calls.move(self.addr, homes.at(shown), self._size)
+            # Read after the move out: a write into the mapping before it is counted.
+            now = faults()
+            homes.left(shown, now if now == self._faults_at_show else None)
+            if now != self._faults_at_show:
+                self._check_soon()
+        home = homes.ready(path, fd)
+        self._faults_at_show = faults()
+        calls.move(home, self.addr, self._size)
 
     def _check_soon(self) -> None:
-        """Check the homes just filled once the switch is over (after the ack), or now when
-        no event loop runs here."""
+        """Look through the homes that may hold the worker's writes once the switch is over
+        (after the ack), or now when no event loop runs here; a home shown before that is
+        looked through first in any case."""
         if self._check_pending:
             return
         try:
@@ -168,34 +155,22 @@ class SlotWindow:
 
     def _check_all(self) -> None:
         self._check_pending = False
-        for path in list(self._unchecked):
-            self._check(path)
-
-    def _check(self, path: str) -> None:
-        """Drop the pages of ``path``'s home if the worker wrote into any while it was
-        shown: what it wrote belongs to that version, not to the next one in the file."""
-        self._unchecked.discard(path)
-        home = self._homes.get(path)
-        if home is None or self._written is None or calls is None:
+        homes = self._homes
+        if homes is None:
             return
-        if self._written.any(home):
-            try:
-                calls.map(home, self._size, _SHOWN, _PRIVATE_FILE, self._fds[path])
-            except (KeyError, TransportError):
-                self._unhome(path)
-
-    def _unhome(self, path: str) -> None:
-        self._unchecked.discard(path)
-        home = self._homes.pop(path, None)
-        if home is not None and calls is not None:
-            calls.unmap(home, self._size)
+        for path in homes.unsure():
+            fd = self._fds.get(path)
+            if fd is None:
+                homes.drop(path)
+                continue
+            # A home that cannot be mapped anew is dropped: the next show makes another.
+            with contextlib.suppress(TransportError):
+                homes.look(path, fd)
 
     def _stop_moving(self) -> None:
-        for path in list(self._homes):
-            self._unhome(path)
-        if self._written is not None:
-            self._written.close()
-            self._written = None
+        if self._homes is not None:
+            self._homes.close()
+            self._homes = None
 
     def release(self) -> None:
         """Stop showing any slot (zeros from now on) so no slot memory stays pinned by us.
@@ -209,6 +184,11 @@ class SlotWindow:
                 calls.map(self.addr, self._size, mmap.PROT_READ, anon, -1)
             self.showing = None
         self._stop_moving()
-        for fd in self._fds.values():
+        _close_all(self._fds)
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):
             os.close(fd)
-        self._fds.clear()
+    fds.clear()
