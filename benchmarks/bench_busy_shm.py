@@ -5,9 +5,10 @@ A trainer (this process) holds ``aiowsync.SharedMemWeightSyncScheme()`` with its
 sends to 4 spawned worker processes. Each worker's event loop runs a task that wakes every
 2 ms and, whenever the scheme's version changed since its last look, reads every tensor of the
 model once (``t.sum()`` of each, under the read guard), as a policy that runs a forward after
-each update would. Each sample is ``await scheme.send()`` timed by the caller; the baseline is
-one ``torch.Tensor.copy_`` of as many bytes between two flat tensors allocated and touched up
-front, run right after each send (sample by sample). The trainer changes its weights before
+each update would (``--reads once``: after the first version only, then never). Each sample
+is ``await scheme.send()`` timed by the caller; the baseline is one ``torch.Tensor.copy_`` of
+as many bytes between two flat tensors allocated and touched up front, run right after each
+send (sample by sample). The trainer changes its weights before
 each send, untimed.
 
 Models (``--models``):
@@ -72,12 +73,12 @@ def digest(model: nn.Module) -> str:
 # -- a worker -----------------------------------------------------------------------------------
 
 
-def worker_main(scheme: Any, idx: int, name: str, conn: Any) -> None:
+def worker_main(scheme: Any, idx: int, name: str, conn: Any, once: bool) -> None:
     torch.set_num_threads(1)
-    asyncio.run(_worker(scheme, idx, name, conn))
+    asyncio.run(_worker(scheme, idx, name, conn, once))
 
 
-async def _worker(scheme: Any, idx: int, name: str, conn: Any) -> None:
+async def _worker(scheme: Any, idx: int, name: str, conn: Any, once: bool) -> None:
     model = build(name)
     scheme.init_on_receiver(model=model, worker_idx=idx)
     # The module's own tensors, which a switch re-points (state_dict() would give detached
@@ -90,7 +91,7 @@ async def _worker(scheme: Any, idx: int, name: str, conn: Any) -> None:
         seen = None
         while True:
             await asyncio.sleep(0.002)
-            if scheme.version != seen:
+            if scheme.version != seen and not (once and reads):
                 async with scheme.read_guard():
                     seen = scheme.version
                     with torch.no_grad():
@@ -113,11 +114,12 @@ async def _worker(scheme: Any, idx: int, name: str, conn: Any) -> None:
 class Pool:
     """``n`` worker processes of ``scheme``, each building model ``name``."""
 
-    def __init__(self, scheme: Any, n: int, name: str) -> None:
+    def __init__(self, scheme: Any, n: int, name: str, once: bool = False) -> None:
         self.conns, self.procs = [], []
         for i in range(n):
             ours, theirs = SPAWN.Pipe()
-            proc = SPAWN.Process(target=worker_main, args=(scheme, i, name, theirs), daemon=True)
+            args = (scheme, i, name, theirs, once)
+            proc = SPAWN.Process(target=worker_main, args=args, daemon=True)
             proc.start()
             self.conns.append(ours)
             self.procs.append(proc)
@@ -167,7 +169,7 @@ async def one_run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     stages: list[float] = []
     raws: list[float] = []
     async with scheme:
-        pool = Pool(scheme, args.workers, name)
+        pool = Pool(scheme, args.workers, name, once=args.reads == "once")
         try:
             await scheme.connect(timeout=300)
             await pool.ready()
@@ -237,6 +239,12 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=3, help="sends before the samples")
     parser.add_argument(
         "--switch", default="auto", choices=("auto", "rebind", "remap"), help="the scheme's switch"
+    )
+    parser.add_argument(
+        "--reads",
+        default="every",
+        choices=("every", "once"),
+        help="workers read their model after every version, or after the first one only",
     )
     parser.add_argument("--json", default=None, help="write every run here")
     args = parser.parse_args()
