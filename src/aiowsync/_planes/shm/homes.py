@@ -9,14 +9,19 @@ threads, so a home whose pages were looked at when the process's fault count sto
 holds none while the count still stands at ``n``. Otherwise its entries in
 ``/proc/self/pagemap`` are read, and a home holding a copy is mapped anew.
 
-Writes made into this process's memory by another process (a debugger, ``process_vm_writev``)
-fault in that process, and are not seen.
+Not seen: writes made into this process's memory by another process (a debugger,
+``process_vm_writev``), which fault in that process, and pages placed with userfaultfd
+(``UFFDIO_COPY``), which fault nowhere.
+
+A process that locks memory (``mlock``, ``mlockall``) does not move mappings: moving a locked
+mapping would count its size as locked once more at each switch, without end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import resource
 import weakref
 
@@ -52,16 +57,26 @@ class Homes:
         self._calls = calls
         self._size = size
         self._written = WrittenPages(size)
+        self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
         self._at: dict[str, int] = {}
         self._clean_at: dict[str, int] = {}
         """The fault count when each home was last known to hold no private copy."""
-        weakref.finalize(self, _let_go, calls, self._at, size, self._written)
+        weakref.finalize(self, _let_go, calls, self._at, size, self._written, self._status)
 
     def __contains__(self, path: str) -> bool:
         return path in self._at
 
     def at(self, path: str) -> int:
         return self._at[path]
+
+    def locked(self) -> bool:
+        """Whether this process holds locked memory (``VmLck`` above 0; True when unknown)."""
+        try:
+            status = os.pread(self._status, 8192, 0)
+            at = status.index(b"VmLck:")
+            return int(status[at + 6 : status.index(b"kB", at)]) > 0
+        except (OSError, ValueError):
+            return True
 
     def written(self, addr: int) -> bool:
         """Whether the mapping at ``addr`` holds a private copy."""
@@ -119,11 +134,18 @@ class Homes:
         for path in list(self._at):
             self.drop(path)
         self._written.close()
+        if self._status >= 0:
+            os.close(self._status)
+            self._status = -1
 
 
-def _let_go(calls: Mappings, at: dict[str, int], size: int, written: WrittenPages) -> None:
-    """A window dropped without ``release()``: its homes and the pagemap go with it."""
+def _let_go(
+    calls: Mappings, at: dict[str, int], size: int, written: WrittenPages, status: int
+) -> None:
+    """A window dropped without ``release()``: its homes and descriptors go with it."""
     for addr in at.values():
         calls.unmap(addr, size)
     at.clear()
     written.close()
+    with contextlib.suppress(OSError):
+        os.close(status)

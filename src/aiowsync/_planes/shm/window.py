@@ -13,7 +13,8 @@ unmapping at each version. A page the worker wrote is a private copy (what a wor
 stays its own), which must not come back at a later version of its file: a home that may hold
 one is looked through and mapped anew (see :mod:`.homes`). Where the kernel cannot move file
 mappings (before Linux 5.13), hides ``/proc/self/pagemap``, or commits memory strictly
-(``vm.overcommit_memory=2``), each switch maps the file anew.
+(``vm.overcommit_memory=2``), and in a process that locks memory, each switch maps the file
+anew.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ class SlotWindow:
             try:
                 self._move_in(self._homes, path, fd)
             except (OSError, TransportError) as exc:
-                # Moves fail for good on kernels before 5.13; address space or mappings
-                # running out are taken as lasting too.
+                # Moves fail for good on kernels before 5.13, and in a process that locks
+                # memory; address space or mappings running out are taken as lasting too.
                 log.info("slot mappings cannot be moved (%s): each switch maps anew", exc)
                 self._stop_moving()
             else:
@@ -126,6 +127,14 @@ class SlotWindow:
                 calls.map(self.addr, self._size, SHOWN, PRIVATE_FILE, fd)
             self._faults_at_show = now
             return
+        if homes.locked():
+            raise OSError("this process locks memory")
+        # Before the home is made ready: a copy made meanwhile (mlock filling a mapping made
+        # anew) then counts after the mark that its move out is compared with.
+        incoming = faults()
+        home = homes.ready(path, fd)
+        if homes.locked():  # mlockall(MCL_FUTURE) locks the mappings made from then on
+            raise OSError("this process locks memory")
         if shown is not None and shown in homes:
             # The window keeps a mapping of the same file without pages until the move below
             # replaces it: a reader meanwhile faults the shown version's bytes back in.
@@ -135,8 +144,7 @@ class SlotWindow:
             homes.left(shown, now if now == self._faults_at_show else None)
             if now != self._faults_at_show:
                 self._check_soon()
-        home = homes.ready(path, fd)
-        self._faults_at_show = faults()
+        self._faults_at_show = incoming
         calls.move(home, self.addr, self._size)
 
     def _check_soon(self) -> None:
