@@ -232,13 +232,16 @@ try:
         show(a, 1.0); show(b, 2.0)
         assert libc.mlockall(1) == 0  # MCL_CURRENT, while a's mapping waits at its home
         show(a, 3.0); show(b, 4.0)
-    locked = [locked_kib()]
-    for value in (5.0, 6.0, 7.0, 8.0):
-        show(a if value % 2 else b, value)
-        locked.append(locked_kib())
+    # Moving a locked mapping would count its 1 MiB as locked again at each switch: 12 MiB
+    # more over 12 switches. Other allocations come and go (locked too, under MCL_FUTURE).
+    before = locked_kib()
+    for value in range(5, 17):
+        show(a if value % 2 else b, float(value))
+    grown = locked_kib() - before
     libc.munlockall()
     w.release()
-    print(seen, w._homes is None, max(locked) - locked[0] < 1024)
+    assert seen[4:] == [[float(v)] for v in range(5, 17)], seen
+    print(seen[:4], w._homes is None, grown < 6 * 1024)
 finally:
     a.unlink(); b.unlink()
 """
@@ -257,9 +260,7 @@ def test_a_worker_that_locks_its_memory_sees_every_version(when: str) -> None:
         [sys.executable, "-c", _LOCKED_WORKER, when], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == (
-        "[[1.0], [2.0], [3.0], [4.0], [5.0], [6.0], [7.0], [8.0]] True True"
-    ), out.stdout
+    assert out.stdout.strip() == ("[[1.0], [2.0], [3.0], [4.0]] True True"), out.stdout
 
 
 async def test_a_home_that_cannot_be_mapped_anew_falls_back_and_shows_the_right_bytes(
