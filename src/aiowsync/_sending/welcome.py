@@ -55,8 +55,8 @@ class Greeter:
         # pid, not the one the hello gives (a peer could name a process that never ends).
         kernel_pid = channel.peer_pid(routing)
         pid = hello.pid if kernel_pid is None else kernel_pid
-        gone = self._state.plane.process_gone(pid)
-        if reason is None and gone is not None:
+        gone = None if reason is not None else self._state.plane.process_gone(pid)
+        if gone is not None:
             # The plane watches its receivers' processes: their pids must be this sender's.
             foreign = kernel_pid is None and hello.pid_ns not in (0, pid_namespace())
             if foreign or gone:

@@ -89,7 +89,7 @@ class Homes:
         if addr is None:
             addr = self._calls.reserve(self._size)
             self._at[path] = addr
-            self._map(path, addr, fd)
+            self._clean_at[path] = self._map(addr, fd)
         elif self._clean_at.get(path) != faults():
             self.look(path, fd)
         return addr
@@ -112,16 +112,16 @@ class Homes:
         now = faults()
         if self._written.any(addr):
             try:
-                now = self._map(path, addr, fd)
+                now = self._map(addr, fd)
             except TransportError:
                 self.drop(path)
                 raise
         self._clean_at[path] = now
 
-    def _map(self, path: str, addr: int, fd: int) -> int:
+    def _map(self, addr: int, fd: int) -> int:
+        """Map the file of ``fd`` anew at ``addr``; the fault count it holds no copy at."""
         before = faults()
         self._calls.map(addr, self._size, SHOWN, PRIVATE_FILE, fd)
-        self._clean_at[path] = before
         return before
 
     def drop(self, path: str) -> None:

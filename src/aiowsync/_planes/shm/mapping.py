@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from typing import Any
 
 import torch
 
@@ -32,25 +33,10 @@ class Mappings:
     bytes."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        lib.mremap.restype = ctypes.c_void_p
-        lib.mremap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        lib.munmap.restype = ctypes.c_int
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        ptr, size, num = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        _typed(lib.mmap, ptr, ptr, size, num, num, num, ctypes.c_long)
+        _typed(lib.mremap, ptr, ptr, size, size, num, ptr)
+        _typed(lib.munmap, num, ptr, size)
         self._lib = lib
 
     def map(self, addr: int | None, size: int, prot: int, flags: int, fd: int) -> int:
@@ -83,6 +69,11 @@ class Mappings:
     def unmap(self, addr: int, size: int) -> None:
         if size > 0:
             self._lib.munmap(addr, size)
+
+
+def _typed(function: Any, restype: Any, *argtypes: Any) -> None:
+    function.restype = restype
+    function.argtypes = list(argtypes)
 
 
 def _pages(size: int) -> int:

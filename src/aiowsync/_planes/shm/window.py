@@ -127,13 +127,12 @@ class SlotWindow:
                 calls.map(self.addr, self._size, SHOWN, PRIVATE_FILE, fd)
             self._faults_at_show = now
             return
-        if homes.locked():
-            raise OSError("this process locks memory")
         # Before the home is made ready: a copy made meanwhile (mlock filling a mapping made
         # anew) then counts after the mark that its move out is compared with.
         incoming = faults()
         home = homes.ready(path, fd)
-        if homes.locked():  # mlockall(MCL_FUTURE) locks the mappings made from then on
+        # Before any move, after the home was made (mlockall(MCL_FUTURE) locks it).
+        if homes.locked():
             raise OSError("this process locks memory")
         if shown is not None and shown in homes:
             # The window keeps a mapping of the same file without pages until the move below
