@@ -53,6 +53,25 @@ def test_the_switch_benchmark_runs(tmp_path: Path) -> None:
     assert json.loads(out.read_text())
 
 
+def test_the_wakeups_benchmark_times_every_path(tmp_path: Path) -> None:
+    out = tmp_path / "wakeups.json"
+    _run(
+        [str(ROOT / "benchmarks" / "bench_wakeups.py"), "--workers", "1", "--samples", "3",
+         "--warmup", "1", "--work-ms", "1", "--gap-ms", "5", "--json", str(out)],
+        tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    paths = result["paths"]
+    assert set(paths) | set(result["unavailable"]) == {
+        "zmq-loop",
+        "unix-loop",
+        "unix-thread",
+        "unix-thread-short",
+    }
+    assert {"zmq-loop", "unix-loop", "unix-thread"} <= set(paths)
+    assert all(row["samples"] == 3 and row["median_ms"] > 0 for row in paths.values())
+
+
 def test_the_chain_failure_benchmark_names_the_stopped_receiver(tmp_path: Path) -> None:
     out = tmp_path / "chain.json"
     _run(
