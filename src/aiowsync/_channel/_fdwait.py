@@ -56,6 +56,9 @@ class ZmqEnd:
     def _wake(self) -> None:
         self._changed.notify()
 
+    def _attached(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Called once the socket's descriptor is watched by ``loop`` (on the loop)."""
+
     def _notify_waiters(self) -> None:
         """Wake every waiter, whatever it waits for (a deadline passed, the socket closed)."""
         self._changed.notify()
@@ -88,6 +91,7 @@ class ZmqEnd:
         if self._loop is None:
             loop.add_reader(self._fd, self._wake)
             self._loop = loop
+            self._attached(loop)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError

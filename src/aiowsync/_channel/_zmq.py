@@ -7,6 +7,7 @@ message); a receiver's connection monitor and heartbeats are :mod:`._monitor`'s.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import zmq
 
 from .._exceptions import TransportError
 from .._protocol import MAX_FRAME, Heartbeat, Message, encode
+from .._util.sched import shorten_all, zmq_io_threads
 from .._util.signal import Signal
 from ._address import (
     LOCAL_BIND,
@@ -27,6 +29,7 @@ from ._auth import CurveKeys, check_server_keys, client_options
 from ._base import ChannelFactory, ReceiverChannel, SenderChannel, timeout_error
 from ._fdwait import POLLIN, ZmqEnd, deadline_after
 from ._monitor import ConnectionWatch
+from ._waker import Waker, wakers_enabled
 from ._zmq_options import (
     BEATS_QUEUED,
     DROPS_PER_TURN,
@@ -54,7 +57,9 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         heartbeat_timeout: float,
         curve_options: dict[int, bytes] | None = None,
     ) -> None:
+        io_before = zmq_io_threads()
         ZmqEnd.__init__(self, ctx, zmq.DEALER)
+        shorten_all(zmq_io_threads() - io_before)  # the context's, started by its first socket
         ReceiverChannel.__init__(self)
         self._curve_options = curve_options or {}
         self._set_curve(self._sock)
@@ -73,6 +78,7 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         self._receiving = False
         self._handing = False
         self._held: collections.deque[Message] = collections.deque()
+        self._waker: Waker | None = None
         try:
             ip_version_for(self._sock, address)
             self._sock.connect(address)
@@ -80,6 +86,20 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
             self.close()
             raise TransportError(f"cannot connect to {address}: {exc}") from None
         self._watch.start()
+
+    def _attached(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Messages are handled by a thread of the channel's own while the loop waits for
+        # events (see ._waker); the loop still handles those that come while it runs.
+        if self._waker is None and not self.closed and wakers_enabled(loop):
+            self._waker = Waker(loop, self._fd, self._wake_from_thread, "aiowsync-waker")
+
+    def _wake_from_thread(self) -> None:
+        """The waker's turn, holding the loop's gate: what the loop's callback does, after
+        taking the descriptor's signal (else it would fire again at once)."""
+        if self._sock.closed:
+            return
+        self._ready(POLLIN)
+        self._wake()
 
     def _set_curve(self, sock: zmq.Socket[bytes]) -> None:
         for option, value in self._curve_options.items():
@@ -208,6 +228,8 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         if self.closed:
             return
         self.closed = True
+        if self._waker is not None:
+            self._waker.stop()  # before the socket closes: it waits on its descriptor
         ended = self._watch.close()
         # Terminating the context waits for the socket's linger: the goodbye leaves first.
         self._close_socket(ms(flush) if flush > 0 else 0)

@@ -26,6 +26,7 @@ from .._exceptions import (
 from .._planes.base import SenderPlane, WeightSource
 from .._planes.digest import Digests
 from .._protocol import Bye
+from .._util.sched import short_slice_while
 from .._util.shield import to_the_end
 from .._weights.layout import Layout
 from .control import ControlLoop
@@ -304,6 +305,12 @@ class SenderCore:
         """Wait up to ``wait`` s for every answer to ``pending``; once a tenth of it has
         passed (at least :data:`SLOW_AFTER_S`), warn naming who holds the send up and what
         each said it was doing (once for each worker until it answers again)."""
+        # The loop thread, which staged the version, is woken by the last ack: with a
+        # short slice it need not wait for a busy CPU's running thread to finish its slice.
+        with short_slice_while():
+            await self._await_answers_or_warn(pending, wait)
+
+    async def _await_answers_or_warn(self, pending: Answers, wait: float) -> None:
         first = max(SLOW_AFTER_S, SLOW_FRACTION * wait)
         if first >= wait:
             await pending.done.wait(wait)

@@ -1,0 +1,168 @@
+"""A thread that handles a receiver's messages while its event loop waits in its selector.
+
+Why: a worker's event loop thread is also where the user's policy runs, so by the time an
+update arrives it has used much CPU, and Linux makes it wait its turn when it wakes: on a
+busy machine, milliseconds behind the other workers' forwards (``benchmarks/bench_wakeups.py``
+measures it). A thread that does nothing else is scheduled at once, the more so with a short
+time slice (Linux 6.12 and later let any thread ask for one; see :mod:`aiowsync._util.sched`).
+
+How: a :class:`LoopGate` wraps the loop's selector so that the loop thread holds a lock at all
+times except inside ``select()``. The :class:`Waker` thread waits on the channel's descriptor
+and, when it fires, takes the lock: the loop is then waiting for events between two passes,
+every task suspended at an ``await``, exactly where the loop itself would run the channel's
+callback. The waker runs that callback (a switch and its ack, see
+:meth:`~aiowsync._receiving.updates.UpdateLoop._take_inline`) and gives the lock back; a loop
+that wakes meanwhile waits for it on its way out of ``select()``. Everything a switch must not
+overlap (a forward on the loop, a coroutine between two awaits) therefore never overlaps it.
+
+Only the default asyncio loops have a selector to wrap; on others (uvloop), in asyncio's
+debug mode (which rejects loop calls from other threads) and with ``AIOWSYNC_WAKER=0`` in the
+environment, the loop handles its messages itself, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import select
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .._util.sched import shorten
+
+__all__ = ["LoopGate", "Waker", "wakers_enabled"]
+
+log = logging.getLogger("aiowsync.channel")
+
+_HOLD_S = 0.05
+"""How long one try to take the gate lasts before the waker looks whether it must stop."""
+
+_BROKEN = select.POLLERR | select.POLLHUP | select.POLLNVAL
+_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopGate] = weakref.WeakKeyDictionary()
+
+
+def wakers_enabled(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether receivers on ``loop`` get a waker (see the module's text)."""
+    return (
+        os.environ.get("AIOWSYNC_WAKER") != "0"
+        and not loop.get_debug()
+        and hasattr(getattr(loop, "_selector", None), "select")
+    )
+
+
+class LoopGate:
+    """A lock the loop thread holds except while it waits in its selector.
+
+    Made on the loop's thread, while the loop runs (it takes the lock there); shared by every
+    waker of that loop (:meth:`of`).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._selector: Any = loop._selector  # type: ignore[attr-defined]
+        self._inner: Callable[..., Any] = self._selector.select
+        self._selector.select = self._select
+        self.users = 0
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> LoopGate:
+        """The gate of ``loop``, made now if it has none (call on the loop's thread)."""
+        gate = _gates.get(loop)
+        if gate is None:
+            gate = _gates[loop] = cls(loop)
+        return gate
+
+    def _select(self, timeout: float | None = None) -> Any:
+        self._lock.release()
+        try:
+            return self._inner(timeout)
+        finally:
+            self._lock.acquire()
+
+    def hold(self, timeout: float) -> bool:
+        """Take the lock (from another thread): True once the loop waits in its selector."""
+        return self._lock.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+class Waker:
+    """A thread that runs ``handle()`` whenever descriptor ``fd`` fires and the loop is idle.
+
+    ``handle`` is what the loop would run for ``fd`` (its reader callback); it runs holding the
+    loop's gate, with the loop set as the thread's running loop, so that the loop calls it
+    makes go to that loop. The loop is woken afterwards, for whatever ``handle`` left it.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, fd: int, handle: Callable[[], None], name: str
+    ) -> None:
+        self._loop = loop
+        self._fd = fd
+        self._handle = handle
+        self._gate = LoopGate.of(loop)
+        self._gate.users += 1
+        self._stopping = False
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread (it touches nothing of the channel's from here on). Idempotent.
+
+        Call it before the descriptor is closed; on the loop's thread the call does not wait
+        for the thread to end (it may be waiting for the gate the loop holds)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._gate.users -= 1
+        with contextlib.suppress(OSError):
+            os.write(self._stop_w, b"x")
+        os.close(self._stop_w)
+
+    def _run(self) -> None:
+        shorten()
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        try:
+            while not self._stopping:
+                events = dict(poller.poll())
+                if self._stopping or events.get(self._fd, 0) & _BROKEN:
+                    return
+                if not self._held_turn():
+                    return
+        except Exception:
+            log.exception("the receiver's waker failed; its event loop handles messages alone")
+        finally:
+            os.close(self._stop_r)
+
+    def _held_turn(self) -> bool:
+        """Run ``handle()`` once the loop waits in its selector; False to end the thread."""
+        gate, loop = self._gate, self._loop
+        while not gate.hold(_HOLD_S):
+            if self._stopping or loop.is_closed():
+                return False
+        try:
+            if self._stopping or loop.is_closed():
+                return False
+            asyncio.events._set_running_loop(loop)
+            try:
+                self._handle()
+            finally:
+                asyncio.events._set_running_loop(None)
+        finally:
+            gate.release()
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(_nothing)
+        return True
+
+
+def _nothing() -> None:
+    """Wakes the loop: the callbacks ``handle()`` scheduled run in the same pass."""
