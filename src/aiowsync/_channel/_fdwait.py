@@ -15,6 +15,7 @@ import time
 import zmq
 
 from .._exceptions import TransportError, WeightSyncTimeout
+from .._util.sched import shorten_all, zmq_io_threads
 from .._util.signal import Signal
 from ._base import timeout_error
 
@@ -56,8 +57,16 @@ class ZmqEnd:
     def _wake(self) -> None:
         self._changed.notify()
 
+    _io_before: set[int] | None = None
+    """The ZeroMQ I/O threads this process had before this end's context started its own."""
+
     def _attached(self, loop: asyncio.AbstractEventLoop) -> None:
         """Called once the socket's descriptor is watched by ``loop`` (on the loop)."""
+        if self._io_before is not None:
+            # The context's I/O threads, which pass every message along (they name
+            # themselves once running, hence not at once after the first socket).
+            shorten_all(zmq_io_threads() - self._io_before)
+            self._io_before = None
 
     def _notify_waiters(self) -> None:
         """Wake every waiter, whatever it waits for (a deadline passed, the socket closed)."""

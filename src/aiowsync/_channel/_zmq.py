@@ -16,7 +16,7 @@ import zmq
 
 from .._exceptions import TransportError
 from .._protocol import MAX_FRAME, Heartbeat, Message, encode
-from .._util.sched import shorten_all, zmq_io_threads
+from .._util.sched import zmq_io_threads
 from .._util.signal import Signal
 from ._address import (
     LOCAL_BIND,
@@ -57,9 +57,8 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         heartbeat_timeout: float,
         curve_options: dict[int, bytes] | None = None,
     ) -> None:
-        io_before = zmq_io_threads()
+        self._io_before = zmq_io_threads()
         ZmqEnd.__init__(self, ctx, zmq.DEALER)
-        shorten_all(zmq_io_threads() - io_before)  # the context's, started by its first socket
         ReceiverChannel.__init__(self)
         self._curve_options = curve_options or {}
         self._set_curve(self._sock)
@@ -88,6 +87,7 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         self._watch.start()
 
     def _attached(self, loop: asyncio.AbstractEventLoop) -> None:
+        super()._attached(loop)
         # Messages are handled by a thread of the channel's own while the loop waits for
         # events (see ._waker); the loop still handles those that come while it runs.
         if self._waker is None and not self.closed and wakers_enabled(loop):

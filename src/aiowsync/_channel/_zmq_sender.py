@@ -12,7 +12,7 @@ import zmq
 
 from .._exceptions import TransportError
 from .._protocol import MAX_FRAME, Message, encode
-from .._util.sched import shorten_all, zmq_io_threads
+from .._util.sched import zmq_io_threads
 from ._address import resolve_local, transport
 from ._auth import CurveKeys, CurveServer, SameUserServer
 from ._base import PeerId, SenderChannel, timeout_error
@@ -54,7 +54,7 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
         other_users: bool = False,
         max_message: int | None = None,
     ) -> None:
-        io_before = zmq_io_threads()
+        self._io_before = zmq_io_threads()
         address = resolve_local(address)
         self._pids: collections.OrderedDict[PeerId, int] = collections.OrderedDict()
         """By routing id, the pid the kernel gave for the peer's process (Unix sockets)."""
@@ -89,8 +89,6 @@ class ZmqSenderChannel(ZmqEnd, SenderChannel):
             raise
         unpredictable_generated_ids()
         ZmqEnd.__init__(self, ctx, zmq.ROUTER)
-        # The context's I/O thread (started by its first socket) passes every ack along.
-        shorten_all(zmq_io_threads() - io_before)
         SenderChannel.__init__(self)
         try:
             base_options(self._sock, heartbeat_timeout)
