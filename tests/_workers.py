@@ -212,7 +212,13 @@ async def _worker(
         if version == block_at:
             time.sleep(block_s)
 
-    scheme.register_hook(on_switch)
+    if options.get("hooks", True):
+        scheme.register_hook(on_switch)  # (a receiver with hooks switches on its loop only)
+    loop_pause = options.get("loop_pause", 0.0)
+    """Seconds between two reads on the loop: with a pause the loop waits for events at
+    times, and the receiver's waker thread makes the switches that come then."""
+    if options.get("count_switchers"):
+        _count_switchers(stats)
     async with scheme:
         await scheme.connect(timeout=30)
         events.put(("ready", worker_idx, scheme.version, digest(model) if report_digests else ""))
@@ -236,7 +242,7 @@ async def _worker(
                         stats["mixed"] += 1
                     elif value != scheme.version:
                         stats["wrong_version"] += 1
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(loop_pause)
                 elif not scheme.background:
                     got = await scheme.receive(timeout=0.2)
                     if got is not None and not report_digests:
@@ -250,6 +256,22 @@ async def _worker(
         stats["connected"] = int(scheme.connected)
         stats["version"] = scheme.version
         events.put(("done", worker_idx, stats))
+
+
+def _count_switchers(stats: dict[str, int]) -> None:
+    """Count, in ``stats``, the switches made on the loop's thread and those made by another
+    (the receiver's waker)."""
+    from aiowsync._receiving.apply import Applier
+
+    commit = Applier._commit
+    main = threading.main_thread()
+
+    def counted(self: Applier, *args: Any, **kwargs: Any) -> None:
+        commit(self, *args, **kwargs)
+        key = "loop_switches" if threading.current_thread() is main else "waker_switches"
+        stats[key] = stats.get(key, 0) + 1
+
+    Applier._commit = counted  # type: ignore[method-assign]
 
 
 def _thread_reader(

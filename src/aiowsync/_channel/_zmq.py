@@ -98,8 +98,13 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         taking the descriptor's signal (else it would fire again at once)."""
         if self._sock.closed:
             return
-        self._ready(POLLIN)
-        self._wake()
+        try:
+            self._ready(POLLIN)
+            self._wake()
+        except Exception:
+            # The loop's waiters look at the socket again and meet the error themselves.
+            self._notify_waiters()
+            raise
 
     def _set_curve(self, sock: zmq.Socket[bytes]) -> None:
         for option, value in self._curve_options.items():

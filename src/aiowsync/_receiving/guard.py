@@ -1,8 +1,10 @@
 """The read guard: forwards running in threads hold it so that no switch happens under them.
 
-Switches are made on the receiver's event loop, in one synchronous step, and only while no
-reader holds the guard. Coroutines on that loop are therefore never mid-switch; they only need
-the guard to keep one version across an ``await``. Threads need it for every forward.
+Switches are made in one synchronous step, only while no reader holds the guard, and only
+where no code of the receiver's event loop runs: on the loop between two callbacks, or by the
+receiver's waker thread while the loop waits for events (see :mod:`aiowsync._channel._waker`).
+Coroutines on that loop are therefore never mid-switch; they only need the guard to keep one
+version across an ``await``. Threads need it for every forward.
 
 A reader waits for the few milliseconds in which a switch is being made. It does not wait for
 a switch that is merely pending, with one exception that keeps switches from starving: a
@@ -104,7 +106,8 @@ class ReadGuard:
         self.release()
 
     async def __aenter__(self) -> ReadGuard:
-        # Never blocks the loop: switches run on the loop, so none is in progress right now.
+        # Never blocks the loop: a switch runs on the loop, or on its waker while the loop
+        # waits for events, so none is in progress while this coroutine runs.
         self.acquire()
         return self
 

@@ -85,10 +85,12 @@ class UpdateLoop:
     def _take_inline(self, message: Message) -> bool:
         """Handle ``message`` on the spot if that needs no wait; False leaves it to :meth:`run`.
 
-        Called by the channel, on the loop, while :meth:`run` waits for a message: a beat,
-        or an update that a swap-mode receiver without hooks can switch to right now (no
-        reader holds the guard), is handled here, a loop pass and a task wake-up sooner.
-        The outcome is the same as through :meth:`_handle`.
+        Called by the channel while :meth:`run` waits for a message: on the loop, or on the
+        channel's waker thread while the loop waits for events and runs nothing (see
+        :mod:`aiowsync._channel._waker`). A beat, or an update that a swap-mode receiver
+        without hooks can switch to right now (no reader holds the guard), is handled here,
+        a loop pass and a task wake-up sooner. The outcome is the same as through
+        :meth:`_handle`.
         """
         if self._state.bye is not None:
             return False

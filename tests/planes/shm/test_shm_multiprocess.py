@@ -28,7 +28,7 @@ from _workers import (
     waits_text,
     workers,
 )
-from helpers import eventually
+from helpers import eventually, fill
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -97,6 +97,40 @@ async def test_exact_bytes_after_each_send_and_no_mixed_reads_back_to_back(kind:
         scheme.init_on_sender(model=model, num_workers=4)
     seconds = 8.0 if kind == "pair" else 6.0
     assert await exact_bytes_then_no_mixed_reads(scheme, model, kind, seconds=seconds) >= 10
+
+
+@pytest.mark.parametrize("kind", ["many", "big"])
+async def test_switches_made_by_the_waker_never_land_in_a_read(kind: str) -> None:
+    """Workers without hooks switch where the update arrives: on their loop when it runs,
+    from the receiver's waker thread while it waits for events. Each worker reads its model
+    on its loop (pausing 1 ms between reads) and in a guarded thread, while the sender sends
+    back to back (version k filled with k): no read sees two versions, and some switches
+    were the waker's."""
+    model = make_model(kind)
+    fill(model, 0)
+    scheme = aiowsync.SharedMemWeightSyncScheme(heartbeats=LOADED)
+    scheme.init_on_sender(model=model, num_workers=3)
+    with workers() as w:
+        async with scheme:
+            for i in range(3):
+                w.start(
+                    i, kind, scheme=scheme, tear=True, tear_from=0, hooks=False,
+                    loop_pause=0.001, count_switchers=True, digests=False,
+                )  # fmt: skip
+            await connect_all(scheme, w, 3)
+            deadline = time.monotonic() + 4.0
+            version = 0
+            while time.monotonic() < deadline or version < 20:
+                version += 1
+                fill(model, version)
+                assert (await scheme.send(timeout=30)).version == version
+            w.stop.set()
+            done = await asyncio.to_thread(w.collect, "done", 3)
+    for _, idx, stats in done:
+        assert stats["loop_reads"] > 0 and stats["thread_reads"] > 0, stats
+        assert stats["mixed"] == 0 and stats["wrong_version"] == 0, (idx, stats)
+        assert stats["version"] == version
+    assert sum(stats.get("waker_switches", 0) for _, _, stats in done) > 0, done
 
 
 async def test_killed_worker_is_named_and_its_restart_rejoins_at_the_latest_version() -> None:
