@@ -100,6 +100,31 @@ async def test_a_stopped_waker_ends_and_leaves_no_descriptor() -> None:
     assert open_fds() == before
 
 
+async def test_a_failed_waker_tells_the_loop(caplog: pytest.LogCaptureFixture) -> None:
+    """A waker whose handler raises ends, and the loop hears of it (the channel then watches
+    its descriptor on the loop again)."""
+    loop = asyncio.get_running_loop()
+    pipe = Pipe()
+    told: asyncio.Future[threading.Thread] = loop.create_future()
+
+    def broken() -> None:
+        raise RuntimeError("handler bug")
+
+    pipe.then = broken
+    waker = Waker(
+        loop, pipe.r, pipe.handle, "aiowsync-waker-test",
+        lambda: told.set_result(threading.current_thread()),
+    )  # fmt: skip
+    try:
+        os.write(pipe.w, b"x")
+        assert await asyncio.wait_for(told, WAIT) is threading.main_thread()
+        await eventually(lambda: not waker._thread.is_alive(), WAIT)
+        assert "waker failed" in caplog.text and "handler bug" in caplog.text
+    finally:
+        waker.stop()
+        pipe.close()
+
+
 def test_a_waker_whose_loop_closed_ends() -> None:
     loop = asyncio.new_event_loop()
     pipe = Pipe()

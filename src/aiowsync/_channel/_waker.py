@@ -51,6 +51,8 @@ def wakers_enabled(loop: asyncio.AbstractEventLoop) -> bool:
         os.environ.get("AIOWSYNC_WAKER") != "0"
         and not loop.get_debug()
         and hasattr(getattr(loop, "_selector", None), "select")
+        and hasattr(loop, "_ready")
+        and hasattr(loop, "_scheduled")
     )
 
 
@@ -67,7 +69,6 @@ class LoopGate:
         self._selector: Any = loop._selector  # type: ignore[attr-defined]
         self._inner: Callable[..., Any] = self._selector.select
         self._selector.select = self._select
-        self.users = 0
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> LoopGate:
@@ -95,19 +96,26 @@ class LoopGate:
 class Waker:
     """A thread that runs ``handle()`` whenever descriptor ``fd`` fires and the loop is idle.
 
-    ``handle`` is what the loop would run for ``fd`` (its reader callback); it runs holding the
-    loop's gate, with the loop set as the thread's running loop, so that the loop calls it
-    makes go to that loop. The loop is woken afterwards, for whatever ``handle`` left it.
+    ``handle`` is what the loop would run for ``fd`` (its reader callback, which the loop
+    then no longer needs); it runs holding the loop's gate, with the loop set as the thread's
+    running loop, so that the loop calls it makes go to that loop. The loop is woken
+    afterwards only if ``handle`` left it something to do (a callback, a timer). Should the
+    thread fail, ``on_failure`` is called on the loop (to watch ``fd`` there again).
     """
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, fd: int, handle: Callable[[], None], name: str
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fd: int,
+        handle: Callable[[], None],
+        name: str,
+        on_failure: Callable[[], None] = lambda: None,
     ) -> None:
         self._loop = loop
         self._fd = fd
         self._handle = handle
+        self._on_failure = on_failure
         self._gate = LoopGate.of(loop)
-        self._gate.users += 1
         self._stopping = False
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -121,7 +129,6 @@ class Waker:
         if self._stopping:
             return
         self._stopping = True
-        self._gate.users -= 1
         with contextlib.suppress(OSError):
             os.write(self._stop_w, b"x")
         os.close(self._stop_w)
@@ -131,17 +138,27 @@ class Waker:
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         poller.register(self._stop_r, select.POLLIN)
+        failed = True
         try:
             while not self._stopping:
                 events = dict(poller.poll())
-                if self._stopping or events.get(self._fd, 0) & _BROKEN:
-                    return
+                if self._stopping:
+                    break
+                if events.get(self._fd, 0) & _BROKEN:
+                    log.warning("the receiver's waker lost its descriptor")
+                    break
                 if not self._held_turn():
-                    return
+                    break
+            else:
+                failed = False
         except Exception:
-            log.exception("the receiver's waker failed; its event loop handles messages alone")
+            log.exception("the receiver's waker failed")
         finally:
             os.close(self._stop_r)
+        if failed and not self._stopping:
+            # The loop handles the messages alone from here on.
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                self._loop.call_soon_threadsafe(self._on_failure)
 
     def _held_turn(self) -> bool:
         """Run ``handle()`` once the loop waits in its selector; False to end the thread."""
@@ -152,17 +169,22 @@ class Waker:
         try:
             if self._stopping or loop.is_closed():
                 return False
+            timers = len(loop._scheduled)  # type: ignore[attr-defined]
             asyncio.events._set_running_loop(loop)
             try:
                 self._handle()
             finally:
                 asyncio.events._set_running_loop(None)
+            # The loop computed how long to wait before this: callbacks and timers that
+            # handle() added need it to look again.
+            wake = bool(loop._ready) or len(loop._scheduled) != timers  # type: ignore[attr-defined]
         finally:
             gate.release()
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(_nothing)
+        if wake:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_nothing)
         return True
 
 
 def _nothing() -> None:
-    """Wakes the loop: the callbacks ``handle()`` scheduled run in the same pass."""
+    """Wakes the loop: what ``handle()`` scheduled runs in the same pass."""

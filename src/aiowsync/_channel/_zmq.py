@@ -91,7 +91,17 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
         # Messages are handled by a thread of the channel's own while the loop waits for
         # events (see ._waker); the loop still handles those that come while it runs.
         if self._waker is None and not self.closed and wakers_enabled(loop):
-            self._waker = Waker(loop, self._fd, self._wake_from_thread, "aiowsync-waker")
+            # The waker handles what the loop's reader would: the loop is woken only for
+            # what that leaves it, and not at all for an update switched to inline.
+            loop.remove_reader(self._fd)
+            self._waker = Waker(
+                loop, self._fd, self._wake_from_thread, "aiowsync-waker", self._waker_failed
+            )
+
+    def _waker_failed(self) -> None:
+        if not self.closed and not self._sock.closed and self._loop is not None:
+            self._loop.add_reader(self._fd, self._wake)
+            self._wake()
 
     def _wake_from_thread(self) -> None:
         """The waker's turn, holding the loop's gate: what the loop's callback does, after
