@@ -85,6 +85,35 @@ async def test_the_waker_runs_only_while_the_loop_waits_for_events() -> None:
         pipe.close()
 
 
+async def test_a_loop_that_never_idles_still_gets_its_messages() -> None:
+    """A loop whose tasks keep it busy (never waiting in its selector for long) would win
+    nearly every race for its gate: after a moment the loop handles the message itself."""
+    loop = asyncio.get_running_loop()
+    pipe = Pipe()
+    waker = Waker(loop, pipe.r, pipe.handle, "aiowsync-waker-test")
+    try:
+        written_at = 0.0
+
+        def write() -> None:
+            nonlocal written_at
+            written_at = time.monotonic()
+            os.write(pipe.w, b"x")
+
+        threading.Timer(0.1, write).start()
+        end = time.monotonic() + 2.0
+        handled_at = None
+        while time.monotonic() < end:  # busy, yet passing through its selector each turn
+            await asyncio.sleep(0)
+            if pipe.turns and handled_at is None:
+                handled_at = time.monotonic()
+        assert handled_at is not None and handled_at - written_at < 1.0
+        assert pipe.turns[0][1] is False
+    finally:
+        waker.stop()
+        await eventually(lambda: not waker._thread.is_alive(), WAIT)
+        pipe.close()
+
+
 async def test_a_stopped_waker_ends_and_leaves_no_descriptor() -> None:
     loop = asyncio.get_running_loop()
     before = open_fds()

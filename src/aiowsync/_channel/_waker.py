@@ -14,6 +14,8 @@ callback. The waker runs that callback (a switch and its ack, see
 :meth:`~aiowsync._receiving.updates.UpdateLoop._take_inline`) and gives the lock back; a loop
 that wakes meanwhile waits for it on its way out of ``select()``. Everything a switch must not
 overlap (a forward on the loop, a coroutine between two awaits) therefore never overlaps it.
+The loop no longer watches the descriptor: the waker wakes it only for what the callback left
+it to do, and not at all for an update switched to and acknowledged.
 
 Only the default asyncio loops have a selector to wrap; on others (uvloop), in asyncio's
 debug mode (which rejects loop calls from other threads) and with ``AIOWSYNC_WAKER=0`` in the
@@ -38,8 +40,11 @@ __all__ = ["LoopGate", "Waker", "wakers_enabled"]
 
 log = logging.getLogger("aiowsync.channel")
 
-_HOLD_S = 0.05
-"""How long one try to take the gate lasts before the waker looks whether it must stop."""
+_HOLD_S = 0.002
+"""How long the waker tries to take the gate before it leaves a message to the loop (which
+is then running callbacks, and would win most races for the lock between two passes)."""
+_LOOK_S = 0.05
+"""How often a waker waiting for the loop looks whether it must stop."""
 
 _BROKEN = select.POLLERR | select.POLLHUP | select.POLLNVAL
 _gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopGate] = weakref.WeakKeyDictionary()
@@ -97,10 +102,12 @@ class Waker:
     """A thread that runs ``handle()`` whenever descriptor ``fd`` fires and the loop is idle.
 
     ``handle`` is what the loop would run for ``fd`` (its reader callback, which the loop
-    then no longer needs); it runs holding the loop's gate, with the loop set as the thread's
-    running loop, so that the loop calls it makes go to that loop. The loop is woken
-    afterwards only if ``handle`` left it something to do (a callback, a timer). Should the
-    thread fail, ``on_failure`` is called on the loop (to watch ``fd`` there again).
+    then no longer needs). It runs on the waker holding the loop's gate, with the loop set
+    as the thread's running loop, so that the loop calls it makes go to that loop; the loop
+    is woken afterwards only if ``handle`` left it something to do (a callback, a timer). A
+    loop that keeps running callbacks for :data:`_HOLD_S` runs ``handle`` itself, in its
+    next pass. Should the thread fail, ``on_failure`` is called on the loop (to watch ``fd``
+    there again).
     """
 
     def __init__(
@@ -152,7 +159,8 @@ class Waker:
             else:
                 failed = False
         except Exception:
-            log.exception("the receiver's waker failed")
+            if not self._stopping:  # else its channel closed during the turn: nothing wrong
+                log.exception("the receiver's waker failed")
         finally:
             os.close(self._stop_r)
         if failed and not self._stopping:
@@ -161,11 +169,11 @@ class Waker:
                 self._loop.call_soon_threadsafe(self._on_failure)
 
     def _held_turn(self) -> bool:
-        """Run ``handle()`` once the loop waits in its selector; False to end the thread."""
+        """Run ``handle()`` once the loop waits in its selector, or have the loop run it if it
+        keeps running callbacks; False to end the thread."""
         gate, loop = self._gate, self._loop
-        while not gate.hold(_HOLD_S):
-            if self._stopping or loop.is_closed():
-                return False
+        if not gate.hold(_HOLD_S):
+            return self._loop_turn()
         try:
             if self._stopping or loop.is_closed():
                 return False
@@ -183,6 +191,26 @@ class Waker:
         if wake:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(_nothing)
+        return True
+
+    def _loop_turn(self) -> bool:
+        """Have the loop run ``handle()`` in its next pass, as its own reader callback would,
+        and wait until it has (the descriptor fires until then)."""
+        done = threading.Event()
+
+        def turn() -> None:
+            try:
+                self._handle()
+            finally:
+                done.set()
+
+        try:
+            self._loop.call_soon_threadsafe(turn)
+        except RuntimeError:  # the loop is closed
+            return False
+        while not done.wait(_LOOK_S):
+            if self._stopping or self._loop.is_closed():
+                return False
         return True
 
 

@@ -89,10 +89,10 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
     def _attached(self, loop: asyncio.AbstractEventLoop) -> None:
         super()._attached(loop)
         # Messages are handled by a thread of the channel's own while the loop waits for
-        # events (see ._waker); the loop still handles those that come while it runs.
+        # events, and by the loop when it is busy (see ._waker). The waker watches the
+        # descriptor instead of the loop: the loop is woken only for what a message leaves
+        # it, and not at all for an update switched to inline.
         if self._waker is None and not self.closed and wakers_enabled(loop):
-            # The waker handles what the loop's reader would: the loop is woken only for
-            # what that leaves it, and not at all for an update switched to inline.
             loop.remove_reader(self._fd)
             self._waker = Waker(
                 loop, self._fd, self._wake_from_thread, "aiowsync-waker", self._waker_failed
