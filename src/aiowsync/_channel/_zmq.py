@@ -99,13 +99,15 @@ class ZmqReceiverChannel(ZmqEnd, ReceiverChannel):
             )
 
     def _waker_failed(self) -> None:
+        """The waker ended on an error: the loop watches the descriptor again."""
         if not self.closed and not self._sock.closed and self._loop is not None:
             self._loop.add_reader(self._fd, self._wake)
             self._wake()
 
     def _wake_from_thread(self) -> None:
-        """The waker's turn, holding the loop's gate: what the loop's callback does, after
-        taking the descriptor's signal (else it would fire again at once)."""
+        """What the loop's reader callback did, after taking the descriptor's signal (else
+        it would fire again at once). Runs on the waker holding the loop's gate, or on the
+        loop itself when it was busy."""
         if self._sock.closed:
             return
         try:
