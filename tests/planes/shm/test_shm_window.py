@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import os
 import resource
@@ -184,14 +185,17 @@ def test_a_mapping_shown_while_the_process_took_no_page_fault_is_not_looked_thro
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A written page is made in a page fault: with the process's count unchanged since a
-    mapping came in, nothing in it can be the worker's, and its pagemap is not read."""
-    count = [100]
+    mapping came in, nothing in it can be the worker's, and its pagemap is not read. A home
+    at rest is looked through only once pages were locked (mlock fills homes), whatever other
+    faults the worker took."""
+    count, locked = [100], [7]
     monkeypatch.setattr(homes_module, "faults", lambda: count[0])
     monkeypatch.setattr(window_module, "faults", lambda: count[0])
     with slots(2) as (a, b), window() as w:
         homes = w._homes
         if homes is None:
             pytest.skip("no moves here: every switch maps anew")
+        monkeypatch.setattr(homes, "mark", lambda: locked[0])
         w.show(a.path)
         w.show(b.path)
         assert homes.unsure() == []  # no fault while a was shown: no look
@@ -199,13 +203,46 @@ def test_a_mapping_shown_while_the_process_took_no_page_fault_is_not_looked_thro
         looked: list[int] = []
         monkeypatch.setattr(homes._written, "any", lambda addr: looked.append(addr) or False)
         w.show(a.path)
-        # a's home, which waited there while the fault happened (mlock fills homes too), is
-        # looked through before it is shown; and, no event loop running here, b's at once.
-        assert looked == [homes.at(a.path), homes.at(b.path)] and homes.unsure() == []
+        # b, shown during the fault, is looked through (at once: no event loop runs here);
+        # a's home, at rest meanwhile, is not.
+        assert looked == [homes.at(b.path)] and homes.unsure() == []
         w.show(a.path)  # no fault since: no look, for the same file or another
         w.show(b.path)
         w.show(a.path)
-        assert len(looked) == 2
+        assert len(looked) == 1
+        locked[0] += 1  # pages were locked somewhere while b's home was at rest
+        w.show(b.path)
+        assert looked == [homes.at(b.path), homes.at(b.path)]
+        # a, shown meanwhile, took no fault: nothing was locked into it.
+        locked[0] += 1
+        w.show(a.path)
+        assert looked[2:] == [homes.at(a.path)]
+
+
+def test_a_home_locked_and_unlocked_at_rest_is_looked_through_before_it_is_shown() -> None:
+    """mlock fills a home at rest with copies of its file's bytes of that moment; the lock
+    can be gone by the next switch, but the machine's count of locked pages has moved, so the
+    home is looked through and the window shows the file's new bytes."""
+    with slots(2) as (a, b), window() as w:
+        homes = w._homes
+        if homes is None or not homes.counts_locked_pages:
+            pytest.skip("no moves here, or no count of locked pages")
+        fill(a, 1.0)
+        fill(b, 2.0)
+        flat = w.tensor.view(torch.float32)
+        w.show(a.path)
+        read(w)
+        w.show(b.path)  # a's mapping, its pages read, waits at its home
+        home, before = homes.at(a.path), homes.mark()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mlock.argtypes = libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        if libc.mlock(home, NBYTES) != 0:
+            pytest.skip(f"mlock refused: {os.strerror(ctypes.get_errno())}")
+        libc.munlock(home, NBYTES)
+        assert homes.mark() > before and homes.written(home)
+        fill(a, 3.0)  # the sender's next version in a's file
+        w.show(a.path)
+        assert torch.equal(flat, torch.full_like(flat, 3.0))
 
 
 _LOCKED_WORKER = """

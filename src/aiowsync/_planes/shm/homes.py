@@ -4,10 +4,18 @@ window shows another file; and what is known of the pages in each.
 A page of a private mapping is either the file's own (shared with every process that maps the
 file, so it shows what the sender wrote last) or a private copy made when this process wrote
 it, or when the kernel filled the mapping for ``mlock``. A copy must never reach the window
-at a later version of its file. Every copy is made in a page fault of one of this process's
-threads, so a home whose pages were looked at when the process's fault count stood at ``n``
-holds none while the count still stands at ``n``. Otherwise its entries in
-``/proc/self/pagemap`` are read, and a home holding a copy is mapped anew.
+at a later version of its file. Where one may be, the home's entries in ``/proc/self/pagemap``
+are read, and a home holding a copy is mapped anew. When may one be:
+
+* A mapping shown in the window may be written by the worker's threads; every copy is made in
+  a page fault of one of them, so a mapping that leaves the window while the process's fault
+  count still stands where it stood when the mapping came in holds none.
+* A home at rest is written by nobody: no code but the window's knows its address. Only
+  ``mlock``'s fill (``mlock``, ``mlockall``) reaches it, and every page locked on the machine
+  counts in ``unevictable_pgs_mlocked`` of ``/proc/vmstat``. So a home known clean while that
+  count stood at ``n`` is clean while it still stands at ``n``, whatever other faults the
+  worker takes (a policy's forward allocates and faults all the time). Where that count
+  cannot be read, the process's fault count stands in for it.
 
 Not seen: writes made into this process's memory by another process (a debugger,
 ``process_vm_writev``), which fault in that process, and pages placed with userfaultfd
@@ -30,6 +38,8 @@ from aiowsync._exceptions import TransportError
 from .mapping import MAP_FIXED, MAP_NORESERVE, Mappings, WrittenPages
 
 __all__ = ["Homes", "faults", "moves_allowed"]
+
+_LOCKED_PAGES = b"\nunevictable_pgs_mlocked "
 
 SHOWN = mmap.PROT_READ | mmap.PROT_WRITE
 PRIVATE_FILE = mmap.MAP_PRIVATE | MAP_NORESERVE | MAP_FIXED
@@ -57,11 +67,18 @@ class Homes:
         self._calls = calls
         self._size = size
         self._written = WrittenPages(size)
-        self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+        self._files = {"status": os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)}
+        """Descriptors of /proc files read at each switch (``vmstat`` where it counts locked
+        pages)."""
+        vmstat = _open_vmstat()
+        if vmstat >= 0:
+            self._files["vmstat"] = vmstat
         self._at: dict[str, int] = {}
         self._clean_at: dict[str, int] = {}
-        """The fault count when each home was last known to hold no private copy."""
-        weakref.finalize(self, _let_go, calls, self._at, size, self._written, self._status)
+        """The :meth:`mark` when each home was last known to hold no private copy."""
+        self._let_go = weakref.finalize(
+            self, _let_go, calls, self._at, size, self._written, self._files
+        )
 
     def __contains__(self, path: str) -> bool:
         return path in self._at
@@ -69,34 +86,54 @@ class Homes:
     def at(self, path: str) -> int:
         return self._at[path]
 
+    @property
+    def counts_locked_pages(self) -> bool:
+        """Whether :meth:`mark` is the machine's count of locked pages."""
+        return "vmstat" in self._files
+
+    def mark(self) -> int:
+        """A count that moves whenever a home at rest may have gained a private copy: pages
+        locked on this machine so far, or this process's page faults where that count cannot
+        be read."""
+        vmstat = self._files.get("vmstat")
+        if vmstat is not None:
+            try:
+                stat = os.pread(vmstat, 16384, 0)
+                at = stat.index(_LOCKED_PAGES) + len(_LOCKED_PAGES)
+                return int(stat[at : stat.index(b"\n", at)])
+            except (OSError, ValueError):
+                # From now on the fault count, which moves more often.
+                os.close(self._files.pop("vmstat"))
+        return faults()
+
     def locked(self) -> bool:
         """Whether this process holds locked memory (``VmLck`` above 0; True when unknown)."""
         try:
-            status = os.pread(self._status, 8192, 0)
+            status = os.pread(self._files["status"], 8192, 0)
             at = status.index(b"VmLck:")
             return int(status[at + 6 : status.index(b"kB", at)]) > 0
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError):
             return True
 
     def written(self, addr: int) -> bool:
         """Whether the mapping at ``addr`` holds a private copy."""
         return self._written.any(addr)
 
-    def ready(self, path: str, fd: int) -> int:
+    def ready(self, path: str, fd: int, mark: int) -> int:
         """The home of ``path`` (through ``fd``), made if new, holding none of this process's
-        copies: ready to be moved into the window."""
+        copies: ready to be moved into the window. ``mark``: :meth:`mark`, read just now."""
         addr = self._at.get(path)
         if addr is None:
             addr = self._calls.reserve(self._size)
             self._at[path] = addr
             self._clean_at[path] = self._map(addr, fd)
-        elif self._clean_at.get(path) != faults():
+        elif self._clean_at.get(path) != mark:
             self.look(path, fd)
         return addr
 
     def left(self, path: str, clean_at: int | None) -> None:
-        """``path``'s mapping came home from the window; it holds no copy as of fault count
-        ``clean_at``, or may hold some (None)."""
+        """``path``'s mapping came home from the window; it holds no copy as of :meth:`mark`
+        ``clean_at`` (read before it moved), or may hold some (None)."""
         if clean_at is None:
             self._clean_at.pop(path, None)
         else:
@@ -109,7 +146,7 @@ class Homes:
         """Map ``path``'s home anew if it holds a private copy. ``TransportError`` when it
         cannot be mapped (the home is then gone)."""
         addr = self._at[path]
-        now = faults()
+        now = self.mark()
         if self._written.any(addr):
             try:
                 now = self._map(addr, fd)
@@ -119,8 +156,8 @@ class Homes:
         self._clean_at[path] = now
 
     def _map(self, addr: int, fd: int) -> int:
-        """Map the file of ``fd`` anew at ``addr``; the fault count it holds no copy at."""
-        before = faults()
+        """Map the file of ``fd`` anew at ``addr``; the :meth:`mark` it holds no copy at."""
+        before = self.mark()
         self._calls.map(addr, self._size, SHOWN, PRIVATE_FILE, fd)
         return before
 
@@ -131,21 +168,34 @@ class Homes:
             self._calls.unmap(addr, self._size)
 
     def close(self) -> None:
-        for path in list(self._at):
-            self.drop(path)
-        self._written.close()
-        if self._status >= 0:
-            os.close(self._status)
-            self._status = -1
+        self._clean_at.clear()
+        self._let_go()  # unmaps every home, closes every descriptor (once)
+
+
+def _open_vmstat() -> int:
+    """A descriptor of ``/proc/vmstat`` where it counts locked pages, else -1."""
+    try:
+        fd = os.open("/proc/vmstat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    try:
+        if _LOCKED_PAGES in os.pread(fd, 16384, 0):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return -1
 
 
 def _let_go(
-    calls: Mappings, at: dict[str, int], size: int, written: WrittenPages, status: int
+    calls: Mappings, at: dict[str, int], size: int, written: WrittenPages, files: dict[str, int]
 ) -> None:
-    """A window dropped without ``release()``: its homes and descriptors go with it."""
+    """Homes closed, or dropped without being closed: every home and descriptor goes."""
     for addr in at.values():
         calls.unmap(addr, size)
     at.clear()
     written.close()
-    with contextlib.suppress(OSError):
-        os.close(status)
+    for fd in files.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    files.clear()

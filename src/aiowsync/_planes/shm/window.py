@@ -127,10 +127,11 @@ class SlotWindow:
                 calls.map(self.addr, self._size, SHOWN, PRIVATE_FILE, fd)
             self._faults_at_show = now
             return
-        # Before the home is made ready: a copy made meanwhile (mlock filling a mapping made
-        # anew) then counts after the mark that its move out is compared with.
+        # Before anything moves: a copy made from here on (mlock filling a home, or a
+        # mapping made anew) moves the counts past these, and is looked for.
+        mark = homes.mark()
         incoming = faults()
-        home = homes.ready(path, fd)
+        home = homes.ready(path, fd, mark)
         # Before any move, after the home was made (mlockall(MCL_FUTURE) locks it).
         if homes.locked():
             raise OSError("this process locks memory")
@@ -140,7 +141,7 @@ class SlotWindow:
             calls.move(self.addr, homes.at(shown), self._size)
             # Read after the move out: a write into the mapping before it is counted.
             now = faults()
-            homes.left(shown, now if now == self._faults_at_show else None)
+            homes.left(shown, mark if now == self._faults_at_show else None)
             if now != self._faults_at_show:
                 self._check_soon()
         self._faults_at_show = incoming
