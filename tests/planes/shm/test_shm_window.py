@@ -245,6 +245,30 @@ def test_a_home_locked_and_unlocked_at_rest_is_looked_through_before_it_is_shown
         assert torch.equal(flat, torch.full_like(flat, 3.0))
 
 
+def test_a_count_of_locked_pages_that_cannot_be_read_any_more_gives_way_to_the_fault_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with slots(2) as (a, b), window() as w:
+        homes = w._homes
+        if homes is None or not homes.counts_locked_pages:
+            pytest.skip("no moves here, or no count of locked pages")
+        w.show(a.path)
+        w.show(b.path)
+        looked: list[int] = []
+        monkeypatch.setattr(homes._written, "any", lambda addr: looked.append(addr) or False)
+        empty = os.open("/dev/null", os.O_RDONLY)
+        os.close(homes._files["vmstat"])
+        homes._files["vmstat"] = empty  # reads nothing: the count is gone
+        # Even should the fault count stand where the lost count stood, what was known clean
+        # by the lost count is looked at again.
+        stood = homes._clean_at[a.path]
+        monkeypatch.setattr(homes_module, "faults", lambda: stood)
+        monkeypatch.setattr(window_module, "faults", lambda: stood)
+        w.show(a.path)
+        assert not homes.counts_locked_pages
+        assert homes.at(a.path) in looked
+
+
 _LOCKED_WORKER = """
 import ctypes, sys, torch
 from aiowsync._planes.shm.slots import SlotFile

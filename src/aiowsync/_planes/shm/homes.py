@@ -102,8 +102,10 @@ class Homes:
                 at = stat.index(_LOCKED_PAGES) + len(_LOCKED_PAGES)
                 return int(stat[at : stat.index(b"\n", at)])
             except (OSError, ValueError):
-                # From now on the fault count, which moves more often.
+                # From now on the fault count, which moves more often; what was known clean
+                # by the other count is looked at again.
                 os.close(self._files.pop("vmstat"))
+                self._clean_at.clear()
         return faults()
 
     def locked(self) -> bool:
