@@ -269,6 +269,47 @@ def test_a_count_of_locked_pages_that_cannot_be_read_any_more_gives_way_to_the_f
         assert homes.at(a.path) in looked
 
 
+_LOOKING_WORKER = """
+import ctypes, resource, torch
+# Buffers of 64 KiB and more come from fresh mappings, as they do in a process whose heap is
+# fragmented: each one allocated costs page faults.
+assert ctypes.CDLL(None).mallopt(-3, 64 * 1024) == 1  # M_MMAP_THRESHOLD
+from aiowsync._planes.shm.slots import SlotFile
+from aiowsync._planes.shm.window import SlotWindow
+a, b = (SlotFile.create(i, 64 << 20) for i in range(2))  # 128 KiB of pagemap
+try:
+    w = SlotWindow(64 << 20)
+    w.show(a.path); w.tensor.view(torch.float32).sum(); w.show(b.path)
+    homes, fd = w._homes, w.open(a.path)
+    for _ in range(3):  # first calls: torch's own first use of these ops
+        homes.look(a.path, fd); homes.mark(); homes.locked()
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(5):
+        homes.look(a.path, fd); homes.mark(); homes.locked()
+    print(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    w.release()
+finally:
+    a.unlink(); b.unlink()
+"""
+
+
+def test_a_look_through_a_home_takes_no_page_fault_of_its_own() -> None:
+    """A look that faulted (buffers it allocated afresh) would make the mapping shown
+    meanwhile look written at the next switch, and its look would fault in turn: a look
+    after every switch, for nothing."""
+    import subprocess
+    import sys
+
+    with window() as w:
+        if w._homes is None:
+            pytest.skip("no moves here: every switch maps anew")
+    out = subprocess.run(
+        [sys.executable, "-c", _LOOKING_WORKER], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
+
+
 _LOCKED_WORKER = """
 import ctypes, sys, torch
 from aiowsync._planes.shm.slots import SlotFile

@@ -40,6 +40,8 @@ from .mapping import MAP_FIXED, MAP_NORESERVE, Mappings, WrittenPages
 __all__ = ["Homes", "faults", "moves_allowed"]
 
 _LOCKED_PAGES = b"\nunevictable_pgs_mlocked "
+_TEXT_BYTES = 16384
+"""Room for /proc/vmstat and /proc/self/status (a few KiB each)."""
 
 SHOWN = mmap.PROT_READ | mmap.PROT_WRITE
 PRIVATE_FILE = mmap.MAP_PRIVATE | MAP_NORESERVE | MAP_FIXED
@@ -70,6 +72,8 @@ class Homes:
         self._files = {"status": os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)}
         """Descriptors of /proc files read at each switch (``vmstat`` where it counts locked
         pages)."""
+        self._text = bytearray(_TEXT_BYTES)
+        """Where those files are read (allocated once: see :class:`.mapping.WrittenPages`)."""
         vmstat = _open_vmstat()
         if vmstat >= 0:
             self._files["vmstat"] = vmstat
@@ -98,9 +102,9 @@ class Homes:
         vmstat = self._files.get("vmstat")
         if vmstat is not None:
             try:
-                stat = os.pread(vmstat, 16384, 0)
-                at = stat.index(_LOCKED_PAGES) + len(_LOCKED_PAGES)
-                return int(stat[at : stat.index(b"\n", at)])
+                size = os.preadv(vmstat, [self._text], 0)
+                at = self._text.index(_LOCKED_PAGES, 0, size) + len(_LOCKED_PAGES)
+                return int(self._text[at : self._text.index(b"\n", at, size)])
             except (OSError, ValueError):
                 # From now on the fault count, which moves more often; what was known clean
                 # by the other count is looked at again.
@@ -111,9 +115,9 @@ class Homes:
     def locked(self) -> bool:
         """Whether this process holds locked memory (``VmLck`` above 0; True when unknown)."""
         try:
-            status = os.pread(self._files["status"], 8192, 0)
-            at = status.index(b"VmLck:")
-            return int(status[at + 6 : status.index(b"kB", at)]) > 0
+            size = os.preadv(self._files["status"], [self._text], 0)
+            at = self._text.index(b"VmLck:", 0, size)
+            return int(self._text[at + 6 : self._text.index(b"kB", at, size)]) > 0
         except (OSError, ValueError, KeyError):
             return True
 
@@ -181,7 +185,7 @@ def _open_vmstat() -> int:
     except OSError:
         return -1
     try:
-        if _LOCKED_PAGES in os.pread(fd, 16384, 0):
+        if _LOCKED_PAGES in os.pread(fd, _TEXT_BYTES, 0):
             return fd
     except OSError:
         pass

@@ -98,6 +98,11 @@ class WrittenPages:
         self._fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
         self._buffer = bytearray(_pages(size) // PAGE * 8)
         self._entries = torch.frombuffer(self._buffer, dtype=torch.int64)
+        # A look allocates nothing: buffers this large would come from fresh pages, and the
+        # page faults they cost would count as the worker's (see .homes).
+        self._flags = torch.empty_like(self._entries)
+        self._copies = torch.empty(self._entries.shape, dtype=torch.bool)
+        self._swapped = torch.empty_like(self._copies)
 
     def any(self, addr: int) -> bool:
         """Whether any page of the mapping at ``addr`` was written (True too when the pagemap
@@ -108,9 +113,12 @@ class WrittenPages:
             return True
         if n != len(self._buffer):
             return True
-        # Bits 63, 62 and 61 of an entry: present, swapped, the file's page (or shared).
-        flags = (self._entries >> 61) & 7
-        return bool(((flags == 4) | (flags == 2)).any())
+        # Bits 63, 62 and 61 of an entry: present, swapped, the file's page (or shared). A
+        # copy is present and not the file's, or swapped out.
+        flags = torch.bitwise_right_shift(self._entries, 61, out=self._flags).bitwise_and_(7)
+        torch.eq(flags, 4, out=self._copies)
+        torch.eq(flags, 2, out=self._swapped)
+        return bool(self._copies.logical_or_(self._swapped).any())
 
     def close(self) -> None:
         if self._fd >= 0:
