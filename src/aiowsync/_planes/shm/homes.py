@@ -132,7 +132,8 @@ class Homes:
         if addr is None:
             addr = self._calls.reserve(self._size)
             self._at[path] = addr
-            self._clean_at[path] = self._map(addr, fd)
+            self._map(addr, fd)
+            self._clean_at[path] = mark
         elif self._clean_at.get(path) != mark:
             self.look(path, fd)
         return addr
@@ -152,20 +153,19 @@ class Homes:
         """Map ``path``'s home anew if it holds a private copy. ``TransportError`` when it
         cannot be mapped (the home is then gone)."""
         addr = self._at[path]
-        now = self.mark()
+        now = self.mark()  # before the look: a copy made from here on moves it
         if self._written.any(addr):
             try:
-                now = self._map(addr, fd)
+                self._map(addr, fd)
             except TransportError:
                 self.drop(path)
                 raise
         self._clean_at[path] = now
 
-    def _map(self, addr: int, fd: int) -> int:
-        """Map the file of ``fd`` anew at ``addr``; the :meth:`mark` it holds no copy at."""
-        before = self.mark()
+    def _map(self, addr: int, fd: int) -> None:
+        """Map the file of ``fd`` anew at ``addr`` (holding no copy, as of a mark read
+        before)."""
         self._calls.map(addr, self._size, SHOWN, PRIVATE_FILE, fd)
-        return before
 
     def drop(self, path: str) -> None:
         self._clean_at.pop(path, None)
